@@ -1,0 +1,7 @@
+"""megatron-lite: Megatron-LM's data-parallel training stack, small enough to read, running anywhere."""
+
+from .distributed import Bucket, DistributedDataParallel, DistributedDataParallelConfig, ParamAndGradBuffer
+
+__version__ = "0.1.0"
+
+__all__ = ["DistributedDataParallel", "DistributedDataParallelConfig", "ParamAndGradBuffer", "Bucket"]

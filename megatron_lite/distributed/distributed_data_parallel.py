@@ -1,0 +1,227 @@
+"""Megatron-style data parallelism: gradient buffers, grad-ready hooks and bucketed collectives.
+
+Key steps of one iteration (see docs/ddp_buffer_and_buckets.md for a worked example)::
+
+    model.zero_grad_buffer()                 # main_grad := 0, buckets forget the last iteration
+    for mb in micro_batches[:-1]:
+        with model.no_sync():                # hooks only accumulate into main_grad
+            loss(mb).backward()
+    loss(micro_batches[-1]).backward()       # hooks accumulate, mark params ready; with
+                                             # overlap_grad_reduce each complete bucket's collective
+                                             # is launched right away, while backward goes on
+    model.finish_grad_sync()                 # launch what is left, wait for everything
+    optimizer.step()
+
+Buckets are launched in one fixed order (the order their gradients are expected in backward), never in
+the order they happen to complete: every rank then issues the same sequence of collectives even when
+autograd visits parameters in a rank-dependent order.
+"""
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .layout import default_bucket_size
+from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap `module` for data-parallel training with Megatron's buffer/bucket scheme.
+
+    Args:
+        module: any nn.Module, on the device its collectives run on (CPU for gloo, CUDA for NCCL).
+            Replicas must start identical (same seed, or call `broadcast_params()`).
+        config: a DistributedDataParallelConfig.
+        data_parallel_group: process group to average gradients over (default: WORLD).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: DistributedDataParallelConfig,
+        data_parallel_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(config, DistributedDataParallelConfig):
+            raise TypeError(f"config must be a DistributedDataParallelConfig, got {type(config).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                "(e.g. launch with torchrun) before wrapping the model"
+            )
+        self.module = module
+        self.ddp_config = config
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = dist.get_world_size(data_parallel_group)
+        self.data_parallel_rank = dist.get_rank(data_parallel_group)
+
+        # Megatron's rule: default size with overlap, a single bucket without (nothing to overlap).
+        bucket_size = config.bucket_size
+        if bucket_size is None:
+            bucket_size = default_bucket_size(self.data_parallel_world_size)
+        self.bucket_size = bucket_size if config.overlap_grad_reduce else None
+
+        # named_parameters() yields a tied parameter once, under its first name.
+        self.param_to_name: Dict[torch.nn.Parameter, str] = {}
+        dtype_to_params: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            self.param_to_name[param] = name
+            grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
+            dtype_to_params.setdefault((param.dtype, grad_dtype), []).append(param)
+
+        scaling = 1.0 if config.average_in_collective else 1.0 / self.data_parallel_world_size
+        self.buffers: List[ParamAndGradBuffer] = [
+            ParamAndGradBuffer(
+                config, param_dtype, grad_dtype, params, data_parallel_group,
+                self.bucket_size, self.param_to_name, scaling,
+            )
+            for (param_dtype, grad_dtype), params in dtype_to_params.items()
+        ]
+        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        for buffer in self.buffers:
+            self.param_to_bucket.update(buffer.param_to_bucket)
+
+        # Launch order: by when a bucket's last gradient is expected (its earliest-registered parameter
+        # arrives last in backward). Within one buffer this is simply bucket order.
+        registration = {p: i for i, p in enumerate(self.param_to_name)}
+        all_buckets = [b for buffer in self.buffers for b in buffer.buckets]
+        self._launch_order: List[Bucket] = sorted(
+            all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
+        )
+        self._next_to_launch = 0
+        self._grads_finalized = False
+        self.is_last_microbatch = True
+
+        self._grad_hook_handles = [
+            param.register_post_accumulate_grad_hook(self._grad_ready_hook) for param in self.param_to_name
+        ]
+
+    # ---------------------------------------------------------------- hooks and launching
+    def _grad_ready_hook(self, param: torch.nn.Parameter):
+        """Runs after autograd accumulated `param.grad`: move it into main_grad, maybe launch buckets."""
+        if self._grads_finalized:
+            raise RuntimeError(
+                f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
+                f"zero_grad_buffer() at the start of every iteration"
+            )
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)  # main_grad is a view into the buffer: only add_ into it
+            param.grad = None
+        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
+            if self.param_to_bucket[param].register_grad_ready(param):
+                self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self):
+        """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""
+        order = self._launch_order
+        while self._next_to_launch < len(order) and order[self._next_to_launch].is_ready():
+            order[self._next_to_launch].start_grad_sync()
+            self._next_to_launch += 1
+
+    # ---------------------------------------------------------------- the public protocol
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients of backward passes inside the context accumulate in main_grad; nothing is communicated."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def start_grad_sync(self):
+        """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce)."""
+        for bucket in self._launch_order[self._next_to_launch:]:
+            bucket.start_grad_sync()
+        self._next_to_launch = len(self._launch_order)
+
+    def finish_grad_sync(self):
+        """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean.
+
+        With overlap_grad_reduce, buckets still waiting for parameters mean some parameters got no
+        gradient in this iteration: an error naming them, unless `find_unused_parameters` is set, in
+        which case their (zero) contribution is communicated now.
+        """
+        if self._grads_finalized:
+            return
+        if self.ddp_config.overlap_grad_reduce:
+            pending = self._launch_order[self._next_to_launch:]
+            if pending and not self.ddp_config.find_unused_parameters:
+                raise ValueError(self._unused_parameters_message(pending))
+        self.start_grad_sync()
+        for bucket in self._launch_order:
+            bucket.finish_grad_sync()
+        self._grads_finalized = True
+        if self.ddp_config.check_for_nan_in_grad:
+            self._raise_if_any_rank_found_nonfinite()
+
+    def _unused_parameters_message(self, pending: List[Bucket]) -> str:
+        if not any(b.params_with_grad for b in self._launch_order):
+            return (
+                "finish_grad_sync() found no gradient registered for communication: the last "
+                "micro-batch's backward must run outside no_sync()"
+            )
+        missing = [
+            self.param_to_name[p] for b in pending for p in b.params_list if p not in b.params_with_grad
+        ]
+        shown = ", ".join(missing[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")
+        return (
+            f"{len(missing)} parameter(s) received no gradient in this iteration: {shown}. With "
+            f"overlap_grad_reduce their buckets can never be communicated. Either make every trainable "
+            f"parameter take part in the loss, freeze the unused ones (requires_grad=False) before "
+            f"wrapping, or set DistributedDataParallelConfig(find_unused_parameters=True)."
+        )
+
+    def _raise_if_any_rank_found_nonfinite(self):
+        # Every rank takes part, so all of them raise together instead of leaving peers in a collective.
+        device = self.buffers[0].grad_data.device
+        flags = torch.zeros(self.data_parallel_world_size, dtype=torch.float32, device=device)
+        local = [(b.bucket_id, name) for buf in self.buffers for b in buf.buckets for name in b.nonfinite_params]
+        flags[self.data_parallel_rank] = float(bool(local))
+        collectives.all_reduce_flags(flags, self.data_parallel_group)
+        bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if not bad_ranks:
+            return
+        global_rank = dist.get_rank()
+        if local:
+            where = "; ".join(f"bucket {bid}: {name}" for bid, name in local)
+            detail = f"rank {global_rank} found NaN/Inf in its local gradients before communication: {where}"
+        else:
+            detail = f"rank {global_rank}'s local gradients were finite"
+        raise RuntimeError(
+            f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {bad_ranks}; {detail}"
+        )
+
+    def zero_grad_buffer(self):
+        """Zero all main_grads and reset bucket state; call at the start of every iteration."""
+        for buffer in self.buffers:
+            buffer.reset()
+        self._next_to_launch = 0
+        self._grads_finalized = False
+
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply every main_grad by `scaling_factor`."""
+        for buffer in self.buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def broadcast_params(self):
+        """Copy every parameter from data-parallel rank 0 to the other ranks."""
+        for param in self.module.parameters():
+            collectives.broadcast(param.data, group=self.data_parallel_group)
+
+    # A Megatron checkpoint holds the bare module's keys, without a `module.` prefix.
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

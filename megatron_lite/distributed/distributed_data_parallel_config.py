@@ -1,0 +1,65 @@
+"""Configuration of the data-parallel wrapper (field names and meanings follow megatron.core)."""
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """What `DistributedDataParallel` does with gradients; validated on construction."""
+
+    grad_reduce_in_fp32: bool = False
+    """Keep gradients (main_grad) and reduce them in fp32, whatever the parameter dtype.
+    Megatron's `--accumulate-allreduce-grads-in-fp32`; implied by `--bf16` in pretrain_gpt.py."""
+
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's collective from the grad hooks as soon as the bucket is complete, so the
+    communication overlaps the rest of backward. Off: everything is reduced in `finish_grad_sync()`."""
+
+    overlap_param_gather: bool = False
+    """Defer the distributed optimizer's parameter all-gather and overlap it with the next forward.
+    Requires `use_distributed_optimizer`."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1): buckets are padded so that they split
+    into equal shards, gradients are reduce-scattered, and parameters live in a contiguous buffer."""
+
+    check_for_nan_in_grad: bool = False
+    """Check every bucket for NaN/Inf before communicating it; raise naming rank, bucket and parameter."""
+
+    bucket_size: Optional[int] = None
+    """Elements per bucket (a bucket closes at the first parameter that reaches this size). None: Megatron's
+    default, max(40M, 1M x dp) with `overlap_grad_reduce`; without overlap there is always one bucket."""
+
+    average_in_collective: bool = False
+    """Average with ReduceOp.AVG inside the collective instead of pre-scaling by 1/dp and summing."""
+
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad bucket ends to lcm(dp, 128, 2^16) instead of lcm(dp, 128) (NCCL bus bandwidth is higher for
+    message sizes divisible by large powers of two). Requires `use_distributed_optimizer`."""
+
+    find_unused_parameters: bool = False
+    """megatron-lite extension (cf. torch DDP). With `overlap_grad_reduce`, parameters that get no gradient
+    in an iteration are normally an error (their bucket could never be launched). When True they are
+    treated as having a zero local gradient: buckets still launch in order and the result is exact."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "bucket_size":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                    raise TypeError(f"bucket_size must be a positive int or None, got {value!r}")
+                if value is not None and value <= 0:
+                    raise ValueError(f"bucket_size must be a positive number of elements or None, got {value}")
+            elif not isinstance(value, bool):
+                raise TypeError(f"{f.name} must be a bool, got {value!r}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(
+                "overlap_param_gather=True requires use_distributed_optimizer=True: only the distributed "
+                "optimizer all-gathers parameters"
+            )
+        if self.pad_buckets_for_high_nccl_busbw and not self.use_distributed_optimizer:
+            raise ValueError(
+                "pad_buckets_for_high_nccl_busbw=True requires use_distributed_optimizer=True: buckets are "
+                "only padded for the distributed optimizer"
+            )

@@ -1,0 +1,136 @@
+"""Where every parameter and bucket lives in a ParamAndGradBuffer: pure functions of sizes and flags.
+
+Parameters are laid out in *reverse* registration order, which is roughly the order in which backward
+produces their gradients, so the first bucket is the first one ready to communicate::
+
+    registration order:  p0 p1 p2 p3            buffer:  | p3 p2 | p1 p0 ....pad |
+                                                          bucket 0  bucket 1
+
+Rules (megatron.core's, so the same model and config give the same offsets):
+  * a bucket closes right after the first parameter whose end reaches `bucket_size` elements from the
+    bucket start, so a parameter is never split between buckets; `bucket_size=None` means one bucket;
+  * without the distributed optimizer there is no padding at all;
+  * with it, each parameter starts at a multiple of 64 elements and each bucket end is padded to a
+    multiple of lcm(dp, 128) (lcm(dp, 128, 2^16) with `pad_buckets_for_high_nccl_busbw`), so every bucket
+    splits into `dp` equal shards;
+  * with it, a parameter marked `shared_embedding` gets a bucket of its own.
+Nothing here touches tensors, so the rules are unit-tested exhaustively without processes.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+PARAM_START_ALIGNMENT = 64
+"""Distributed optimizer: every parameter starts at a multiple of this many elements."""
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket: elements [start, end) of the buffer; `end - start` is divisible by dp when padded."""
+
+    start: int
+    end: int
+    numel_unpadded: int
+    """Elements from `start` to the end of the bucket's last parameter (excludes only end padding)."""
+    param_indices: Tuple[int, ...]
+    """Indices into the caller's parameter list, in buffer order (reverse registration order)."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    param_ranges: Tuple[Tuple[int, int, int], ...]
+    """(start, end, bucket_id) for each parameter, indexed like the caller's parameter list."""
+    buckets: Tuple[BucketLayout, ...]
+    numel: int
+    """Buffer size including all padding."""
+    numel_unpadded: int
+    """Sum of the buckets' `numel_unpadded`."""
+
+
+def default_bucket_size(data_parallel_world_size: int) -> int:
+    """Megatron's bucket size with overlap_grad_reduce: max(40M, 1M x dp) elements."""
+    return max(40_000_000, 1_000_000 * data_parallel_world_size)
+
+
+def bucket_end_divisor(data_parallel_world_size: int, pad_buckets_for_high_nccl_busbw: bool = False) -> int:
+    """Bucket ends are padded to a multiple of this (distributed optimizer only)."""
+    if pad_buckets_for_high_nccl_busbw:
+        return math.lcm(data_parallel_world_size, 128, 2**16)
+    return math.lcm(data_parallel_world_size, 128)
+
+
+def _round_up(value: int, divisor: int) -> int:
+    return -(-value // divisor) * divisor
+
+
+def compute_buffer_layout(
+    param_numels: Sequence[int],
+    *,
+    bucket_size: Optional[int],
+    data_parallel_world_size: int,
+    use_distributed_optimizer: bool,
+    pad_buckets_for_high_nccl_busbw: bool = False,
+    shared_embedding: Optional[Sequence[bool]] = None,
+) -> BufferLayout:
+    """Lay out parameters (given in registration order) in one buffer and cut it into buckets.
+
+    Args:
+        param_numels: element count of each parameter, in registration order.
+        bucket_size: elements per bucket (see module docstring); None for a single bucket.
+        data_parallel_world_size: dp, the number of shards each bucket is split into.
+        use_distributed_optimizer: enables the padding rules and shared-embedding buckets.
+        pad_buckets_for_high_nccl_busbw: pad bucket ends to lcm(dp, 128, 2^16).
+        shared_embedding: per parameter, whether it is marked `shared_embedding`.
+    Returns:
+        A BufferLayout; `param_ranges[i]` belongs to `param_numels[i]`.
+    """
+    if data_parallel_world_size < 1:
+        raise ValueError(f"data_parallel_world_size must be >= 1, got {data_parallel_world_size}")
+    if bucket_size is not None and bucket_size <= 0:
+        raise ValueError(f"bucket_size must be positive or None, got {bucket_size}")
+    if shared_embedding is None:
+        shared_embedding = [False] * len(param_numels)
+    if len(shared_embedding) != len(param_numels):
+        raise ValueError("shared_embedding must have one entry per parameter")
+    padded = use_distributed_optimizer
+    divisor = bucket_end_divisor(data_parallel_world_size, pad_buckets_for_high_nccl_busbw)
+
+    param_ranges = [None] * len(param_numels)
+    buckets = []
+    bucket_start = 0
+    bucket_params = []  # indices of the parameters in the open bucket
+
+    def close_bucket(last_param_end: int) -> int:
+        nonlocal bucket_start, bucket_params
+        end = _round_up(last_param_end, divisor) if padded else last_param_end
+        buckets.append(BucketLayout(bucket_start, end, last_param_end - bucket_start, tuple(bucket_params)))
+        bucket_start, bucket_params = end, []
+        return end
+
+    next_start = 0
+    for index in reversed(range(len(param_numels))):
+        start = _round_up(next_start, PARAM_START_ALIGNMENT) if padded else next_start
+        needs_own_bucket = padded and bool(shared_embedding[index])
+        if needs_own_bucket and bucket_params:
+            start = close_bucket(start)  # close the open bucket; this param starts the next one
+        end = start + int(param_numels[index])
+        param_ranges[index] = (start, end, len(buckets))
+        bucket_params.append(index)
+        if needs_own_bucket or (bucket_size is not None and end - bucket_start >= bucket_size):
+            next_start = close_bucket(end)
+        else:
+            next_start = end
+    if bucket_params:
+        close_bucket(next_start)
+
+    numel = buckets[-1].end if buckets else 0
+    numel_unpadded = sum(b.numel_unpadded for b in buckets)
+    assert numel_unpadded <= numel
+    assert numel == numel_unpadded or padded
+    assert not padded or numel % data_parallel_world_size == 0
+    return BufferLayout(tuple(param_ranges), tuple(buckets), numel, numel_unpadded)

@@ -1,0 +1,219 @@
+"""Contiguous parameter/gradient storage cut into buckets, and the per-bucket collective.
+
+::
+
+    grad_data  |  p3.main_grad  | p2.main_grad |  p1.main_grad  | p0.main_grad | pad |
+               |<------ bucket 0 ------------->|<------------ bucket 1 ------------>|
+               |<- shard r=0 ->|<- shard r=1 ->|<---- shard 0 ---->|<--- shard 1 --->|  (dist. optimizer)
+
+`param.main_grad` is a view into `grad_data` (only ever updated in place, never reassigned); with the
+distributed optimizer `param.data` is a view into `param_data` as well, so the optimizer can write a
+rank's shard of updated parameters straight into the buffer and all-gather it.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .layout import compute_buffer_layout
+
+
+class Bucket:
+    """A contiguous run of parameters whose gradients are communicated by one collective.
+
+    Args:
+        ddp_config: the wrapper's configuration.
+        params: the bucket's parameters, in buffer order.
+        param_data: the bucket's slice of the parameter buffer (None without the distributed optimizer).
+        grad_data: the bucket's slice of the gradient buffer.
+        offset: index of the bucket's first element in the whole buffer.
+        numel_unpadded: elements up to the end of the last parameter.
+        data_parallel_group: the group to reduce over.
+        data_parallel_world_size, data_parallel_rank: size of and rank in that group.
+        gradient_scaling_factor: applied to grad_data before the collective (1/dp unless averaging in it).
+        bucket_id: index of the bucket in its buffer (used in error messages).
+        param_to_name: parameter names for error messages.
+    """
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        params: List[torch.nn.Parameter],
+        param_data: Optional[torch.Tensor],
+        grad_data: torch.Tensor,
+        offset: int,
+        numel_unpadded: int,
+        data_parallel_group,
+        data_parallel_world_size: int,
+        data_parallel_rank: int,
+        gradient_scaling_factor: float,
+        bucket_id: int = 0,
+        param_to_name: Optional[Dict[torch.nn.Parameter, str]] = None,
+    ):
+        self.ddp_config = ddp_config
+        self.params_list = params
+        self.params = set(params)
+        self.param_data = param_data
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = data_parallel_world_size
+        self.data_parallel_rank = data_parallel_rank
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+        self.param_to_name = param_to_name or {}
+        self.reset()
+
+    def reset(self):
+        """Forget this iteration's progress (called by zero_grad_buffer)."""
+        self.params_with_grad = set()
+        self.communication_handle = None
+        self.nonfinite_params: List[str] = []
+
+    def name(self, param) -> str:
+        return self.param_to_name.get(param, f"<unnamed parameter of shape {tuple(param.shape)}>")
+
+    def register_grad_ready(self, param) -> bool:
+        """Record that `param`'s gradient is final in main_grad; returns whether the bucket is complete."""
+        assert param in self.params
+        if param in self.params_with_grad or self.communication_handle is not None:
+            raise RuntimeError(
+                f"parameter {self.name(param)} received a second gradient after it was marked ready "
+                f"(bucket {self.bucket_id}). Run backward once per micro-batch, wrap all but the last "
+                f"micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
+            )
+        self.params_with_grad.add(param)
+        return self.is_ready()
+
+    def is_ready(self) -> bool:
+        return len(self.params_with_grad) == len(self.params)
+
+    @property
+    def is_launched(self) -> bool:
+        return self.communication_handle is not None
+
+    def start_grad_sync(self):
+        """Scale and launch this bucket's all-reduce (or reduce-scatter); async with overlap_grad_reduce."""
+        assert self.communication_handle is None, "bucket communication launched twice"
+        if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(self.grad_data).all():
+            # Record, but still communicate: the other ranks are already in (or on their way to) this
+            # collective. DistributedDataParallel.finish_grad_sync raises on every rank afterwards.
+            self.nonfinite_params = [
+                self.name(p) for p in self.params_list if not torch.isfinite(p.main_grad).all()
+            ]
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
+        collective = collectives.reduce_scatter if self.ddp_config.use_distributed_optimizer else collectives.all_reduce
+        self.communication_handle = collective(
+            self.grad_data,
+            group=self.data_parallel_group,
+            average=self.ddp_config.average_in_collective,
+            async_op=self.ddp_config.overlap_grad_reduce,
+        )
+
+    def finish_grad_sync(self):
+        """Wait for the bucket's collective (launching it first if it has not been)."""
+        if self.communication_handle is None:
+            self.start_grad_sync()
+        self.communication_handle.wait()
+
+
+class ParamAndGradBuffer:
+    """All trainable parameters of one (param dtype, grad dtype) pair in one contiguous buffer.
+
+    Args:
+        ddp_config: the wrapper's configuration.
+        param_dtype, grad_dtype: dtypes of the parameters and of main_grad / grad_data.
+        params: the parameters, in registration order (laid out in reverse).
+        data_parallel_group: the group gradients are reduced over.
+        bucket_size: elements per bucket, or None for one bucket.
+        param_to_name: names used in error messages.
+        gradient_scaling_factor: applied to each bucket before its collective.
+    """
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        params: List[torch.nn.Parameter],
+        data_parallel_group,
+        bucket_size: Optional[int],
+        param_to_name: Dict[torch.nn.Parameter, str],
+        gradient_scaling_factor: float,
+    ):
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.params = list(params)
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = dist.get_world_size(data_parallel_group)
+        self.data_parallel_rank = dist.get_rank(data_parallel_group)
+
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            names = {str(p.device): param_to_name.get(p, "?") for p in self.params}
+            raise ValueError(f"all parameters must be on one device before wrapping, found {names}")
+        device = devices.pop()
+
+        layout = compute_buffer_layout(
+            [p.numel() for p in self.params],
+            bucket_size=bucket_size,
+            data_parallel_world_size=self.data_parallel_world_size,
+            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+            pad_buckets_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
+            shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
+        )
+        self.layout = layout
+        self.numel = layout.numel
+        self.numel_unpadded = layout.numel_unpadded
+        self.bucket_indices = [(b.start, b.end) for b in layout.buckets]
+
+        # Padding stays zero forever: main_grad views never cover it and the collectives only sum zeros.
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+
+        self.param_index_map = {}
+        for param, (start, end, bucket_id) in zip(self.params, layout.param_ranges):
+            self.param_index_map[param] = (start, end, bucket_id)
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+
+        self.buckets = []
+        for bucket_id, b in enumerate(layout.buckets):
+            self.buckets.append(
+                Bucket(
+                    ddp_config=ddp_config,
+                    params=[self.params[i] for i in b.param_indices],
+                    param_data=None if self.param_data is None else self.param_data[b.start:b.end],
+                    grad_data=self.grad_data[b.start:b.end],
+                    offset=b.start,
+                    numel_unpadded=b.numel_unpadded,
+                    data_parallel_group=data_parallel_group,
+                    data_parallel_world_size=self.data_parallel_world_size,
+                    data_parallel_rank=self.data_parallel_rank,
+                    gradient_scaling_factor=gradient_scaling_factor,
+                    bucket_id=bucket_id,
+                    param_to_name=param_to_name,
+                )
+            )
+        self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
+
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply all gradients in the buffer by `scaling_factor` (in place)."""
+        self.grad_data.mul_(scaling_factor)
+
+    def reset(self):
+        """Zero the gradients and forget the buckets' progress; start of an iteration."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()

@@ -1,0 +1,14 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-lite",
+    version="0.1.0",
+    description="A lean re-implementation of Megatron-LM's data-parallel training stack (CPU/gloo and CUDA/NCCL)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
+    python_requires=">=3.9",
+    # Core: torch and numpy only. Pin torch yourself where an unpinned install would pull a CUDA build.
+    install_requires=["torch>=2.1", "numpy"],
+    extras_require={"dev": ["pytest>=7", "pytest-timeout"]},
+)

@@ -1,0 +1,156 @@
+"""Golden tables for the buffer layout: megatron.core's rules, computed by hand from those rules.
+
+Each row would catch a different layout bug: forward instead of reverse order, splitting a parameter,
+closing a bucket one parameter late, padding without the distributed optimizer, the wrong alignment or
+bucket divisor, or a shared embedding sharing a bucket.
+"""
+
+import pytest
+
+from megatron_lite.distributed.layout import (
+    bucket_end_divisor,
+    compute_buffer_layout,
+    default_bucket_size,
+)
+
+# (numels in registration order, kwargs) -> (param_ranges per param, bucket (start, end, numel_unpadded), numel)
+GOLDEN = [
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=None, data_parallel_world_size=2, use_distributed_optimizer=False),
+        [(50, 60, 0), (30, 50, 0), (0, 30, 0)], [(0, 60, 60)], 60, id="one-bucket-reverse-order",
+    ),
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=25, data_parallel_world_size=2, use_distributed_optimizer=False),
+        [(50, 60, 1), (30, 50, 1), (0, 30, 0)], [(0, 30, 30), (30, 60, 30)], 60, id="close-when-reaching-size",
+    ),
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=30, data_parallel_world_size=2, use_distributed_optimizer=False),
+        [(50, 60, 1), (30, 50, 1), (0, 30, 0)], [(0, 30, 30), (30, 60, 30)], 60, id="exactly-bucket-size-closes",
+    ),
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=31, data_parallel_world_size=2, use_distributed_optimizer=False),
+        [(50, 60, 1), (30, 50, 0), (0, 30, 0)], [(0, 50, 50), (50, 60, 10)], 60, id="one-short-stays-open",
+    ),
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=1, data_parallel_world_size=4, use_distributed_optimizer=False),
+        [(50, 60, 2), (30, 50, 1), (0, 30, 0)], [(0, 30, 30), (30, 50, 20), (50, 60, 10)], 60,
+        id="one-param-per-bucket",
+    ),
+    pytest.param(
+        [5, 1000, 7], dict(bucket_size=100, data_parallel_world_size=2, use_distributed_optimizer=False),
+        [(1007, 1012, 1), (7, 1007, 0), (0, 7, 0)], [(0, 1007, 1007), (1007, 1012, 5)], 1012,
+        id="param-larger-than-bucket",
+    ),
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=None, data_parallel_world_size=2, use_distributed_optimizer=True),
+        [(128, 138, 0), (64, 84, 0), (0, 30, 0)], [(0, 256, 138)], 256, id="distopt-align-64-pad-128",
+    ),
+    pytest.param(
+        [10, 20, 30], dict(bucket_size=25, data_parallel_world_size=4, use_distributed_optimizer=True),
+        [(192, 202, 1), (128, 148, 1), (0, 30, 0)], [(0, 128, 30), (128, 256, 74)], 256,
+        id="distopt-buckets-dp4",
+    ),
+    pytest.param(
+        [100], dict(bucket_size=None, data_parallel_world_size=3, use_distributed_optimizer=True),
+        [(0, 100, 0)], [(0, 384, 100)], 384, id="distopt-dp3-lcm-384",
+    ),
+    pytest.param(
+        [130, 64], dict(bucket_size=None, data_parallel_world_size=1, use_distributed_optimizer=True),
+        [(64, 194, 0), (0, 64, 0)], [(0, 256, 194)], 256, id="distopt-dp1-aligned-start-kept",
+    ),
+    pytest.param(
+        [10, 20], dict(bucket_size=None, data_parallel_world_size=2, use_distributed_optimizer=True,
+                       pad_buckets_for_high_nccl_busbw=True),
+        [(64, 74, 0), (0, 20, 0)], [(0, 65536, 74)], 65536, id="busbw-pad-2^16",
+    ),
+    pytest.param(
+        [300, 300], dict(bucket_size=200, data_parallel_world_size=6, use_distributed_optimizer=True,
+                         pad_buckets_for_high_nccl_busbw=True),
+        [(196608, 196908, 1), (0, 300, 0)], [(0, 196608, 300), (196608, 393216, 300)], 393216,
+        id="busbw-dp6-lcm",
+    ),
+    pytest.param(
+        [50, 10, 20], dict(bucket_size=None, data_parallel_world_size=2, use_distributed_optimizer=True,
+                           shared_embedding=[True, False, False]),
+        [(128, 178, 1), (64, 74, 0), (0, 20, 0)], [(0, 128, 128), (128, 256, 50)], 256,
+        id="shared-embedding-own-bucket",
+    ),
+    pytest.param(
+        [10, 50], dict(bucket_size=None, data_parallel_world_size=2, use_distributed_optimizer=True,
+                       shared_embedding=[False, True]),
+        [(128, 138, 1), (0, 50, 0)], [(0, 128, 50), (128, 256, 10)], 256,
+        id="shared-embedding-first-in-buffer",
+    ),
+    pytest.param(
+        [50, 10, 20], dict(bucket_size=None, data_parallel_world_size=2, use_distributed_optimizer=False,
+                           shared_embedding=[True, False, False]),
+        [(30, 80, 0), (20, 30, 0), (0, 20, 0)], [(0, 80, 80)], 80, id="shared-embedding-ignored-without-distopt",
+    ),
+    pytest.param(
+        [64, 64, 64], dict(bucket_size=128, data_parallel_world_size=2, use_distributed_optimizer=True),
+        [(128, 192, 1), (64, 128, 0), (0, 64, 0)], [(0, 128, 128), (128, 256, 64)], 256,
+        id="distopt-exact-fit-no-extra-pad",
+    ),
+]
+
+
+@pytest.mark.parametrize("numels, kwargs, ranges, buckets, numel", GOLDEN)
+def test_golden_layouts(numels, kwargs, ranges, buckets, numel):
+    layout = compute_buffer_layout(numels, **kwargs)
+    assert list(layout.param_ranges) == ranges
+    assert [(b.start, b.end, b.numel_unpadded) for b in layout.buckets] == buckets
+    assert layout.numel == numel
+    assert layout.numel_unpadded == sum(b[2] for b in buckets)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bucket_size", [None, 1, 40, 333, 5000])
+@pytest.mark.parametrize("distopt", [False, True])
+def test_layout_invariants(dp, bucket_size, distopt):
+    """Properties for a ragged model: order, no split, no overlap, padding and shard divisibility."""
+    numels = [7, 1, 300, 64, 65, 128, 4096, 3, 129, 1000]
+    layout = compute_buffer_layout(
+        numels, bucket_size=bucket_size, data_parallel_world_size=dp, use_distributed_optimizer=distopt
+    )
+    ranges = layout.param_ranges
+    # Reverse registration order, no overlap, sizes kept.
+    starts = [r[0] for r in ranges]
+    assert starts == sorted(starts, reverse=True)
+    for (start, end, _), n in zip(ranges, numels):
+        assert end - start == n
+    for i in range(len(ranges) - 1):
+        assert ranges[i + 1][1] <= ranges[i][0]
+    # Each parameter inside its bucket; buckets tile the buffer.
+    for index, (start, end, bucket_id) in enumerate(ranges):
+        b = layout.buckets[bucket_id]
+        assert b.start <= start and end <= b.start + b.numel_unpadded <= b.end
+        assert index in b.param_indices
+    assert layout.buckets[0].start == 0
+    for prev, nxt in zip(layout.buckets, layout.buckets[1:]):
+        assert prev.end == nxt.start
+    assert layout.numel == layout.buckets[-1].end
+    # A bucket closes exactly at the first parameter reaching bucket_size.
+    for b in layout.buckets[:-1]:
+        if bucket_size is not None:
+            ends = [ranges[i][1] - b.start for i in b.param_indices]
+            assert ends[-1] >= bucket_size and all(e < bucket_size for e in ends[:-1])
+    if bucket_size is None:
+        assert len(layout.buckets) == 1
+    if distopt:
+        assert all(r[0] % 64 == 0 for r in ranges)
+        assert all(b.numel % bucket_end_divisor(dp) == 0 for b in layout.buckets)
+    else:
+        assert layout.numel == layout.numel_unpadded == sum(numels)
+
+
+def test_default_bucket_size():
+    assert default_bucket_size(1) == 40_000_000
+    assert default_bucket_size(64) == 64_000_000
+    assert bucket_end_divisor(3) == 384 and bucket_end_divisor(2, True) == 65536
+
+
+def test_layout_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="bucket_size"):
+        compute_buffer_layout([1], bucket_size=0, data_parallel_world_size=1, use_distributed_optimizer=False)
+    with pytest.raises(ValueError, match="data_parallel_world_size"):
+        compute_buffer_layout([1], bucket_size=None, data_parallel_world_size=0, use_distributed_optimizer=False)
