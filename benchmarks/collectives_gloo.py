@@ -1,0 +1,123 @@
+"""Median time of the data-parallel collectives on gloo: torch's native ones vs megatron_lite's.
+
+For each flat fp32 bucket size, every iteration runs each operation once (in a rotating order, so no
+operation always goes first) between barriers; a sample is the slowest rank's time. Ratios are to the
+all-reduce of the same bucket, measured in the same run::
+
+    torchrun --nproc-per-node 2 benchmarks/collectives_gloo.py --sizes 64K 1M 4M 16M --iters 20
+    python benchmarks/collectives_gloo.py            # spawns 2 ranks itself (file:// rendezvous)
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from megatron_lite.distributed import collectives
+
+# torch 2.13 names first, older names as fallback (same choice as megatron_lite.distributed.collectives).
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '4M' -> 4194304, '1000' -> 1000 (elements)."""
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def make_ops(bucket: torch.Tensor, world: int, rank: int):
+    """name -> zero-argument callable running one operation on `bucket` (in place where it can be)."""
+    own = collectives.shard(bucket, world, rank)  # this rank's 1/world slice, a view into the bucket
+    return {
+        "all_reduce": lambda: dist.all_reduce(bucket),
+        "native reduce-scatter": lambda: reduce_scatter_single(own, bucket),
+        "lite reduce_scatter": lambda: collectives.reduce_scatter(bucket),
+        "native all-gather": lambda: all_gather_single(bucket, own),
+        "lite all_gather": lambda: collectives.all_gather(bucket),
+    }
+
+
+def check(world: int, rank: int):
+    """The timed calls must be correct, in particular with an output that aliases the input."""
+    n = 4 * world
+    bucket = torch.empty(n)
+    ops = make_ops(bucket, world, rank)
+    mine = lambda r: torch.arange(n, dtype=torch.float32) + 100 * r  # noqa: E731  rank r's input
+    reduced = collectives.shard(sum(mine(r) for r in range(world)), world, rank)
+    gathered = torch.cat([collectives.shard(mine(r), world, r) for r in range(world)])
+    for name, op in ops.items():
+        bucket.copy_(mine(rank))
+        op()
+        got, want = (bucket, gathered) if "gather" in name else (collectives.shard(bucket, world, rank), reduced)
+        assert torch.equal(got, want), f"{name} on rank {rank}: {got.tolist()} != {want.tolist()}"
+
+
+def benchmark(args, world: int, rank: int):
+    check(world, rank)
+    rows = []
+    for size in args.sizes:
+        bucket = torch.empty(size, dtype=torch.float32)
+        ops = make_ops(bucket, world, rank)
+        names = list(ops)
+        times = torch.zeros(len(names), args.iters)
+        for it in range(-args.warmup, args.iters):
+            shift = it % len(names)
+            for i in range(shift, shift + len(names)):
+                k = i % len(names)
+                bucket.fill_(1.0)  # same values every time: no overflow, no denormals
+                dist.barrier()
+                start = time.perf_counter()
+                ops[names[k]]()
+                if it >= 0:
+                    times[k, it] = time.perf_counter() - start
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
+        medians = [statistics.median(times[k].tolist()) * 1e3 for k in range(len(names))]
+        rows += [(size, name, ms, ms / medians[0]) for name, ms in zip(names, medians)]
+    if rank == 0:
+        print(f"gloo, {world} ranks, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} CPUs, "
+              f"fp32, median of {args.iters} iterations ({args.warmup} warm-up)\n")
+        print(f"| {'elements':>10} | {'operation':<22} | {'median ms':>9} | {'/ all_reduce':>12} |")
+        print(f"|{'-' * 12}|{'-' * 24}|{'-' * 11}|{'-' * 14}|")
+        for size, name, ms, ratio in rows:
+            print(f"| {size:>10} | {name:<22} | {ms:>9.2f} | {ratio:>11.2f}x |")
+
+
+def run(rank: int, args, world: int, init_method: str):
+    torch.set_num_threads(1)  # 2 cores, 2 ranks: more threads per rank only oversubscribe
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        benchmark(args, world, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=[2**16, 2**20, 2**22, 2**24],
+                        help="bucket sizes in fp32 elements, K/M suffixes allowed (default: 64K 1M 4M 16M)")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size (default: 20)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (default: 2)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn when not launched by torchrun (default: 2)")
+    args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if any(size % world for size in args.sizes):
+        parser.error(f"--sizes must be multiples of the world size ({world})")
+
+    if "RANK" in os.environ:  # launched by torchrun: one process per rank, env:// rendezvous
+        run(int(os.environ["RANK"]), args, world, "env://")
+    else:
+        with tempfile.TemporaryDirectory(prefix="collectives_gloo_") as tmp:
+            mp.spawn(run, args=(args, world, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()
