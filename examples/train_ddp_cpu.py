@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
-VOCAB, CONTEXT, SEQ_LEN, NUM_SEQUENCES = 32, 2, 64, 8192
+VOCAB, CONTEXT, SEQ_LEN, NUM_SEQUENCES = 32, 2, 32, 8192
 
 
 def parse_args():
@@ -30,8 +30,8 @@ def parse_args():
     g.add_argument("--global-batch-size", type=int, default=128,
                    help="sequences per iteration over all ranks; must be divisible by micro-batch-size x "
                         "data-parallel size (the quotient is the number of micro-batches accumulated)")
-    g.add_argument("--train-iters", type=int, default=300, help="iterations to train")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
+    g.add_argument("--train-iters", type=int, default=200, help="iterations to train")
+    g.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (constant)")
     g.add_argument("--log-interval", type=int, default=20, help="rank 0 prints a log line every this many iterations")
     g.add_argument("--seed", type=int, default=1234, help="seeds data and model, identically on every rank")
     g = p.add_argument_group("distributed (DistributedDataParallelConfig)")
@@ -78,7 +78,7 @@ def make_dataset(seed: int) -> torch.Tensor:
 class CharMLP(torch.nn.Module):
     """An n-gram MLP language model: predicts token t+1 from tokens t-CONTEXT+1 .. t. Knows nothing of DDP."""
 
-    def __init__(self, dim: int = 32, hidden: int = 256):
+    def __init__(self, dim: int = 32, hidden: int = 128):
         super().__init__()
         self.embedding = torch.nn.Embedding(VOCAB, dim)
         self.mlp = torch.nn.Sequential(

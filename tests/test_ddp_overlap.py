@@ -7,27 +7,28 @@ from distributed_helper import run_distributed
 
 
 class _Recorder:
-    """Patches the collectives the buckets call and logs launches next to grad-hook events."""
+    """Logs every bucket launch (Bucket.start_grad_sync) next to grad-hook events."""
 
     def __init__(self, ddp):
-        from megatron_lite.distributed import collectives
+        from megatron_lite.distributed import Bucket
 
         self.events = []
-        self._collectives = collectives
-        self._originals = {n: getattr(collectives, n) for n in ("all_reduce", "reduce_scatter")}
-        offsets = {b.grad_data.data_ptr(): (i, b.bucket_id) for i, buf in enumerate(ddp.buffers) for b in buf.buckets}
-        for name, original in self._originals.items():
-            def launch(bucket, *args, _original=original, **kwargs):
-                self.events.append(("launch", offsets[bucket.data_ptr()]))
-                return _original(bucket, *args, **kwargs)
-            setattr(collectives, name, launch)
+        self._original = original = Bucket.start_grad_sync
+        ids = {id(b): (i, b.bucket_id) for i, buf in enumerate(ddp.buffers) for b in buf.buckets}
+
+        def start_grad_sync(bucket):
+            self.events.append(("launch", ids[id(bucket)]))
+            return original(bucket)
+
+        Bucket.start_grad_sync = start_grad_sync
         # Registered after DDP's own hooks, so each runs right after DDP has handled that gradient.
         for name, p in ddp.module.named_parameters():
             p.register_post_accumulate_grad_hook(lambda _p, _n=name: self.events.append(("grad", _n)))
 
     def restore(self):
-        for name, original in self._originals.items():
-            setattr(self._collectives, name, original)
+        from megatron_lite.distributed import Bucket
+
+        Bucket.start_grad_sync = self._original
 
     def launches(self):
         return [e[1] for e in self.events if e[0] == "launch"]
