@@ -112,12 +112,15 @@ class DistributedDataParallel(torch.nn.Module):
                 f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
                 f"zero_grad_buffer() at the start of every iteration"
             )
+        bucket = self.param_to_bucket[param]
+        report_ready = self.ddp_config.overlap_grad_reduce and self.is_last_microbatch
+        if report_ready:
+            bucket.check_accepts_grad(param)  # before touching main_grad: it may be in flight
         if param.grad is not None:
             param.main_grad.add_(param.grad)  # main_grad is a view into the buffer: only add_ into it
             param.grad = None
-        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
-            if self.param_to_bucket[param].register_grad_ready(param):
-                self._launch_ready_buckets()
+        if report_ready and bucket.register_grad_ready(param):
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self):
         """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""

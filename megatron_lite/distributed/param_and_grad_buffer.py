@@ -77,15 +77,19 @@ class Bucket:
     def name(self, param) -> str:
         return self.param_to_name.get(param, f"<unnamed parameter of shape {tuple(param.shape)}>")
 
-    def register_grad_ready(self, param) -> bool:
-        """Record that `param`'s gradient is final in main_grad; returns whether the bucket is complete."""
-        assert param in self.params
+    def check_accepts_grad(self, param):
+        """Raise if `param` already reported this iteration (its grad would miss the collective)."""
         if param in self.params_with_grad or self.communication_handle is not None:
             raise RuntimeError(
                 f"parameter {self.name(param)} received a second gradient after it was marked ready "
                 f"(bucket {self.bucket_id}). Run backward once per micro-batch, wrap all but the last "
                 f"micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
             )
+
+    def register_grad_ready(self, param) -> bool:
+        """Record that `param`'s gradient is final in main_grad; returns whether the bucket is complete."""
+        assert param in self.params
+        self.check_accepts_grad(param)
         self.params_with_grad.add(param)
         return self.is_ready()
 
