@@ -1,0 +1,127 @@
+"""Single-process checks of the wrapper's structure: buffers, views, attribute names, config validation."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megatron_lite import Bucket, DistributedDataParallel, DistributedDataParallelConfig, ParamAndGradBuffer
+from megatron_lite.distributed.layout import compute_buffer_layout
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Linear(8, 8).to(torch.bfloat16)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter, registered once
+        self.embed.weight.shared_embedding = True
+
+    def forward(self, idx):
+        h = self.frozen(self.embed(idx))
+        h = self.body(h.to(torch.bfloat16)).float()
+        return self.head(h)
+
+
+def test_buffers_per_dtype_views_and_names(single_rank_group):
+    model = Mixed()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(use_distributed_optimizer=True))
+    # One buffer per (param dtype, grad dtype), in first-seen order; frozen params excluded.
+    assert [(b.param_dtype, b.grad_dtype) for b in ddp.buffers] == [
+        (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)
+    ]
+    fp32, bf16 = ddp.buffers
+    assert isinstance(fp32, ParamAndGradBuffer) and all(isinstance(b, Bucket) for b in fp32.buckets)
+    assert set(fp32.param_index_map) == {model.embed.weight}
+    assert set(bf16.param_index_map) == {model.body.weight, model.body.bias}
+    assert not hasattr(model.frozen.weight, "main_grad")
+    # The same layout the pure function computes; the shared embedding has its own bucket.
+    layout = compute_buffer_layout([p.numel() for p in bf16.params], bucket_size=None,
+                                   data_parallel_world_size=1, use_distributed_optimizer=True)
+    assert [bf16.param_index_map[p] for p in bf16.params] == list(layout.param_ranges)
+    assert (bf16.numel, bf16.numel_unpadded) == (layout.numel, layout.numel_unpadded)
+    for buffer in ddp.buffers:
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            # main_grad and param.data are views into the buffers, at the recorded offsets.
+            assert param.main_grad.data_ptr() == buffer.grad_data[start:].data_ptr()
+            assert param.data.data_ptr() == buffer.param_data[start:].data_ptr()
+            bucket = buffer.buckets[bucket_id]
+            assert any(p is param for p in bucket.params_list)
+            assert bucket.offset <= start and end <= bucket.offset + bucket.numel_unpadded
+            assert bucket.grad_data.data_ptr() == buffer.grad_data[bucket.offset:].data_ptr()
+            assert bucket.param_data.data_ptr() == buffer.param_data[bucket.offset:].data_ptr()
+    # Values preserved when parameters moved into the buffer.
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n])
+    # state_dict without a `module.` prefix, loadable into the bare model.
+    assert set(ddp.state_dict()) == set(Mixed().state_dict())
+    ddp.load_state_dict(Mixed().state_dict())
+
+
+def test_no_param_buffer_without_distributed_optimizer(single_rank_group):
+    model = nn.Linear(4, 4)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig())
+    assert ddp.buffers[0].param_data is None and ddp.buffers[0].buckets[0].param_data is None
+    assert ddp.buffers[0].numel == ddp.buffers[0].numel_unpadded == 20
+
+
+def test_bucket_size_resolution(single_rank_group):
+    """Megatron: default 40M elements with overlap, one bucket (None) without overlap."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    assert DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True)).bucket_size == 40_000_000
+    assert DistributedDataParallel(model, DistributedDataParallelConfig(bucket_size=10)).bucket_size is None
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=72))
+    assert len(ddp.buffers[0].buckets) == 4
+
+
+def test_wrapper_runs_a_step_in_one_process(single_rank_group):
+    """World size 1: main_grad equals the plain gradient, and scale_gradients scales it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=16))
+    x = torch.randn(5, 4)
+    ddp.zero_grad_buffer()
+    ddp(x).sum().backward()
+    ddp.finish_grad_sync()
+    reference(x).sum().backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert p.grad is None and torch.equal(p.main_grad, r.grad)
+    ddp.scale_gradients(0.5)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.main_grad, r.grad * 0.5)
+    ddp.broadcast_params()  # world size 1: a no-op that must not fail
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, field",
+    [
+        (dict(bucket_size=0), ValueError, "bucket_size"),
+        (dict(bucket_size=-5), ValueError, "bucket_size"),
+        (dict(bucket_size=1.5), TypeError, "bucket_size"),
+        (dict(bucket_size=True), TypeError, "bucket_size"),
+        (dict(overlap_param_gather=True), ValueError, "overlap_param_gather"),
+        (dict(pad_buckets_for_high_nccl_busbw=True), ValueError, "pad_buckets_for_high_nccl_busbw"),
+        (dict(overlap_grad_reduce="yes"), TypeError, "overlap_grad_reduce"),
+        (dict(grad_reduce_in_fp32=1), TypeError, "grad_reduce_in_fp32"),
+    ],
+)
+def test_config_validation(kwargs, error, field):
+    with pytest.raises(error, match=field):
+        DistributedDataParallelConfig(**kwargs)
+
+
+def test_config_valid_combinations():
+    DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True,
+                                  pad_buckets_for_high_nccl_busbw=True, bucket_size=1)
+
+
+def test_wrapper_argument_errors(single_rank_group):
+    with pytest.raises(TypeError, match="config"):
+        DistributedDataParallel(nn.Linear(2, 2), {"overlap_grad_reduce": True})
+    with pytest.raises(TypeError, match="module"):
+        DistributedDataParallel("not a module", DistributedDataParallelConfig())
