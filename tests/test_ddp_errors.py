@@ -23,7 +23,7 @@ class WithUnused(nn.Module):
         return self.out(h)
 
 
-def _unused_worker(overlap, find_unused, spare_used_on_rank0):
+def _unused_worker(overlap, find_unused, spare_used_on_rank0, iterations=2):
     import copy
 
     import torch.distributed as dist
@@ -41,7 +41,7 @@ def _unused_worker(overlap, find_unused, spare_used_on_rank0):
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(dp)]
     uses = [spare_used_on_rank0 and r == 0 for r in range(dp)]
     result = {}
-    for iteration in range(2):
+    for iteration in range(iterations):
         ddp.zero_grad_buffer()
         model.use_spare = uses[rank]
         ddp(xs[rank]).pow(2).mean().backward()
@@ -68,6 +68,13 @@ def test_unused_parameter_with_overlap_is_a_clear_error_on_every_rank():
         msg = result["error"]
         assert "spare.weight" in msg and "spare.bias" in msg and "find_unused_parameters=True" in msg
         assert "fc.weight" not in msg
+
+
+def test_parameter_unused_on_one_rank_only_errors_there_without_hanging_the_other():
+    """Would catch the rank that saw every gradient hanging in a collective its peer never joined."""
+    used_rank, unused_rank = run_distributed(_unused_worker, 2, True, False, True, 1)
+    assert used_rank == {"exact": True}
+    assert "spare.weight" in unused_rank["error"]
 
 
 def test_find_unused_parameters_gives_the_exact_mean():

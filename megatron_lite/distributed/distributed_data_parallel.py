@@ -157,14 +157,19 @@ class DistributedDataParallel(torch.nn.Module):
         """
         if self._grads_finalized:
             return
+        unused_error = None
         if self.ddp_config.overlap_grad_reduce:
             pending = self._launch_order[self._next_to_launch:]
             if pending and not self.ddp_config.find_unused_parameters:
-                raise ValueError(self._unused_parameters_message(pending))
+                unused_error = self._unused_parameters_message(pending)
+        # Communicate even when about to raise: a peer that saw every gradient is already waiting in
+        # these collectives and must not hang.
         self.start_grad_sync()
         for bucket in self._launch_order:
             bucket.finish_grad_sync()
         self._grads_finalized = True
+        if unused_error:
+            raise ValueError(unused_error)
         if self.ddp_config.check_for_nan_in_grad:
             self._raise_if_any_rank_found_nonfinite()
 
@@ -187,9 +192,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _raise_if_any_rank_found_nonfinite(self):
         # Every rank takes part, so all of them raise together instead of leaving peers in a collective.
+        if not self.buffers:
+            return  # nothing trainable anywhere (same model on every rank): nothing to check
         device = self.buffers[0].grad_data.device
         flags = torch.zeros(self.data_parallel_world_size, dtype=torch.float32, device=device)
-        local = [(b.bucket_id, name) for buf in self.buffers for b in buf.buckets for name in b.nonfinite_params]
+        local = [(f"buffer {i} ({buf.grad_dtype}) bucket {b.bucket_id}", name)
+                 for i, buf in enumerate(self.buffers) for b in buf.buckets for name in b.nonfinite_params]
         flags[self.data_parallel_rank] = float(bool(local))
         collectives.all_reduce_flags(flags, self.data_parallel_group)
         bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
@@ -197,7 +205,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         global_rank = dist.get_rank()
         if local:
-            where = "; ".join(f"bucket {bid}: {name}" for bid, name in local)
+            where = "; ".join(f"{bucket}: {name}" for bucket, name in local)
             detail = f"rank {global_rank} found NaN/Inf in its local gradients before communication: {where}"
         else:
             detail = f"rank {global_rank}'s local gradients were finite"

@@ -32,7 +32,9 @@ class BucketLayout:
     start: int
     end: int
     numel_unpadded: int
-    """Elements from `start` to the end of the bucket's last parameter (excludes only end padding)."""
+    """Elements from `start` to the end of the bucket's last parameter, i.e. without the end padding
+    (megatron.core's definition; a bucket closed early for a shared embedding also counts the 64-element
+    alignment gap before that embedding's start)."""
     param_indices: Tuple[int, ...]
     """Indices into the caller's parameter list, in buffer order (reverse registration order)."""
 
