@@ -2,7 +2,7 @@
 
 For each flat fp32 bucket size, every iteration runs each operation once (in a rotating order, so no
 operation always goes first) between barriers; a sample is the slowest rank's time. Ratios are to the
-all-reduce of the same bucket, measured in the same run::
+all-reduce of the same bucket, measured in the same run (results: docs/ddp_buffer_and_buckets.md)::
 
     torchrun --nproc-per-node 2 benchmarks/collectives_gloo.py --sizes 64K 1M 4M 16M --iters 20
     python benchmarks/collectives_gloo.py            # spawns 2 ranks itself (file:// rendezvous)
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from megatron_lite.distributed import collectives
+from megatron_lite.distributed import collectives  # noqa: E402
 
 # torch 2.13 names first, older names as fallback (same choice as megatron_lite.distributed.collectives).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,7 +50,10 @@ def check(world: int, rank: int):
     n = 4 * world
     bucket = torch.empty(n)
     ops = make_ops(bucket, world, rank)
-    mine = lambda r: torch.arange(n, dtype=torch.float32) + 100 * r  # noqa: E731  rank r's input
+
+    def mine(r):  # rank r's input
+        return torch.arange(n, dtype=torch.float32) + 100 * r
+
     reduced = collectives.shard(sum(mine(r) for r in range(world)), world, rank)
     gathered = torch.cat([collectives.shard(mine(r), world, r) for r in range(world)])
     for name, op in ops.items():
