@@ -104,6 +104,17 @@ class DistributedDataParallel(torch.nn.Module):
             param.register_post_accumulate_grad_hook(self._grad_ready_hook) for param in self.param_to_name
         ]
 
+        # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
+        self._gather_order: List[Bucket] = self._launch_order[::-1]
+        self._gather_position = {id(b): i for i, b in enumerate(self._gather_order)}
+        self._next_to_gather = len(self._gather_order)  # nothing pending
+        self._stale_buckets = set()  # ids of buckets whose updated params have not arrived yet
+        self._forward_pre_hook_handles = []
+        if config.overlap_param_gather:
+            for module in self.module.modules():
+                if any(p in self.param_to_bucket for p in module.parameters(recurse=False)):
+                    self._forward_pre_hook_handles.append(module.register_forward_pre_hook(self._param_gather_hook))
+
     # ---------------------------------------------------------------- hooks and launching
     def _grad_ready_hook(self, param: torch.nn.Parameter):
         """Runs after autograd accumulated `param.grad`: move it into main_grad, maybe launch buckets."""
@@ -213,6 +224,51 @@ class DistributedDataParallel(torch.nn.Module):
             f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {bad_ranks}; {detail}"
         )
 
+    # ---------------------------------------------------------------- parameter all-gather
+    def start_param_sync(self, force_sync: bool = False):
+        """All-gather every bucket's updated parameter shards (called by the DistributedOptimizer).
+
+        With overlap_param_gather (unless `force_sync`) nothing is sent yet: the buckets are marked stale
+        and the forward pre-hooks dispatch and wait for their gathers as forward reaches them.
+        """
+        if not self.ddp_config.use_distributed_optimizer:
+            return
+        self.finish_param_sync()
+        if self.ddp_config.overlap_param_gather and not force_sync:
+            self._stale_buckets = {id(b) for b in self._gather_order}
+            self._next_to_gather = 0
+            return
+        for bucket in self._gather_order:
+            bucket.start_param_sync(async_op=True)
+        for bucket in self._gather_order:
+            bucket.finish_param_sync()
+
+    def finish_param_sync(self):
+        """Complete all pending parameter gathers (before checkpointing, evaluation or the next step)."""
+        self._dispatch_gathers(len(self._gather_order))
+        for bucket in self._gather_order:
+            bucket.finish_param_sync()
+        self._stale_buckets.clear()
+
+    def _dispatch_gathers(self, upto: int):
+        """Dispatch pending gathers in the fixed forward order up to position `upto` (exclusive), so every
+        rank issues the same sequence whatever order its forward touches the buckets in."""
+        while self._next_to_gather < min(upto, len(self._gather_order)):
+            self._gather_order[self._next_to_gather].start_param_sync(async_op=True)
+            self._next_to_gather += 1
+
+    def _param_gather_hook(self, module, args):
+        """Forward pre-hook: wait for the gathers of this module's buckets; prefetch the next bucket."""
+        if not self._stale_buckets:
+            return
+        for param in module.parameters(recurse=False):
+            bucket = self.param_to_bucket.get(param)
+            if bucket is None or id(bucket) not in self._stale_buckets:
+                continue
+            self._dispatch_gathers(self._gather_position[id(bucket)] + 2)  # this bucket and the next
+            bucket.finish_param_sync()
+            self._stale_buckets.discard(id(bucket))
+
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
         for buffer in self.buffers:
@@ -232,7 +288,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     # A Megatron checkpoint holds the bare module's keys, without a `module.` prefix.
     def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()  # never save parameters whose all-gather is still pending
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        self.finish_param_sync()  # a pending gather must not overwrite the loaded values later
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

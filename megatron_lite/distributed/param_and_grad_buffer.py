@@ -66,6 +66,7 @@ class Bucket:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
         self.param_to_name = param_to_name or {}
+        self.param_gather_handle = None
         self.reset()
 
     def reset(self):
@@ -124,6 +125,18 @@ class Bucket:
         if self.communication_handle is None:
             self.start_grad_sync()
         self.communication_handle.wait()
+
+    def start_param_sync(self, async_op: bool):
+        """All-gather param_data: every rank's shard r comes from rank r (distributed optimizer)."""
+        assert self.param_data is not None and self.param_gather_handle is None
+        self.param_gather_handle = collectives.all_gather(self.param_data, group=self.data_parallel_group,
+                                                          async_op=async_op)
+
+    def finish_param_sync(self):
+        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
 
 
 class ParamAndGradBuffer:

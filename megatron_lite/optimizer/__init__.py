@@ -1,0 +1,96 @@
+"""Optimizers (mirrors megatron.core.optimizer): fp32, fp16/bf16 with fp32 main params, and ZeRO-1."""
+
+from typing import List
+
+import torch
+
+from .distrib_optimizer import DistributedOptimizer
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer, make_grad_scaler
+from .optimizer_config import OptimizerConfig
+
+__all__ = [
+    "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
+]
+
+
+def _get_param_groups(model_chunks, config: OptimizerConfig) -> List[dict]:
+    """Two groups, Megatron's rule: no weight decay for biases and other 1-D parameters."""
+    groups = {}
+    for chunk in model_chunks:
+        for param, name in chunk.param_to_name.items():
+            no_wd = name.endswith(".bias") or param.dim() == 1
+            wd_mult = 0.0 if no_wd else 1.0
+            group = groups.setdefault(wd_mult, {"params": [], "wd_mult": wd_mult, "lr_mult": 1.0,
+                                                "weight_decay": config.weight_decay * wd_mult})
+            group["params"].append(param)
+    return [groups[k] for k in sorted(groups, reverse=True)]
+
+
+def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
+    """NVIDIA apex's fused kernels when importable (CUDA), else torch's: fused on CUDA, foreach on CPU."""
+    apex_optimizers = None
+    if device.type == "cuda":
+        try:  # NVIDIA apex only; the unrelated PyPI package named `apex` has no `apex.optimizers`.
+            import apex.optimizers as apex_optimizers
+        except ImportError:
+            apex_optimizers = None
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+    def make(groups):
+        if config.optimizer == "adam":
+            betas = (config.adam_beta1, config.adam_beta2)
+            if apex_optimizers is not None:
+                return apex_optimizers.FusedAdam(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                                 betas=betas, eps=config.adam_eps, adam_w_mode=True)
+            return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay, betas=betas,
+                                     eps=config.adam_eps, **kernel)
+        if apex_optimizers is not None:
+            return apex_optimizers.FusedSGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                            momentum=config.sgd_momentum)
+        return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+                               momentum=config.sgd_momentum, **kernel)
+
+    return make
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOptimizer:
+    """Build the optimizer for DDP-wrapped `model_chunks` (one DistributedDataParallel or a list).
+
+    fp32 params -> FP32Optimizer; fp16/bf16 -> Float16OptimizerWithFloat16Params (fp32 main copies);
+    `config.use_distributed_optimizer` -> DistributedOptimizer (sharded main params and state).
+    """
+    from ..distributed import DistributedDataParallel
+
+    if not isinstance(config, OptimizerConfig):
+        raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
+    if isinstance(model_chunks, DistributedDataParallel):
+        model_chunks = [model_chunks]
+    model_chunks = list(model_chunks)
+    if not model_chunks or not all(isinstance(c, DistributedDataParallel) for c in model_chunks):
+        raise TypeError("model_chunks must be megatron_lite DistributedDataParallel modules (main_grad lives there)")
+    for chunk in model_chunks:
+        if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+            raise ValueError(
+                f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "
+                f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
+                f"{chunk.ddp_config.use_distributed_optimizer}: set both the same"
+            )
+        for param, name in chunk.param_to_name.items():
+            if param.dtype != config.params_dtype:
+                raise ValueError(
+                    f"parameter {name} is {param.dtype} but OptimizerConfig.params_dtype is {config.params_dtype} "
+                    f"(fp16={config.fp16}, bf16={config.bf16})"
+                )
+    groups = _get_param_groups(model_chunks, config)
+    device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+    make_inner = _inner_optimizer_factory(config, device)
+    grad_scaler = make_grad_scaler(config)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(make_inner, config, model_chunks, groups, grad_scaler)
+    if config.fp16 or config.bf16:
+        main_for = {p: torch.nn.Parameter(p.detach().float().clone()) for g in groups for p in g["params"]}
+        main_groups = [{**g, "params": [main_for[p] for p in g["params"]]} for g in groups]
+        return Float16OptimizerWithFloat16Params(make_inner(main_groups), config, model_chunks, grad_scaler, main_for)
+    return FP32Optimizer(make_inner(groups), config, model_chunks)

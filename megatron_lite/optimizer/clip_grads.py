@@ -1,0 +1,43 @@
+"""Global gradient norm, clipping and zero counting, over full gradients or over per-rank shards."""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def get_grad_norm_fp32(grads: List[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                       sharded: bool = False, device=None) -> torch.Tensor:
+    """L2 norm of all `grads` as a 0-dim fp32 tensor.
+
+    Full gradients (every rank holds all of them): computed exactly like torch.nn.utils.clip_grad_norm_
+    (per-tensor norms, then the norm of those), so the result is bitwise torch's. Sharded gradients
+    (`sharded=True`): each rank sums the squares of its shards and the sums are all-reduced over
+    `group`, so every rank gets the same global norm.
+    """
+    device = grads[0].device if grads else device
+    norms = torch._foreach_norm(grads, 2) if grads else []
+    if not sharded:
+        if not norms:
+            return torch.zeros((), device=device)
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2)
+    total_sq = torch.stack([n.float() for n in norms]).square().sum() if norms else torch.zeros((), device=device)
+    dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=group)
+    return total_sq.sqrt()
+
+
+def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: torch.Tensor):
+    """Scale `grads` in place by max_norm / (total_norm + 1e-6) when that is below 1 (torch's formula)."""
+    clip_coeff = max_norm / (total_norm + 1e-6)
+    if grads and clip_coeff.item() < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def count_zeros_fp32(grads: List[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                     sharded: bool = False, device=None) -> int:
+    """Number of zero elements in `grads` (summed over `group` when the grads are shards)."""
+    device = grads[0].device if grads else device
+    zeros = sum((g.numel() - torch.count_nonzero(g) for g in grads), torch.zeros((), dtype=torch.int64, device=device))
+    if sharded:
+        dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=group)
+    return int(zeros.item())

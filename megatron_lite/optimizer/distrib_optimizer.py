@@ -1,0 +1,163 @@
+"""ZeRO-1: each data-parallel rank keeps fp32 main params and optimizer state for its shard only.
+
+Rank r owns shard r of every bucket (buckets are padded to split evenly). A parameter may straddle a
+shard boundary; each rank then owns just the overlapping range::
+
+    bucket       | p3 .......... | p2 ...................... | pad |
+    dp=2 shards  |<---- rank 0 ---------->|<------- rank 1 -------->|
+    rank 0 main: p3[all], p2[0:k]          rank 1 main: p2[k:], (pad skipped)
+
+step(): the DDP reduce-scatter left the mean gradient of shard r in rank r's grad buffer; the shard's main
+grads are views (fp32 grads) or fp32 copies of it; norm and clipping are global (sum of squares
+all-reduced); the inner optimizer updates the main shards; they are written (cast) into the parameter
+buffer and each bucket's param_data is all-gathered, so every rank holds bitwise-identical parameters.
+With overlap_param_gather the all-gathers are dispatched by DDP's forward pre-hooks instead.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import collectives
+from .optimizer import STATE_KEYS, MegatronOptimizer
+
+
+@dataclass
+class ShardRange:
+    """The part of one model parameter that this rank owns."""
+
+    model_param: torch.nn.Parameter
+    buffer: object  # ParamAndGradBuffer
+    buffer_start: int  # [buffer_start, buffer_end) in buffer coordinates
+    buffer_end: int
+    param_start: int  # the same range in the flattened parameter
+    param_end: int
+
+
+def shard_ranges(model_chunks) -> List[ShardRange]:
+    """This rank's owned ranges of every parameter, in buffer order."""
+    ranges = []
+    for chunk in model_chunks:
+        for buffer in chunk.buffers:
+            dp, rank = buffer.data_parallel_world_size, buffer.data_parallel_rank
+            for bucket in buffer.buckets:
+                size = bucket.grad_data.numel() // dp
+                lo_shard, hi_shard = bucket.offset + rank * size, bucket.offset + (rank + 1) * size
+                for param in bucket.params_list:
+                    start, end, _ = buffer.param_index_map[param]
+                    lo, hi = max(start, lo_shard), min(end, hi_shard)
+                    if lo < hi:
+                        ranges.append(ShardRange(param, buffer, lo, hi, lo - start, hi - start))
+    return ranges
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """Sharded optimizer over DDP-wrapped chunks built with use_distributed_optimizer=True.
+
+    Args:
+        make_inner: callable(list of param-group dicts over main shards) -> inner torch optimizer.
+        config: the OptimizerConfig.
+        model_chunks: DistributedDataParallel chunks.
+        model_param_groups: param-group dicts over *model* params (weight-decay split etc.).
+        grad_scaler: loss scaler for fp16, else None.
+    """
+
+    sharded = True
+
+    def __init__(self, make_inner, config, model_chunks, model_param_groups, grad_scaler):
+        self.shards = shard_ranges(model_chunks)
+        group_of = {p: i for i, g in enumerate(model_param_groups) for p in g["params"]}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in model_param_groups]
+        self.main_of: Dict[int, torch.Tensor] = {}  # index into self.shards -> main shard
+        for i, s in enumerate(self.shards):
+            if s.model_param.dtype == torch.float32:
+                # fp32 params: the main shard *is* the param buffer slice; the update lands in place.
+                main = torch.nn.Parameter(s.buffer.param_data[s.buffer_start:s.buffer_end])
+            else:
+                main = torch.nn.Parameter(s.buffer.param_data[s.buffer_start:s.buffer_end].detach().float().clone())
+            self.main_of[i] = main
+            groups[group_of[s.model_param]]["params"].append(main)
+        super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
+
+    # ------------------------------------------------------------------ step pieces
+    def _prepare_for_step(self):
+        # Pending (overlapped) gathers of the previous step must land before new values are written.
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+
+    def _copy_model_grads_to_main_grads(self):
+        grads = []
+        for i, s in enumerate(self.shards):
+            main = self.main_of[i]
+            main.grad = s.buffer.grad_data[s.buffer_start:s.buffer_end].float()  # a view if fp32 already
+            grads.append(main.grad)
+        return grads
+
+    def _copy_main_params_to_model_params(self):
+        for i, s in enumerate(self.shards):
+            main = self.main_of[i]
+            if s.model_param.dtype != torch.float32:
+                s.buffer.param_data[s.buffer_start:s.buffer_end].copy_(main)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+
+    # ------------------------------------------------------------------ checkpointing
+    def _gather_full(self, values_of_shard) -> Dict[object, torch.Tensor]:
+        """For every buffer, a full fp32 flat tensor assembled from every rank's shards of some value."""
+        flats = {}
+        for chunk in self.model_chunks:
+            for buffer in chunk.buffers:
+                flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
+        for i, s in enumerate(self.shards):
+            value = values_of_shard(i)
+            if value is not None:
+                flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
+        for chunk in self.model_chunks:
+            for buffer in chunk.buffers:
+                flat = flats[id(buffer)]
+                for bucket in buffer.buckets:
+                    collectives.all_gather(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()],
+                                           group=buffer.data_parallel_group)
+        return flats
+
+    def _full_main_state(self):
+        keys = ["param"] + list(STATE_KEYS[self.config.optimizer])
+
+        def value(key):
+            def of(i):
+                main = self.main_of[i]
+                return main.detach() if key == "param" else self._state_of(main).get(key)
+            return of
+
+        flats = {key: self._gather_full(value(key)) for key in keys}
+        # Every shard is stepped together, so one step count (agreed over ranks) serves all params.
+        local_steps = [self._state_of(m).get("step") for m in self.main_of.values()]
+        step = torch.tensor(max([int(s.item()) for s in local_steps if s is not None] + [0]), device=self.device)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+        out = {}
+        for chunk in self.model_chunks:
+            for buffer in chunk.buffers:
+                for param, (start, end, _) in buffer.param_index_map.items():
+                    entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu() for k in keys}
+                    entry["step"] = int(step.item())
+                    out[self.param_to_name[param]] = entry
+        return out
+
+    def _load_full_main_state(self, state):
+        for i, s in enumerate(self.shards):
+            name = self.param_to_name[s.model_param]
+            entry = state[name]
+            if entry["param"].numel() != s.model_param.numel():
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(entry['param'].shape)}, "
+                                 f"model {tuple(s.model_param.shape)}")
+            main = self.main_of[i]
+
+            def part(t):
+                return t.reshape(-1)[s.param_start:s.param_end]
+
+            main.data.copy_(part(entry["param"]))
+            tensors = {k: part(entry[k]) for k in STATE_KEYS[self.config.optimizer] if k in entry}
+            self._set_state_of(main, entry.get("step"), tensors)
+        self._copy_main_params_to_model_params()

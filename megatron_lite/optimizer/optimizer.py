@@ -1,0 +1,247 @@
+"""Megatron's optimizer protocol and its two non-sharded implementations.
+
+    step():  main grads <- model main_grad      (alias for fp32; fp32 copy for fp16/bf16)
+             fp16: unscale, inf/NaN check agreed by all ranks -> skip step + back off on overflow
+             global grad norm -> clip -> inner optimizer step
+             model params <- main params         (cast; the distributed optimizer then all-gathers)
+             returns (update_successful, grad_norm, num_zeros_in_grad)
+
+The state dict is keyed by parameter *name* and holds full, unpadded fp32 tensors, so it does not depend
+on the data-parallel size, the bucket layout or which of the three optimizers wrote it.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
+from .grad_scaler import ConstantGradScaler
+from .optimizer_config import OptimizerConfig
+
+# Per-parameter optimizer state tensors that have the parameter's shape.
+STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+class MegatronOptimizer:
+    """Shared step() logic; subclasses decide what the main params are and how results reach the model.
+
+    Args:
+        optimizer: the inner torch optimizer, over the main params.
+        config: the OptimizerConfig.
+        model_chunks: the DistributedDataParallel-wrapped model chunks.
+        grad_scaler: loss scaler (fp16 only) or None.
+        main_params: per model parameter, the main tensor the inner optimizer steps (same order as
+            `model_params`); for the distributed optimizer only the rank's shards.
+        model_params: the trainable parameters, in optimizer order.
+    """
+
+    sharded = False  # whether each rank holds only a shard of the main params / grads
+
+    def __init__(self, optimizer, config: OptimizerConfig, model_chunks, grad_scaler):
+        self.optimizer = optimizer
+        self.config = config
+        self.model_chunks = model_chunks
+        self.grad_scaler = grad_scaler
+        self.data_parallel_group = model_chunks[0].data_parallel_group
+        self.param_to_name = qualified_param_names(model_chunks)
+        self.device = next(iter(self.param_to_name)).device if self.param_to_name else torch.device("cpu")
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        return torch.tensor(scale, dtype=torch.float32, device=self.device)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale()
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Drop the main params' gradients (the DDP buffers are zeroed by zero_grad_buffer())."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        for p in self.param_to_name:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        self._prepare_for_step()
+        main_grads = self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf(main_grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                for p in self._main_params():
+                    p.grad = None
+                return False, None, None
+        grad_norm = get_grad_norm_fp32(main_grads, self.data_parallel_group, self.sharded, self.device)
+        if self.config.clip_grad > 0.0:
+            clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros = count_zeros_fp32(main_grads, self.data_parallel_group, self.sharded, self.device)
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm.item(), num_zeros
+
+    def _unscale_and_check_for_inf(self, main_grads: List[torch.Tensor]) -> bool:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if main_grads:
+            inv_scale = torch.tensor(1.0 / self.grad_scaler.scale, dtype=torch.float32, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
+        # Every rank must make the same skip decision (an overflow may sit in one rank's shard only).
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+        return bool(found_inf.item() > 0)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _prepare_for_step(self):
+        pass
+
+    def _main_params(self) -> List[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _copy_model_grads_to_main_grads(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _copy_main_params_to_model_params(self):
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpointing
+    def _full_main_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Per parameter name: full fp32 'param' and full optimizer-state tensors, plus 'step'."""
+        raise NotImplementedError
+
+    def _load_full_main_state(self, state: Dict[str, Dict[str, torch.Tensor]]):
+        raise NotImplementedError
+
+    def state_dict(self):
+        """DP-size- and layout-independent state: hyperparameters, per-name fp32 tensors, loss scaler."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {
+            "optimizer": self.config.optimizer,
+            "param_groups": groups,
+            "state": self._full_main_state(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("optimizer") != self.config.optimizer:
+            raise ValueError(
+                f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is {self.config.optimizer!r}"
+            )
+        missing = set(self.param_to_name.values()) - set(state_dict["state"])
+        if missing:
+            raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
+        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError("optimizer checkpoint has a different number of param groups")
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        self._load_full_main_state(state_dict["state"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def _state_of(self, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return self.optimizer.state.get(main_param, {})
+
+    def _set_state_of(self, main_param: torch.Tensor, step, tensors: Dict[str, torch.Tensor]):
+        if not tensors:
+            return
+        state = self.optimizer.state[main_param]
+        for key, value in tensors.items():
+            state[key] = value.to(device=main_param.device, dtype=torch.float32).clone()
+        if step is not None and self.config.optimizer == "adam":
+            # torch keeps Adam's step on the CPU, except for its fused/capturable kernels.
+            on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
+            state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=main_param.device if on_device else "cpu")
+
+
+class _FullParamOptimizer(MegatronOptimizer):
+    """Every rank holds full main params; `main_for[model_param]` is the tensor the inner optimizer steps."""
+
+    main_for: Dict[torch.nn.Parameter, torch.Tensor]
+
+    def _full_main_state(self):
+        out = {}
+        for model_param, main in self.main_for.items():
+            state = self._state_of(main)
+            entry = {"param": main.detach().float().clone()}
+            entry.update({k: state[k].detach().float().clone() for k in STATE_KEYS[self.config.optimizer] if k in state})
+            entry["step"] = int(state["step"].item()) if "step" in state else 0
+            out[self.param_to_name[model_param]] = entry
+        return out
+
+    def _load_full_main_state(self, state):
+        for model_param, main in self.main_for.items():
+            entry = state[self.param_to_name[model_param]]
+            if tuple(entry["param"].shape) != tuple(main.shape):
+                raise ValueError(f"shape mismatch for {self.param_to_name[model_param]}")
+            main.data.copy_(entry["param"])
+            tensors = {k: entry[k] for k in STATE_KEYS[self.config.optimizer] if k in entry}
+            self._set_state_of(main, entry.get("step"), tensors)
+        self._copy_main_params_to_model_params()
+
+
+class FP32Optimizer(_FullParamOptimizer):
+    """fp32 params: the inner optimizer steps the model params directly, with grad = main_grad (alias)."""
+
+    def __init__(self, optimizer, config, model_chunks):
+        super().__init__(optimizer, config, model_chunks, grad_scaler=None)
+        self.main_for = {p: p for p in self._main_params()}
+
+    def _copy_model_grads_to_main_grads(self):
+        for p in self.main_for:
+            p.grad = p.main_grad
+        return [p.grad for p in self.main_for]
+
+    def _copy_main_params_to_model_params(self):
+        pass
+
+
+class Float16OptimizerWithFloat16Params(_FullParamOptimizer):
+    """fp16/bf16 params with fp32 main params (full copies) held by the inner optimizer.
+
+    Args:
+        optimizer: inner optimizer built over the fp32 main params.
+        main_for: model param -> its fp32 main param.
+    """
+
+    def __init__(self, optimizer, config, model_chunks, grad_scaler, main_for):
+        super().__init__(optimizer, config, model_chunks, grad_scaler)
+        self.main_for = main_for
+
+    def _copy_model_grads_to_main_grads(self):
+        for model_param, main in self.main_for.items():
+            main.grad = model_param.main_grad.float()
+        return [main.grad for main in self.main_for.values()]
+
+    def _copy_main_params_to_model_params(self):
+        for model_param, main in self.main_for.items():
+            model_param.data.copy_(main)
+
+
+def qualified_param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
+    """Trainable parameter -> name (prefixed by the chunk index when there are several chunks)."""
+    names = {}
+    for i, chunk in enumerate(model_chunks):
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        for param, name in chunk.param_to_name.items():
+            names[param] = prefix + name
+    return names
+
+
+def make_grad_scaler(config: OptimizerConfig):
+    if not config.fp16:
+        return None
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    from .grad_scaler import DynamicGradScaler
+
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+        growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
+    )

@@ -1,0 +1,109 @@
+"""Optimizer configuration (field names and meanings follow megatron.core.optimizer.OptimizerConfig)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class OptimizerConfig:
+    """What `get_megatron_optimizer` builds; validated on construction."""
+
+    optimizer: str = "adam"
+    """'adam' (decoupled weight decay, i.e. AdamW) or 'sgd' (with momentum, coupled weight decay)."""
+
+    lr: Optional[float] = None
+    """Peak learning rate (the scheduler may change each group's 'lr')."""
+
+    min_lr: Optional[float] = None
+    """Floor of the learning-rate schedule (used by the scheduler, not by the optimizer)."""
+
+    weight_decay: float = 0.01
+    """Weight decay; biases and other 1-D parameters never get any."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+
+    adam_eps: float = 1e-08
+    """Adam's denominator epsilon."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+
+    fp16: bool = False
+    """Parameters are fp16: keep fp32 main params and use loss scaling."""
+
+    bf16: bool = False
+    """Parameters are bf16: keep fp32 main params (no loss scaling needed)."""
+
+    params_dtype: torch.dtype = torch.float32
+    """dtype of the model parameters (must agree with fp16 / bf16)."""
+
+    loss_scale: Optional[float] = None
+    """Constant loss scale for fp16; None selects dynamic loss scaling."""
+
+    initial_loss_scale: float = 2**32
+    """Dynamic loss scaling: starting scale."""
+
+    min_loss_scale: float = 1.0
+    """Dynamic loss scaling: the scale never backs off below this."""
+
+    loss_scale_window: float = 1000
+    """Dynamic loss scaling: clean steps before the scale doubles."""
+
+    hysteresis: int = 2
+    """Dynamic loss scaling: overflowing steps tolerated before the scale halves."""
+
+    use_distributed_optimizer: bool = False
+    """Shard main params and optimizer state across data-parallel ranks (needs DDP's matching flag)."""
+
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still reported)."""
+
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradient elements each step (returned by step())."""
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.lr is None or not isinstance(self.lr, (int, float)) or self.lr < 0:
+            raise ValueError(f"lr must be a non-negative number, got {self.lr!r}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
+        if not 0.0 <= self.sgd_momentum < 1.0:
+            raise ValueError(f"sgd_momentum must be in [0, 1), got {self.sgd_momentum}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are mutually exclusive")
+        expected = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+        if self.params_dtype != expected:
+            raise ValueError(
+                f"params_dtype {self.params_dtype} does not match fp16={self.fp16}, bf16={self.bf16} "
+                f"(expected {expected})"
+            )
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale must be > 0, got {self.loss_scale}")
+        if self.loss_scale is not None and not self.fp16:
+            raise ValueError("loss_scale only applies with fp16=True")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            raise ValueError("initial_loss_scale and min_loss_scale must be > 0")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(
+                f"min_loss_scale ({self.min_loss_scale}) must not exceed initial_loss_scale ({self.initial_loss_scale})"
+            )
+        if self.loss_scale_window < 1:
+            raise ValueError(f"loss_scale_window must be >= 1, got {self.loss_scale_window}")
+        if not isinstance(self.hysteresis, int) or self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
