@@ -191,7 +191,7 @@ class FP32Optimizer(_FullParamOptimizer):
 
     def __init__(self, optimizer, config, model_chunks):
         super().__init__(optimizer, config, model_chunks, grad_scaler=None)
-        self.main_for = {p: p for p in self._main_params()}
+        self.main_for = {p: p for p in self.param_to_name}  # registration order, as torch's clip_grad_norm_
 
     def _copy_model_grads_to_main_grads(self):
         for p in self.main_for:

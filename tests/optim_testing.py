@@ -1,0 +1,67 @@
+"""Training loops shared by the optimizer tests: megatron_lite on N ranks vs a single-process reference."""
+
+import copy
+
+import torch
+
+from ddp_testing import loss_fn, make_batches, make_model, reference_grads
+
+STEP_SEED = 100  # batches of step k use seed STEP_SEED + k
+
+
+def build(dp_config_kwargs, opt_config_kwargs, dtype=torch.float32, model=None):
+    from megatron_lite import (
+        DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+    )
+
+    model = model if model is not None else make_model(dtype=dtype)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(**dp_config_kwargs))
+    opt = get_megatron_optimizer(OptimizerConfig(**opt_config_kwargs), [ddp])
+    return model, ddp, opt
+
+
+def megatron_steps(ddp, opt, rank, dp, steps, micro_batches=2, first_step=0, dtype=torch.float32):
+    """Megatron's training step; returns the per-step (update_successful, grad_norm) list."""
+    out = []
+    for k in range(first_step, first_step + steps):
+        batches = make_batches(dp, micro_batches, seed=STEP_SEED + k, dtype=dtype)[rank]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for i, (x, y) in enumerate(batches):
+            if i < len(batches) - 1:
+                with ddp.no_sync():
+                    (loss_fn(ddp, x, y) / len(batches)).backward()
+            else:
+                (loss_fn(ddp, x, y) / len(batches)).backward()
+        ddp.finish_grad_sync()
+        ok, norm, _ = opt.step()
+        out.append((ok, norm))
+    return out
+
+
+def reference_steps(dp, steps, lr, weight_decay, clip_grad, micro_batches=2, dtype=torch.float32,
+                    betas=(0.9, 0.999), eps=1e-8, first_step=0, master=None, optimizer=None):
+    """torch.optim.AdamW (foreach) on fp32 master weights with torch's clip_grad_norm_; the gradients are
+    the data-parallel mean computed with the ranks' arithmetic. Returns (master model, optimizer, norms)."""
+    if master is None:
+        master = make_model(dtype=torch.float32)
+        with torch.no_grad():  # start from the (possibly rounded) low-precision initial weights
+            for p, q in zip(master.parameters(), make_model(dtype=dtype).parameters()):
+                p.copy_(q.float())
+    if optimizer is None:
+        decay = [p for n, p in master.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
+        no_decay = [p for n, p in master.named_parameters() if n.endswith(".bias") or p.dim() == 1]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=betas, eps=eps, foreach=True,
+        )
+    norms = []
+    for k in range(first_step, first_step + steps):
+        batches = make_batches(dp, micro_batches, seed=STEP_SEED + k, dtype=dtype)
+        low = copy.deepcopy(master).to(dtype)
+        grads = reference_grads(low, batches, torch.float32, average_in_collective=False)
+        for n, p in master.named_parameters():
+            p.grad = grads[n].float().clone()
+        norms.append(torch.nn.utils.clip_grad_norm_(list(master.parameters()), clip_grad, foreach=True).item())
+        optimizer.step()
+    return master, optimizer, norms

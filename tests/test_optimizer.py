@@ -1,0 +1,168 @@
+"""Optimizer stack vs torch.optim.AdamW on the global batch; sharding invariants; fp16 overflow; errors.
+
+Tolerances: fp32 params within 1e-6 relative of the reference after 5 AdamW steps (the non-sharded
+optimizer is bit-exact at dp=2: same gradients, torch's norm formula, torch's AdamW kernel; the sharded one
+sums squares per shard, so its norm, and with clipping the update, differ in the last bits). bf16 params
+with fp32 main params: main params within 1e-5 relative of an fp32-master reference that runs its forward
+and backward in bf16, model params within one bf16 rounding (2^-8 relative) of that master.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from distributed_helper import run_distributed
+
+LR, WD, CLIP, STEPS = 1e-2, 0.1, 0.05, 5
+
+
+def _configs():
+    for distopt, overlap, bucket_size in itertools.product([False, True], [False, True], [1, 100, None]):
+        for gather in ([False, True] if distopt else [False]):
+            yield dict(use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
+                       overlap_param_gather=gather, bucket_size=bucket_size)
+
+
+def _equivalence_worker(dtype_name):
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps, reference_steps
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    master, _, ref_norms = reference_steps(dp, STEPS, LR, WD, CLIP, dtype=dtype)
+    failures, worst = [], 0.0
+    for cfg in _configs():
+        model, ddp, opt = build(
+            dict(cfg, grad_reduce_in_fp32=dtype != torch.float32),
+            dict(lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=cfg["use_distributed_optimizer"],
+                 bf16=dtype == torch.bfloat16, params_dtype=dtype),
+            dtype=dtype,
+        )
+        results = megatron_steps(ddp, opt, rank, dp, STEPS, dtype=dtype)
+        ddp.finish_param_sync()
+        assert all(ok for ok, _ in results)
+        norms = [n for _, n in results]
+        assert all(n > CLIP for n in ref_norms), "clipping must be active in this test"
+        exact = dtype == torch.float32 and not cfg["use_distributed_optimizer"] and dp == 2
+        if exact and norms != ref_norms:
+            failures.append((cfg, "grad norms not bit-exact", norms, ref_norms))
+        elif not all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms)):
+            failures.append((cfg, "grad norms differ", norms, ref_norms))
+        for (name, p), q in zip(model.named_parameters(), master.parameters()):
+            if dtype == torch.float32:
+                if exact and not torch.equal(p.detach(), q.detach()):
+                    failures.append((cfg, name, "not bit-exact"))
+                rel = ((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
+                worst = max(worst, rel)
+                if rel > 1e-6:
+                    failures.append((cfg, name, rel))
+            else:
+                low = q.detach().to(dtype).float()
+                if not torch.allclose(p.detach().float(), low, rtol=2**-8, atol=1e-6):
+                    failures.append((cfg, name, "bf16 param"))
+        if dtype != torch.float32:
+            state = opt.state_dict()["state"]  # full fp32 main params, also for the sharded optimizer
+            for name, q in master.named_parameters():
+                main = state[name]["param"]
+                if not torch.allclose(main, q.detach(), rtol=1e-5, atol=1e-7):
+                    failures.append((cfg, name, "main param", (main - q.detach()).abs().max().item()))
+    assert not failures, failures[:5]
+    return worst
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_adamw_matches_single_process_reference(dp, dtype_name):
+    """Would catch a wrong shard mapping, a missing all-gather or stale gathered weights, a global norm
+    summed wrongly (per rank, or twice), clipping with the wrong coefficient, weight decay on biases,
+    and bf16 main params not carrying fp32 precision."""
+    worst = run_distributed(_equivalence_worker, dp, dtype_name)
+    assert all(w <= 1e-6 for w in worst)
+
+
+def _shard_worker(bucket_size):
+    import torch.distributed as dist
+
+    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
+    from optim_testing import build
+
+    model, ddp, opt = build(dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size),
+                            dict(lr=LR, use_distributed_optimizer=True))
+    ranges = [(ddp.param_to_name[s.model_param], s.param_start, s.param_end) for s in shard_ranges([ddp])]
+    state_numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    total = sum(p.numel() for p in model.parameters())
+    padded = sum(b.numel for b in ddp.buffers)
+    return dict(ranges=ranges, state_numel=state_numel, total=total, padded=padded,
+                rank=dist.get_rank(), dp=dist.get_world_size())
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_shards_cover_every_element_once_and_state_is_one_over_dp(dp):
+    """Would catch overlapping or missing shards (elements stepped twice or never) and unsharded state."""
+    for bucket_size in (1, 100, None):
+        results = run_distributed(_shard_worker, dp, bucket_size)
+        names = {name: 0 for r in results for name, _, _ in r["ranges"]}
+        covered = {}
+        for r in results:
+            for name, lo, hi in r["ranges"]:
+                covered.setdefault(name, []).extend(range(lo, hi))
+        total = results[0]["total"]
+        assert sum(len(v) for v in covered.values()) == total
+        for name, elements in covered.items():
+            assert sorted(elements) == list(range(len(elements))), name  # each element exactly once
+        assert len(names) == 8
+        for r in results:
+            # Each rank's main params are at most its 1/dp share of the padded buffer.
+            assert r["state_numel"] <= r["padded"] // dp
+        assert sum(r["state_numel"] for r in results) == total
+
+
+def _overflow_worker(distopt):
+    import torch.distributed as dist
+
+    from ddp_testing import loss_fn, make_batches
+    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
+    from optim_testing import build
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    model, ddp, opt = build(
+        dict(use_distributed_optimizer=distopt, grad_reduce_in_fp32=True),
+        dict(lr=LR, fp16=True, params_dtype=torch.float16, use_distributed_optimizer=distopt,
+             initial_loss_scale=2.0**8, min_loss_scale=2.0**6, hysteresis=2, loss_scale_window=2),
+        dtype=torch.float16,
+    )
+    log = []
+    x, y = make_batches(dp, 1, dtype=torch.float16)[rank][0]
+    for step in range(8):
+        before = [p.detach().clone() for p in model.parameters()]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        opt.scale_loss(loss_fn(ddp, x, y)).backward()
+        ddp.finish_grad_sync()
+        if step in (1, 2, 3, 4) and rank == dp - 1:
+            # Overflow on the last rank only, after the reduction, in a gradient it owns.
+            index = shard_ranges([ddp])[0].buffer_start if distopt else 0
+            ddp.buffers[0].grad_data[index] = float("inf")
+        scale = opt.get_loss_scale().item()
+        ok, norm, _ = opt.step()
+        unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+        log.append((ok, norm is None, unchanged, scale))
+    return log
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["full", "distributed"])
+def test_fp16_overflow_on_one_rank_skips_everywhere(distopt):
+    """Would catch ranks taking different skip decisions (divergent params / collective mismatch), an
+    update applied despite inf, and loss-scale arithmetic off by a step."""
+    logs = run_distributed(_overflow_worker, 2, distopt)
+    assert logs[0] == logs[1]
+    oks = [entry[0] for entry in logs[0]]
+    assert oks == [True, False, False, False, False, True, True, True]
+    for ok, norm_none, unchanged, _ in logs[0]:
+        assert norm_none == (not ok) and unchanged == (not ok)
+    scales = [entry[3] for entry in logs[0]]
+    # 2^8, clean; overflow #1 (hysteresis 2 -> 1, keep); #2 halves -> 2^7; #3 -> 2^6; #4 stays at the
+    # floor 2^6; then two clean steps double it (window 2) -> 2^7.
+    assert scales == [2.0**8, 2.0**8, 2.0**8, 2.0**7, 2.0**6, 2.0**6, 2.0**6, 2.0**7]
