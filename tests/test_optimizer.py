@@ -166,3 +166,44 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(distopt):
     # 2^8, clean; overflow #1 (hysteresis 2 -> 1, keep); #2 halves -> 2^7; #3 -> 2^6; #4 stays at the
     # floor 2^6; then two clean steps double it (window 2) -> 2^7.
     assert scales == [2.0**8, 2.0**8, 2.0**8, 2.0**7, 2.0**6, 2.0**6, 2.0**6, 2.0**7]
+
+
+class Scrambled(torch.nn.Module):
+    """Registration order (head, fc2, fc1) differs from forward order (fc1, fc2, head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 3)
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.fc1 = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _gather_order_worker():
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    params, saved = [], []
+    for gather in (False, True):
+        torch.manual_seed(0)
+        model, ddp, opt = build(
+            dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=gather, bucket_size=40),
+            dict(lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True), model=Scrambled(),
+        )
+        megatron_steps(ddp, opt, rank, dp, 4)
+        pending = bool(ddp._stale_buckets)
+        saved.append((pending, {k: v.clone() for k, v in ddp.state_dict().items()}))  # must force the gathers
+        params.append([p.detach().clone() for p in model.parameters()])
+    (pending_off, state_off), (pending_on, state_on) = saved
+    assert not pending_off and pending_on
+    return all(torch.equal(a, b) for a, b in zip(*params)) and all(torch.equal(state_off[k], state_on[k]) for k in state_off)
+
+
+def test_overlap_param_gather_is_never_stale_when_forward_order_differs():
+    """Would catch a forward pre-hook that dispatches/waits the wrong bucket (stale weights in forward) or
+    a checkpoint saved before the deferred gathers landed: results must equal the non-overlapped run."""
+    assert run_distributed(_gather_order_worker, 2) == [True, True]
