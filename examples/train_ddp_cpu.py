@@ -34,11 +34,12 @@ def parse_args():
     g.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (constant)")
     g.add_argument("--log-interval", type=int, default=20, help="rank 0 prints a log line every this many iterations")
     g.add_argument("--seed", type=int, default=1234, help="seeds data and model, identically on every rank")
-    g = p.add_argument_group("distributed (DistributedDataParallelConfig)")
+    g = p.add_argument_group("distributed")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo (gloo trains on CPU)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="timeout of init_process_group and of every collective")
+    g = p.add_argument_group("DistributedDataParallelConfig (Megatron's flag -> config field)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="overlap_grad_reduce: launch each bucket's all-reduce during backward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,

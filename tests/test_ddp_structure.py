@@ -125,3 +125,19 @@ def test_wrapper_argument_errors(single_rank_group):
         DistributedDataParallel(nn.Linear(2, 2), {"overlap_grad_reduce": True})
     with pytest.raises(TypeError, match="module"):
         DistributedDataParallel("not a module", DistributedDataParallelConfig())
+
+
+def test_grad_aliasing_main_grad_is_not_double_counted(single_rank_group):
+    """FP32Optimizer sets param.grad = main_grad for its step; if that alias survives into the next
+    backward, autograd accumulates into the buffer in place and the hook must not add it again."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig())
+    x = torch.randn(4, 3)
+    ddp.zero_grad_buffer()
+    for p in model.parameters():
+        p.grad = p.main_grad  # the alias, as left by an optimizer step
+    ddp(x).sum().backward()
+    expected = torch.autograd.grad(nn.functional.linear(x, model.weight, model.bias).sum(), model.weight)[0]
+    assert torch.equal(model.weight.main_grad, expected)
+    assert model.weight.grad is None

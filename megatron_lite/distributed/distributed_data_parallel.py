@@ -128,7 +128,10 @@ class DistributedDataParallel(torch.nn.Module):
         if report_ready:
             bucket.check_accepts_grad(param)  # before touching main_grad: it may be in flight
         if param.grad is not None:
-            param.main_grad.add_(param.grad)  # main_grad is a view into the buffer: only add_ into it
+            # If .grad still aliases main_grad (FP32Optimizer sets it so for the step), autograd has
+            # already accumulated into the buffer in place: adding again would double-count.
+            if param.grad.data_ptr() != param.main_grad.data_ptr():
+                param.main_grad.add_(param.grad)  # main_grad is a view into the buffer: only add_ into it
             param.grad = None
         if report_ready and bucket.register_grad_ready(param):
             self._launch_ready_buckets()
@@ -271,6 +274,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
+        for param in self.param_to_name:
+            param.grad = None  # may alias main_grad after an FP32Optimizer step
         for buffer in self.buffers:
             buffer.reset()
         self._next_to_launch = 0

@@ -101,6 +101,7 @@ class Bucket:
     def is_launched(self) -> bool:
         return self.communication_handle is not None
 
+    @torch.no_grad()
     def start_grad_sync(self):
         """Scale and launch this bucket's all-reduce (or reduce-scatter); async with overlap_grad_reduce."""
         assert self.communication_handle is None, "bucket communication launched twice"
@@ -126,6 +127,7 @@ class Bucket:
             self.start_grad_sync()
         self.communication_handle.wait()
 
+    @torch.no_grad()
     def start_param_sync(self, async_op: bool):
         """All-gather param_data: every rank's shard r comes from rank r (distributed optimizer)."""
         assert self.param_data is not None and self.param_gather_handle is None

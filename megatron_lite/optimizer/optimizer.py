@@ -19,6 +19,9 @@ from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_nor
 from .grad_scaler import ConstantGradScaler
 from .optimizer_config import OptimizerConfig
 
+# Kernel choices are the loading machine's business (e.g. foreach on CPU, fused on CUDA), not the checkpoint's.
+_NOT_SAVED_GROUP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
 # Per-parameter optimizer state tensors that have the parameter's shape.
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
@@ -118,9 +121,10 @@ class MegatronOptimizer:
     def _load_full_main_state(self, state: Dict[str, Dict[str, torch.Tensor]]):
         raise NotImplementedError
 
+    @torch.no_grad()
     def state_dict(self):
         """DP-size- and layout-independent state: hyperparameters, per-name fp32 tensors, loss scaler."""
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        groups = [{k: v for k, v in g.items() if k not in _NOT_SAVED_GROUP_KEYS} for g in self.optimizer.param_groups]
         return {
             "optimizer": self.config.optimizer,
             "param_groups": groups,
@@ -128,6 +132,7 @@ class MegatronOptimizer:
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
         }
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict):
         if state_dict.get("optimizer") != self.config.optimizer:
             raise ValueError(
