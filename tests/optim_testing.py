@@ -40,7 +40,7 @@ def megatron_steps(ddp, opt, rank, dp, steps, micro_batches=2, first_step=0, dty
 
 
 def reference_steps(dp, steps, lr, weight_decay, clip_grad, micro_batches=2, dtype=torch.float32,
-                    betas=(0.9, 0.999), eps=1e-8, first_step=0, master=None, optimizer=None):
+                    betas=(0.9, 0.999), eps=1e-8, first_step=0, master=None, optimizer=None, kind="adam"):
     """torch.optim.AdamW (foreach) on fp32 master weights with torch's clip_grad_norm_; the gradients are
     the data-parallel mean computed with the ranks' arithmetic. Returns (master model, optimizer, norms)."""
     if master is None:
@@ -51,10 +51,11 @@ def reference_steps(dp, steps, lr, weight_decay, clip_grad, micro_batches=2, dty
     if optimizer is None:
         decay = [p for n, p in master.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
         no_decay = [p for n, p in master.named_parameters() if n.endswith(".bias") or p.dim() == 1]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=betas, eps=eps, foreach=True,
-        )
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if kind == "adam":
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9, foreach=True)
     norms = []
     for k in range(first_step, first_step + steps):
         batches = make_batches(dp, micro_batches, seed=STEP_SEED + k, dtype=dtype)

@@ -207,3 +207,100 @@ def test_overlap_param_gather_is_never_stale_when_forward_order_differs():
     """Would catch a forward pre-hook that dispatches/waits the wrong bucket (stale weights in forward) or
     a checkpoint saved before the deferred gathers landed: results must equal the non-overlapped run."""
     assert run_distributed(_gather_order_worker, 2) == [True, True]
+
+
+def _sgd_and_zeros_worker():
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps, reference_steps
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    master, _, ref_norms = reference_steps(dp, 3, LR, WD, CLIP, kind="sgd")
+    out = []
+    for distopt in (False, True):
+        torch.manual_seed(0)
+        model, ddp, opt = build(dict(use_distributed_optimizer=distopt, overlap_grad_reduce=True, bucket_size=100),
+                                dict(optimizer="sgd", lr=LR, weight_decay=WD, clip_grad=CLIP,
+                                     use_distributed_optimizer=distopt, log_num_zeros_in_grad=True))
+        norms = [n for _, n in megatron_steps(ddp, opt, rank, dp, 3)]
+        rel = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(), master.parameters()))
+        # A known number of zero gradients: zero a slice of every main_grad after the reduction.
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        from ddp_testing import loss_fn, make_batches
+
+        x, y = make_batches(dp, 1)[rank][0]
+        loss_fn(ddp, x, y).backward()
+        ddp.finish_grad_sync()
+        for p in model.parameters():
+            p.main_grad.view(-1)[:2] = 0.0
+        _, _, zeros = opt.step()
+        out.append((rel, max(abs(a - b) / b for a, b in zip(norms, ref_norms)), zeros))
+    return out
+
+
+def test_sgd_matches_torch_and_zero_counting():
+    """SGD with momentum through both paths vs torch.optim.SGD; num_zeros_in_grad counts every rank's
+    shard exactly once (8 parameters x 2 zeroed elements)."""
+    for per_rank in run_distributed(_sgd_and_zeros_worker, 2):
+        for rel, norm_rel, zeros in per_rank:
+            assert rel <= 1e-6 and norm_rel <= 1e-6
+            assert zeros == 16
+
+
+def _lr_worker():
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    out = []
+    for distopt in (False, True):
+        model, ddp, opt = build(dict(use_distributed_optimizer=distopt), dict(lr=LR, use_distributed_optimizer=distopt))
+        for group in opt.param_groups:
+            group["lr"] = 0.0  # what a scheduler does
+        before = [p.detach().clone() for p in model.parameters()]
+        megatron_steps(ddp, opt, rank, dp, 1)
+        out.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]  # biases / 1-D: no decay
+    return out
+
+
+def test_param_groups_drive_the_update():
+    assert run_distributed(_lr_worker, 2) == [[True, True]] * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(lr=None), "lr"),
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=1.0, optimizer="lamb"), "optimizer"),
+        (dict(lr=1.0, min_lr=2.0), "min_lr"),
+        (dict(lr=1.0, adam_beta2=1.0), "adam_beta2"),
+        (dict(lr=1.0, fp16=True, bf16=True, params_dtype=torch.float16), "mutually exclusive"),
+        (dict(lr=1.0, bf16=True), "params_dtype"),
+        (dict(lr=1.0, loss_scale=128.0), "loss_scale"),
+        (dict(lr=1.0, fp16=True, params_dtype=torch.float16, hysteresis=0), "hysteresis"),
+        (dict(lr=1.0, clip_grad=-1.0), "clip_grad"),
+        (dict(lr=1.0, fp16=True, params_dtype=torch.float16, min_loss_scale=8.0, initial_loss_scale=4.0),
+         "min_loss_scale"),
+    ],
+)
+def test_optimizer_config_validation(kwargs, field):
+    from megatron_lite import OptimizerConfig
+
+    with pytest.raises(ValueError, match=field):
+        OptimizerConfig(**kwargs)
+
+
+def test_get_megatron_optimizer_rejects_inconsistent_setups(single_rank_group):
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 2), DistributedDataParallelConfig())
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), ddp)
+    with pytest.raises(ValueError, match="params_dtype"):
+        get_megatron_optimizer(OptimizerConfig(lr=1.0, bf16=True, params_dtype=torch.bfloat16), ddp)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        get_megatron_optimizer(OptimizerConfig(lr=1.0), torch.nn.Linear(2, 2))

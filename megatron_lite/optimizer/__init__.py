@@ -67,7 +67,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
 
     if not isinstance(config, OptimizerConfig):
         raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
-    if isinstance(model_chunks, DistributedDataParallel):
+    if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     model_chunks = list(model_chunks)
     if not model_chunks or not all(isinstance(c, DistributedDataParallel) for c in model_chunks):
