@@ -1,0 +1,59 @@
+"""Learning-rate schedule (Megatron's OptimizerParamScheduler, counted in iterations)."""
+
+import math
+
+
+class OptimizerParamScheduler:
+    """Linear warmup from 0 to `max_lr`, then constant / linear / cosine decay to `min_lr`.
+
+    Like Megatron, the scheduler is stepped after each optimizer step and sets every param group's
+    'lr' (times the group's 'lr_mult'). Iteration 0 of a warmup runs with lr 0.
+
+    Args:
+        optimizer: anything with `param_groups` (a MegatronOptimizer or a torch optimizer).
+        max_lr, min_lr: peak and floor.
+        lr_warmup_steps: iterations of linear warmup.
+        lr_decay_steps: iteration at which decay reaches min_lr (>= lr_warmup_steps).
+        lr_decay_style: 'constant', 'linear' or 'cosine'.
+    """
+
+    def __init__(self, optimizer, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style):
+        if lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {lr_decay_style!r}")
+        if lr_decay_steps < lr_warmup_steps:
+            raise ValueError(f"lr_decay_steps ({lr_decay_steps}) must be >= lr_warmup_steps ({lr_warmup_steps})")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = float(max_lr), float(min_lr)
+        self.lr_warmup_steps, self.lr_decay_steps = int(lr_warmup_steps), int(lr_decay_steps)
+        self.lr_decay_style = lr_decay_style
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        n = self.num_steps
+        if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
+            return self.max_lr * n / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_steps:
+            return self.min_lr
+        span = self.lr_decay_steps - self.lr_warmup_steps
+        ratio = (n - self.lr_warmup_steps) / span if span > 0 else 1.0
+        coeff = 1.0 - ratio if self.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1):
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    def state_dict(self):
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_steps,
+                "lr_decay_steps": self.lr_decay_steps, "lr_decay_style": self.lr_decay_style,
+                "num_steps": self.num_steps}
+
+    def load_state_dict(self, state):
+        # The schedule's shape comes from the command line; only the position is restored.
+        self.num_steps = int(state["num_steps"])
+        self.step(0)
