@@ -94,36 +94,49 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     optimizer_state = optimizer.state_dict()
     rng_states = [None] * dist.get_world_size(group)
     dist.all_gather_object(rng_states, get_rng_state(), group=group)
+    error = None
     if dist.get_rank(group) == 0:
-        os.makedirs(root, exist_ok=True)
-        payload = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "consumed_train_samples": consumed_train_samples,
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "opt_param_scheduler": scheduler.state_dict(),
-            "rng_state": rng_states,
-            "args": args or {},
-        }
-        final = checkpoint_dir(root, iteration)
-        tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
         try:
-            _write_atomically(os.path.join(tmp_dir, CHECKPOINT_FILENAME), lambda f: torch.save(payload, f))
-            old = None
-            if os.path.exists(final):  # re-saving an iteration: keep the old copy until the new one is in
-                old = f"{final}.old-{os.getpid()}"
-                os.rename(final, old)
-            os.rename(tmp_dir, final)
-            _fsync_dir(root)
-            if old:
-                shutil.rmtree(old)
-        except BaseException:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise
-        # Only now does `latest` move: a crash above leaves it pointing at the previous checkpoint.
-        _write_atomically(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(f"{iteration}\n".encode()))
-    dist.barrier(group=group)
+            _write_checkpoint(root, iteration, {
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": iteration,
+                "consumed_train_samples": consumed_train_samples,
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "opt_param_scheduler": scheduler.state_dict(),
+                "rng_state": rng_states,
+                "args": args or {},
+            })
+        except BaseException as e:  # tell the other ranks instead of leaving them waiting
+            error = e
+    status = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(status, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise RuntimeError(f"saving checkpoint {iteration} failed on rank 0: {status[0]}")
+
+
+def _write_checkpoint(root: str, iteration: int, payload: dict):
+    """Rank 0: write into a temporary directory, rename it into place, then move the tracker."""
+    os.makedirs(root, exist_ok=True)
+    final = checkpoint_dir(root, iteration)
+    tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
+    try:
+        _write_atomically(os.path.join(tmp_dir, CHECKPOINT_FILENAME), lambda f: torch.save(payload, f))
+        old = None
+        if os.path.exists(final):  # re-saving an iteration: keep the old copy until the new one is in
+            old = f"{final}.old-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp_dir, final)
+        _fsync_dir(root)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    # Only now does `latest` move: a crash above leaves it pointing at the previous checkpoint.
+    _write_atomically(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(f"{iteration}\n".encode()))
 
 
 def read_tracker(root: str) -> Optional[int]:

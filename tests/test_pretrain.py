@@ -1,0 +1,187 @@
+"""pretrain_gpt.py end to end: flags, learning on real text, exact resume, resharding, crash-safe saves."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_helper import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-warmup-iters", "2", "--log-interval", "4", "--eval-interval", "1000", "--eval-iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+def _pretrain_worker(argv):
+    import torch.distributed as dist
+
+    from megatron_lite.training import parse_args, pretrain
+
+    result = pretrain(parse_args(argv, world_size=dist.get_world_size()))
+    return result["losses"]
+
+
+def _model_state(save_dir):
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read())
+    path = os.path.join(save_dir, f"iter_{iteration:07d}", "model_optim_rng.pt")
+    return iteration, torch.load(path, weights_only=True)
+
+
+def test_loss_falls_on_real_text_with_overlap_and_distributed_optimizer(data_cache, tmp_path):
+    """Would catch a training loop that does not learn (wrong labels shift, grads not applied, data
+    shuffled into noise) with the full overlapped ZeRO-1 path on 2 ranks."""
+    argv = TINY + ["--train-iters", "40", "--overlap-grad-reduce", "--use-distributed-optimizer",
+                   "--overlap-param-gather", "--ddp-bucket-size", "20000", "--data-cache-path", data_cache,
+                   "--metrics-file", str(tmp_path / "m.jsonl")]
+    losses = run_distributed(_pretrain_worker, 2, argv)[0]
+    first = sum(losses[i] for i in range(1, 6)) / 5
+    last = sum(losses[i] for i in range(36, 41)) / 5
+    assert last < first - 1.0, (first, last)  # bytes: from ~ln(257) down by well over a nat
+    records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["lm_loss"] for r in records if "lm_loss" in r] == [losses[i] for i in range(1, 41)]
+
+
+def test_resume_is_bit_exact(data_cache, tmp_path):
+    """N straight vs N/2 + save + load + N/2: identical losses and parameters (fp32, CPU). Would catch
+    any state not checkpointed: optimizer moments or step, LR schedule, data position, RNG."""
+    common = TINY + ["--train-iters", "8", "--overlap-grad-reduce", "--use-distributed-optimizer",
+                     "--ddp-bucket-size", "20000", "--data-cache-path", data_cache, "--hidden-dropout", "0.1"]
+    straight = run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "a")])[0]
+    first = run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "b"), "--exit-interval", "4"])[0]
+    second = run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])[0]
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
+    assert [first[i] for i in range(1, 5)] + [second[i] for i in range(5, 9)] == [straight[i] for i in range(1, 9)]
+    (it_a, a), (it_b, b) = _model_state(tmp_path / "a"), _model_state(tmp_path / "b")
+    assert it_a == it_b == 8
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["optimizer"]["state"][n]["exp_avg_sq"], b["optimizer"]["state"][n]["exp_avg_sq"])
+               for n in a["optimizer"]["state"])
+
+
+def test_resume_on_a_different_number_of_ranks(data_cache, tmp_path):
+    """Saved on 2 ranks with the distributed optimizer, resumed on 1 rank without it: the same global
+    batches continue; losses agree to rounding (the gradient sums are ordered differently)."""
+    common = TINY + ["--train-iters", "8", "--data-cache-path", data_cache]
+    straight = run_distributed(_pretrain_worker, 2, common + ["--use-distributed-optimizer"])[0]
+    run_distributed(_pretrain_worker, 2, common + ["--use-distributed-optimizer", "--save", str(tmp_path / "c"),
+                                                   "--exit-interval", "4"])
+    resumed = run_distributed(_pretrain_worker, 1, common + ["--load", str(tmp_path / "c")])[0]
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for i in range(5, 9):
+        assert abs(resumed[i] - straight[i]) <= 1e-4 * straight[i], (i, resumed[i], straight[i])
+
+
+def _save_with_crash_worker(root):
+    from ddp_testing import make_model
+    from megatron_lite.training import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
+    sched = OptimizerParamScheduler(opt, 1e-3, 1e-4, 1, 10, "cosine")
+    checkpointing.save_checkpoint(root, 1, ddp, opt, sched, consumed_train_samples=8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    real_save = torch.save
+
+    def crashing_save(obj, f):
+        real_save(obj, f)
+        f.truncate(f.tell() // 2)  # half-written file, then the "crash"
+        raise OSError("disk full (simulated)")
+
+    checkpointing.torch.save = crashing_save
+    try:
+        checkpointing.save_checkpoint(root, 2, ddp, opt, sched, consumed_train_samples=16)
+    except OSError as e:
+        crashed = str(e)
+    finally:
+        checkpointing.torch.save = real_save
+    # The previous checkpoint is still the latest and loads into a fresh model.
+    fresh_model, fresh_ddp, fresh_opt = build(dict(use_distributed_optimizer=True),
+                                              dict(lr=1e-3, use_distributed_optimizer=True), model=make_model(seed=5))
+    fresh_sched = OptimizerParamScheduler(fresh_opt, 1e-3, 1e-4, 1, 10, "cosine")
+    loaded = checkpointing.load_checkpoint(root, fresh_ddp, fresh_opt, fresh_sched)
+    restored = all(torch.equal(p, q - 1.0) for p, q in zip(fresh_model.parameters(), model.parameters()))
+    return crashed, loaded["iteration"], loaded["consumed_train_samples"], restored, sorted(os.listdir(root))
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
+    """Would catch a save that writes in place (a crash destroys the only checkpoint) or moves `latest`
+    before the new checkpoint is complete."""
+    crashed, iteration, consumed, restored, listing = run_distributed(_save_with_crash_worker, 1, str(tmp_path))[0]
+    assert "simulated" in crashed
+    assert (iteration, consumed) == (1, 8) and restored
+    assert listing == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # no partial leftovers
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--global-batch-size", "10", "--micro-batch-size", "4"], "not divisible"),
+        (["--fp16", "--bf16"], "mutually exclusive"),
+        (["--overlap-param-gather"], "--use-distributed-optimizer"),
+        (["--hidden-size", "100", "--num-attention-heads", "3"], "divisible"),
+        (["--seq-length", "256", "--max-position-embeddings", "128"], "max-position-embeddings"),
+        (["--mock-data", "--data-path", "x"], "mutually exclusive"),
+        (["--lr", "1e-3", "--min-lr", "1e-2"], "min-lr"),
+        (["--loss-scale", "128"], "--fp16"),
+        (["--save-interval", "10"], "--save"),
+        (["--ddp-bucket-size", "0"], "ddp-bucket-size"),
+        (["--lr-decay-style", "exponential"], "invalid choice"),
+    ],
+)
+def test_bad_flags_fail_at_start_up(argv, message, capsys):
+    from megatron_lite.training import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_scheduler_shape():
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    class Opt:
+        param_groups = [{"lr": None}, {"lr": None, "lr_mult": 0.5}]
+
+    s = OptimizerParamScheduler(Opt, max_lr=1.0, min_lr=0.1, lr_warmup_steps=4, lr_decay_steps=14,
+                                lr_decay_style="cosine")
+    lrs = []
+    for _ in range(16):
+        lrs.append(Opt.param_groups[0]["lr"])
+        s.step()
+    assert lrs[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert abs(lrs[9] - (0.1 + 0.9 * 0.5)) < 1e-12  # half-way through the cosine
+    assert lrs[14] == pytest.approx(0.1) and lrs[15] == 0.1
+    assert Opt.param_groups[1]["lr"] == 0.05
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        OptimizerParamScheduler(Opt, 1.0, 0.1, 1, 2, "step")
+
+
+def test_cli_under_torchrun_and_flag_error(tmp_path):
+    """The README's entry point: torchrun + pretrain_gpt.py prints Megatron's log line; a bad flag exits 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+           os.path.join(REPO, "pretrain_gpt.py"), "--mock-data", "--train-iters", "4", "--log-interval", "2",
+           "--eval-interval", "4", "--eval-iters", "1", "--num-layers", "1", "--hidden-size", "32",
+           "--num-attention-heads", "2", "--seq-length", "32", "--save", str(tmp_path / "ck")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "iteration        4/       4 | consumed samples:" in out.stdout
+    assert "lm loss:" in out.stdout and "validation loss at iteration 4" in out.stdout
+    assert os.path.exists(tmp_path / "ck" / "iter_0000004" / "model_optim_rng.pt")
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--fp16", "--bf16"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert bad.returncode == 2 and "mutually exclusive" in bad.stderr
