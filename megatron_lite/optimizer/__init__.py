@@ -41,6 +41,9 @@ def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
     kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
 
     def make(groups):
+        if apex_optimizers is not None:
+            # apex's kernels index group["params"][0]; a rank's shard may leave a group empty.
+            groups = [g for g in groups if g["params"]]
         if config.optimizer == "adam":
             betas = (config.adam_beta1, config.adam_beta2)
             if apex_optimizers is not None:

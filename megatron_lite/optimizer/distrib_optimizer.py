@@ -149,7 +149,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for i, s in enumerate(self.shards):
             name = self.param_to_name[s.model_param]
             entry = state[name]
-            if entry["param"].numel() != s.model_param.numel():
+            if tuple(entry["param"].shape) != tuple(s.model_param.shape):
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(entry['param'].shape)}, "
                                  f"model {tuple(s.model_param.shape)}")
             main = self.main_of[i]

@@ -63,7 +63,8 @@ class MegatronOptimizer:
         return loss * self.get_loss_scale()
 
     def zero_grad(self, set_to_none: bool = True):
-        """Drop the main params' gradients (the DDP buffers are zeroed by zero_grad_buffer())."""
+        """Drop the main params' gradients (always set to None; the DDP buffers are zeroed by
+        zero_grad_buffer(), the argument exists for torch compatibility)."""
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -89,6 +90,8 @@ class MegatronOptimizer:
             num_zeros = count_zeros_fp32(main_grads, self.data_parallel_group, self.sharded, self.device)
         self.optimizer.step()
         self._copy_main_params_to_model_params()
+        for p in self._main_params():
+            p.grad = None  # fp32 copies of the grads (fp16/bf16 grads) are not needed any more
         return True, grad_norm.item(), num_zeros
 
     def _unscale_and_check_for_inf(self, main_grads: List[torch.Tensor]) -> bool:
@@ -141,10 +144,13 @@ class MegatronOptimizer:
         missing = set(self.param_to_name.values()) - set(state_dict["state"])
         if missing:
             raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
-        if len(state_dict["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError("optimizer checkpoint has a different number of param groups")
-        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            group.update(saved)
+        # Hyperparameters (lr, weight_decay, betas, ...) come from this run's config and scheduler; only
+        # group-level optimizer *state* is restored (apex keeps Adam's step per group).
+        saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
+        for group in self.optimizer.param_groups:
+            saved = saved_groups.get((group.get("wd_mult"), group.get("lr_mult")))
+            if saved is not None and "step" in saved:
+                group["step"] = saved["step"]
         self._load_full_main_state(state_dict["state"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -174,8 +180,9 @@ class _FullParamOptimizer(MegatronOptimizer):
         out = {}
         for model_param, main in self.main_for.items():
             state = self._state_of(main)
-            entry = {"param": main.detach().float().clone()}
-            entry.update({k: state[k].detach().float().clone() for k in STATE_KEYS[self.config.optimizer] if k in state})
+            entry = {"param": main.detach().float().cpu().clone()}
+            entry.update({k: state[k].detach().float().cpu().clone()
+                          for k in STATE_KEYS[self.config.optimizer] if k in state})
             entry["step"] = int(state["step"].item()) if "step" in state else 0
             out[self.param_to_name[model_param]] = entry
         return out

@@ -1,0 +1,203 @@
+"""Bytes per parameter and step time of the optimizer stack, with and without the distributed optimizer.
+
+One model (a stack of residual MLP blocks) is built four times on every rank: bf16 params with fp32
+grads (grad_reduce_in_fp32=True, OptimizerConfig(bf16=True)) and fp32 params, each with and without
+use_distributed_optimizer (set in both configs). No overlap, so one bucket per buffer.
+
+Memory: the real bytes of this rank's tensors after the last step: params (the DDP param buffer with the
+distributed optimizer, else the parameters themselves), grads (the DDP grad buffer), fp32 main params
+(the inner optimizer's params, unless they alias storage already counted: FP32Optimizer steps the model
+params, and the fp32 DistributedOptimizer steps views into the param buffer) and Adam's exp_avg and
+exp_avg_sq. Divided by the model's parameter count and compared with the theory for dp = d:
+bf16 params + fp32 grads 18 vs 6 + 12/d bytes per parameter, fp32 16 vs 8 + 8/d.
+
+Time: a full training step (zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step), and
+optimizer.step() alone (with the distributed optimizer it includes the parameter all-gather). Each
+repetition runs one step of every configuration, in a rotating order, between barriers; a sample is the
+slowest rank's time. Last, the distributed and non-distributed parameters are compared: same start, same
+batches, so they agree (bit-exactly while the grad norm stays below clip_grad = 1). Results and
+discussion: docs/distributed_optimizer.md::
+
+    torchrun --nproc-per-node 2 benchmarks/optimizer_memory.py
+    python benchmarks/optimizer_memory.py            # spawns 2 ranks itself (file:// rendezvous)
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from megatron_lite import (  # noqa: E402
+    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+)
+
+CONFIGS = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
+ADAM_STATE = ("exp_avg", "exp_avg_sq")
+
+
+class MLPStack(torch.nn.Module):
+    """`layers` pre-norm residual blocks, x + W2 gelu(W1 LayerNorm(x)): 8h^2 + 7h parameters each."""
+
+    def __init__(self, hidden: int, layers: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                torch.nn.Linear(4 * hidden, hidden))
+            for _ in range(layers)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def name(dtype, distributed) -> str:
+    return f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} {'distributed' if distributed else 'non-distributed'}"
+
+
+def build(dtype, distributed, args):
+    torch.manual_seed(0)  # identical replicas, and the same initial weights for every configuration
+    ddp = DistributedDataParallel(MLPStack(args.hidden, args.layers).to(dtype), DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed))
+    opt = get_megatron_optimizer(OptimizerConfig(
+        lr=1e-4, bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed), [ddp])
+    return ddp, opt
+
+
+def train_step(ddp, opt, x, y) -> float:
+    """One full training step; returns the seconds spent in optimizer.step()."""
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = (ddp(x.to(ddp.buffers[0].param_dtype)).float() - y).square().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    start = time.perf_counter()
+    opt.step()  # the distributed optimizer's parameter all-gather happens in here
+    return time.perf_counter() - start
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory(ddp, opt) -> dict:
+    """This rank's bytes of params, grads, fp32 main params and Adam state; shared storage counted once."""
+    counted = set()  # storages already counted
+
+    def new(t):
+        ptr = t.untyped_storage().data_ptr()
+        fresh = ptr not in counted
+        counted.add(ptr)
+        return fresh
+
+    params = sum(nbytes(b.param_data) for b in ddp.buffers if b.param_data is not None and new(b.param_data))
+    params += sum(nbytes(p) for p in ddp.param_to_name if new(p))  # no-op when params are buffer views
+    grads = sum(nbytes(b.grad_data) for b in ddp.buffers)
+    main = sum(nbytes(p) for g in opt.optimizer.param_groups for p in g["params"] if new(p))
+    state = sum(nbytes(s[k]) for s in opt.optimizer.state.values() for k in ADAM_STATE if k in s)
+    return dict(params=params, grads=grads, main=main, state=state)
+
+
+def theory(dtype, distributed, d) -> float:
+    """Bytes per parameter: params + grads (fp32) + fp32 main params (none for fp32) + Adam (8)."""
+    param = 2 if dtype == torch.bfloat16 else 4
+    main = 4 if dtype == torch.bfloat16 else 0
+    return param + 4 + (main + 8) / (d if distributed else 1)
+
+
+def benchmark(args, world: int, rank: int):
+    runs = [build(dtype, distributed, args) for dtype, distributed in CONFIGS]
+    numel = sum(p.numel() for p in runs[0][0].module.parameters())
+    g = torch.Generator().manual_seed(1 + rank)  # each rank its own micro-batch
+    x = torch.randn(args.micro_batch_size, args.hidden, generator=g)
+    y = torch.randn(args.micro_batch_size, args.hidden, generator=g)
+    times = torch.zeros(2, len(runs), args.steps)  # [whole step, optimizer.step()]
+    for rep in range(-args.warmup, args.steps):
+        for i in range(rep % len(runs), rep % len(runs) + len(runs)):  # rotate which configuration goes first
+            k = i % len(runs)
+            dist.barrier()
+            start = time.perf_counter()
+            step_s = train_step(*runs[k], x, y)
+            if rep >= 0:
+                times[:, k, rep] = torch.tensor([time.perf_counter() - start, step_s])
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    medians = [[statistics.median(t[k].tolist()) * 1e3 for k in range(len(runs))] for t in times]
+    mems = [None] * world
+    dist.all_gather_object(mems, [memory(ddp, opt) for ddp, opt in runs])
+    # Sanity check: same weights, same batches, same steps. Bit-exact while no clipping happens (the sharded
+    # grad norm differs in the last bits, so clipped updates would too).
+    flat = [torch.cat([p.detach().float().flatten() for p in ddp.module.parameters()]) for ddp, _ in runs]
+    drift = [(flat[k + 1] - flat[k]).abs().max().item() for k in (0, 2)]
+    if rank != 0:
+        return
+
+    mib = 2**20
+    print(f"gloo, {world} ranks, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} CPUs; MLPStack "
+          f"hidden {args.hidden} x {args.layers} layers = {numel:,} parameters; micro-batch {args.micro_batch_size}; "
+          f"Adam; median of {args.steps} steps ({args.warmup} warm-up)\n")
+    print("Memory per rank, bytes per parameter (component bytes / model parameters):\n")
+    print(f"| {'configuration':<20} | rank | params | grads | fp32 main | Adam state | total | theory | total MiB |")
+    print(f"|{'-' * 22}|------|--------|-------|-----------|------------|-------|--------|-----------|")
+    for k, (dtype, distributed) in enumerate(CONFIGS):
+        for r in range(world):
+            m = mems[r][k]
+            per = {key: value / numel for key, value in m.items()}
+            total = sum(m.values())
+            print(f"| {name(dtype, distributed):<20} | {r:>4} | {per['params']:>6.2f} | {per['grads']:>5.2f} | "
+                  f"{per['main']:>9.2f} | {per['state']:>10.2f} | {total / numel:>5.2f} | "
+                  f"{theory(dtype, distributed, world):>6.2f} | {total / mib:>9.2f} |")
+    print("\nStep time (zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step), median ms:\n")
+    print(f"| {'configuration':<20} | full step | distributed / non-distributed | optimizer.step() alone |")
+    print(f"|{'-' * 22}|-----------|-------------------------------|------------------------|")
+    (full, opt_only) = medians
+    for k, (dtype, distributed) in enumerate(CONFIGS):
+        ratio = f"{full[k] / full[k - 1]:.2f}x" if distributed else ""
+        print(f"| {name(dtype, distributed):<20} | {full[k]:>9.1f} | {ratio:>29} | {opt_only[k]:>22.1f} |")
+    print(f"\nmax |distributed - non-distributed| parameter after {args.warmup + args.steps} steps: "
+          f"bf16 {drift[0]:.2e}, fp32 {drift[1]:.2e}")
+
+
+def run(rank: int, args, world: int, init_method: str):
+    torch.set_num_threads(1)  # 2 cores, 2 ranks: more threads per rank only oversubscribe
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        benchmark(args, world, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=256, help="model width h (default: 256)")
+    parser.add_argument("--layers", type=int, default=6,
+                        help="residual MLP blocks of 8h^2 + 7h parameters (default: 6: 3,156,480 parameters at h 256)")
+    parser.add_argument("--micro-batch-size", type=int, default=32, help="rows of input per rank (default: 32)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration (default: 30)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration (default: 3)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks to spawn when not launched by torchrun (default: 2)")
+    args = parser.parse_args()
+    for flag in ("hidden", "layers", "micro_batch_size", "steps", "world_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+
+    if "RANK" in os.environ:  # launched by torchrun: one process per rank, env:// rendezvous
+        run(int(os.environ["RANK"]), args, world, "env://")
+    else:
+        with tempfile.TemporaryDirectory(prefix="optimizer_memory_") as tmp:
+            mp.spawn(run, args=(args, world, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()
