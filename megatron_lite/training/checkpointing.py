@@ -60,7 +60,9 @@ def _write_atomically(path: str, write):
 def get_rng_state() -> dict:
     state = {
         "python": random.getstate(),
-        "numpy": [torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        # numpy's MT19937 key is uint32; stored as int64 (torch serializes uint32 storages poorly).
+        "numpy": [torch.from_numpy(x.astype(np.int64)) if isinstance(x, np.ndarray) else x
+                  for x in np.random.get_state()],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -71,7 +73,7 @@ def get_rng_state() -> dict:
 def set_rng_state(state: dict):
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    np_state = [x.numpy() if isinstance(x, torch.Tensor) else x for x in state["numpy"]]
+    np_state = [x.numpy().astype(np.uint32) if isinstance(x, torch.Tensor) else x for x in state["numpy"]]
     np.random.set_state(tuple(np_state))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():

@@ -1,0 +1,227 @@
+"""A GPT decoder (pre-LayerNorm, Megatron-style init) that knows nothing about distribution.
+
+    input_ids [b, s] -> word (+ learned position) embeddings -> num_layers x TransformerLayer
+        -> final_layernorm -> output projection (tied to the word embeddings by default) -> logits [b, s, V]
+
+Parameter names follow megatron.core (`layers.0.self_attention.linear_qkv.weight`, ...). Data parallelism
+wraps this module from the outside (DistributedDataParallel), so it imports torch only.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    """Model shape and initialization; validated on construction."""
+
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Attention heads; must divide hidden_size."""
+    vocab_size: int
+    """Vocabulary size (rows of the word embedding, columns of the logits)."""
+    max_position_embeddings: int
+    """Longest sequence the model accepts (rows of the learned position embedding)."""
+    ffn_hidden_size: Optional[int] = None
+    """Width of the MLP's hidden layer; None means 4 * hidden_size."""
+    position_embedding_type: str = "learned"
+    """'learned' (absolute, added to the word embeddings) or 'rope' (rotary, applied to q and k)."""
+    rotary_base: float = 10000.0
+    """Base of the rotary frequencies: theta_i = rotary_base^(-2i / head_dim)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embeddings and on each residual branch's output."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities."""
+    init_method_std: float = 0.02
+    """Std of the normal init of all weights; output projections use std / sqrt(2 * num_layers)."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    share_embeddings_and_output_weights: bool = True
+    """The output projection reuses the word-embedding matrix (one Parameter, two uses)."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype the parameters are created in."""
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size if isinstance(self.hidden_size, int) else None
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
+                     "ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                             f"({self.num_attention_heads})")
+        if self.position_embedding_type not in ("learned", "rope"):
+            raise ValueError(
+                f"position_embedding_type must be 'learned' or 'rope', got {self.position_embedding_type!r}")
+        if self.position_embedding_type == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(
+                "position_embedding_type='rope' needs an even head dim (hidden_size / num_attention_heads)")
+        for name in ("rotary_base", "init_method_std", "layernorm_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
+            raise ValueError(f"params_dtype must be a floating-point torch.dtype, got {self.params_dtype!r}")
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [len(positions), head_dim] (fp32) for rotating pairs (i, i + head_dim/2) by positions * theta_i."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = torch.outer(positions.float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # megatron.core's non-interleaved ("rotate half") layout
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., s, head_dim] in fp32; then q_m . k_n depends on positions only through m - n."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h, dtype = config.hidden_size, config.params_dtype
+        self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.dropout = config.attention_dropout
+        self.linear_qkv = nn.Linear(h, 3 * h, dtype=dtype)  # fused q, k, v
+        self.linear_proj = nn.Linear(h, h, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.linear_qkv(x).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if rotary is not None:  # q, k, v: [b, heads, s, head_dim]
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                             is_causal=True)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        dtype = config.params_dtype
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size, dtype=dtype)
+        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h, eps, dtype = config.hidden_size, config.layernorm_epsilon, config.params_dtype
+        self.input_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
+        self.self_attention = SelfAttention(config)
+        self.pre_mlp_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary))
+        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model.
+
+    Args:
+        config: a GPTConfig.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        h, dtype = config.hidden_size, config.params_dtype
+        self.word_embeddings = nn.Embedding(config.vocab_size, h, dtype=dtype)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, dtype=dtype)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        self.final_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon, dtype=dtype)
+        # Tied: no second Parameter; forward uses word_embeddings.weight, so its grad sums both uses.
+        self.output_layer = None
+        if not config.share_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype)
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self):
+        """Megatron's init: N(0, std) weights, N(0, std / sqrt(2L)) for the residual branches' output
+        projections (keeps the residual stream's variance independent of depth), zero biases, unit LN."""
+        std = self.config.init_method_std
+        scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                scaled = name.endswith("linear_proj") or name.endswith("linear_fc2")
+                nn.init.normal_(module.weight, mean=0.0, std=scaled_std if scaled else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [b, s, vocab] (params dtype), or with `labels` [b, s] per-token cross-entropy [b, s] in fp32."""
+        b, s = input_ids.shape
+        if s > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {s} exceeds max_position_embeddings ({self.config.max_position_embeddings})")
+        positions = torch.arange(s, device=input_ids.device)
+        x = self.word_embeddings(input_ids)
+        rotary = None
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions)
+        else:
+            rotary = rotary_cos_sin(positions, self.config.hidden_size // self.config.num_attention_heads,
+                                    self.config.rotary_base)
+        x = self.embedding_dropout(x)
+        for layer in self.layers:
+            x = layer(x, rotary)
+        x = self.final_layernorm(x)
+        weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        logits = F.linear(x, weight)
+        if labels is None:
+            return logits
+        # The loss in fp32 (a bf16 log-softmax over a large vocabulary loses most of its precision).
+        losses = F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(b * s), reduction="none")
+        return losses.view(b, s)
+
+
+def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length: int) -> float:
+    """Model FLOPs of one training step (forward + backward) on batch_size x seq_length tokens.
+
+    A matmul of [m, k] @ [k, n] costs 2mkn; backward costs twice forward (grads of inputs and weights):
+        forward = 2 * T * L * (4h^2 + 2h * ffn)       # linear_qkv 3h^2, linear_proj h^2, MLP 2h * ffn
+                + L * 2 * 2 * b * s^2 * h              # q @ k^T and probs @ v (full square, as Megatron)
+                + 2 * T * h * V                        # logits
+        step    = 3 * forward,  T = b * s tokens
+    With ffn = 4h this is Megatron's 72 * T * L * h^2 * (1 + s / (6h) + V / (12 L h)). LayerNorms,
+    softmax, GELU and rotary are elementwise and left out (the convention MFU numbers are quoted with).
+    """
+    b, s, L, h = batch_size, seq_length, config.num_layers, config.hidden_size
+    ffn = config.ffn_hidden_size if config.ffn_hidden_size is not None else 4 * h
+    tokens = b * s
+    forward = (2.0 * tokens * L * (4 * h * h + 2 * h * ffn)
+               + L * 2.0 * 2.0 * b * s * s * h
+               + 2.0 * tokens * h * config.vocab_size)
+    return 3.0 * forward
