@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-warmup-iters", type=int, help="linear warmup iterations (default: 10%% of decay iters)")
     g.add_argument("--lr-decay-iters", type=int, help="iteration where decay reaches --min-lr (default: train iters)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -120,6 +120,8 @@ def validate_args(args, world_size: int):
         args.max_position_embeddings = args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = args.lr_decay_iters // 10
     positive = ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "global_batch_size", "train_iters", "log_interval", "eval_interval", "max_position_embeddings"]
     for name in positive:
@@ -142,6 +144,9 @@ def validate_args(args, world_size: int):
         raise ValueError("--loss-scale only applies with --fp16")
     if args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = True  # as in Megatron
+    if args.fp16 and args.check_for_nan_in_loss_and_grad:
+        raise ValueError("--check-for-nan-in-loss-and-grad rejects Inf gradients, which --fp16 loss scaling "
+                         "produces on purpose (and then skips the step): use one or the other")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather requires --use-distributed-optimizer")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:

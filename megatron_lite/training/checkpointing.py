@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+_serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
+
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 1
@@ -125,7 +127,7 @@ def _write_checkpoint(root: str, iteration: int, payload: dict):
     final = checkpoint_dir(root, iteration)
     tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
     try:
-        _write_atomically(os.path.join(tmp_dir, CHECKPOINT_FILENAME), lambda f: torch.save(payload, f))
+        _write_atomically(os.path.join(tmp_dir, CHECKPOINT_FILENAME), lambda f: _serialize(payload, f))
         old = None
         if os.path.exists(final):  # re-saving an iteration: keep the old copy until the new one is in
             old = f"{final}.old-{os.getpid()}"

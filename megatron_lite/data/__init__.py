@@ -1,0 +1,23 @@
+"""Data: tokenizers, the indexed token dataset, GPT samples and the built-in corpus.
+
+Text -> `tools/preprocess_data.py` (a tokenizer) -> PREFIX.bin/.idx (`IndexedDataset`) ->
+`GPTDataset` (windows of seq_length + 1 tokens, shuffled per epoch) -> `get_batch_for_rank`.
+"""
+
+from .corpus import builtin_corpus_documents, ensure_builtin_dataset, write_builtin_dataset
+from .gpt_dataset import (
+    GPTDataset,
+    MockGPTDataset,
+    build_gpt_datasets,
+    get_batch_for_rank,
+    split_documents,
+)
+from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from .tokenizer import build_tokenizer
+
+__all__ = [
+    "build_tokenizer",
+    "IndexedDataset", "IndexedDatasetBuilder",
+    "builtin_corpus_documents", "write_builtin_dataset", "ensure_builtin_dataset",
+    "split_documents", "GPTDataset", "MockGPTDataset", "get_batch_for_rank", "build_gpt_datasets",
+]

@@ -1,0 +1,196 @@
+"""Tokenize text into an indexed dataset (PREFIX.bin/.idx) for pretrain_gpt.py's --data-path PREFIX.
+
+    python tools/preprocess_data.py --input notes.txt more.jsonl --output-prefix data/my_corpus
+    python tools/preprocess_data.py --input builtin --output-prefix data/stdlib_docs --workers 2
+
+What a document is:
+  * `*.jsonl` / `*.json`: one JSON object per line; the document is the object's `--json-key` field
+    (default 'text'). Blank lines are skipped.
+  * any other file: UTF-8 plain text split into paragraphs. A document is a run of non-blank lines;
+    one or more blank (empty or whitespace-only) lines separate documents. Line breaks inside a
+    paragraph are kept ('\\r\\n' is read as '\\n'); the newline ending its last line is not.
+  * `builtin`: the standard library's docstrings (megatron_lite.data.corpus), nothing to download.
+Empty documents are skipped. With --append-eod (the default) every document ends in the tokenizer's
+eod token, which is how GPTDataset tells documents apart. Output order is input order for any --workers.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+try:
+    import megatron_lite  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+from megatron_lite.data.corpus import builtin_corpus_documents
+from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab_size
+from megatron_lite.data.tokenizer import build_tokenizer
+
+BUILTIN = "builtin"
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n", 1)[1])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                       help=f"text or .jsonl files, or '{BUILTIN}' for the standard-library docstring corpus")
+    group.add_argument("--json-key", default="text", help="field of each JSON line that holds the document")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"),
+                       help="ByteLevelTokenizer needs nothing; HuggingFaceTokenizer needs `tokenizers`")
+    group.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    group.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                       help="end every document with the eod token")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: tokenize inline)")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    for path in args.input:
+        if path != BUILTIN and not os.path.isfile(path):
+            parser.error(f"--input {path!r}: no such file")
+    try:
+        args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def _paragraphs(path):
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        try:
+            for line in f:
+                if line.strip():
+                    lines.append(line)
+                elif lines:
+                    yield "".join(lines)[:-1]  # drop the newline ending the paragraph's last line
+                    lines = []
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    if lines:
+        text = "".join(lines)
+        yield text[:-1] if text.endswith("\n") else text
+
+
+def _json_lines(path, key):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[key]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string {key!r} field ({e!r})") from None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: field {key!r} is {type(text).__name__}, not a string")
+            yield text
+
+
+def read_documents(paths, json_key):
+    """Yields every document's text, in input order (empty ones skipped)."""
+    for path in paths:
+        if path == BUILTIN:
+            documents = builtin_corpus_documents()
+        elif path.endswith((".jsonl", ".json")):
+            documents = _json_lines(path, json_key)
+        else:
+            documents = _paragraphs(path)
+        for text in documents:
+            if text:
+                yield text
+
+
+# Per-process tokenizer state: set in the main process for --workers 1, by the initializer otherwise.
+_state = {}
+
+
+def _init_worker(tokenizer_type, tokenizer_model, append_eod):
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+    _state.update(tokenizer=tokenizer, append_eod=append_eod, dtype=dtype_for_vocab_size(tokenizer.vocab_size))
+
+
+def _encode(text):
+    tokenizer = _state["tokenizer"]
+    ids = tokenizer.tokenize(text)
+    if _state["append_eod"]:
+        ids = list(ids) + [tokenizer.eod]
+    # A compact array pickles far faster than a list of ints on the way back from a worker.
+    return np.asarray(ids, dtype=_state["dtype"]), len(text.encode("utf-8"))
+
+
+class Progress:
+    """tqdm when installed, else a line on stderr at most once a second."""
+
+    def __init__(self):
+        try:
+            from tqdm import tqdm
+            self._bar = tqdm(unit=" docs", file=sys.stderr, mininterval=0.5)
+        except ImportError:
+            self._bar = None
+        self.start = self._last = time.perf_counter()
+        self.docs = self.tokens = self.nbytes = 0
+
+    def update(self, num_tokens, num_bytes):
+        self.docs += 1
+        self.tokens += num_tokens
+        self.nbytes += num_bytes
+        if self._bar is not None:
+            self._bar.update(1)
+            return
+        now = time.perf_counter()
+        if now - self._last >= 1.0:
+            self._last = now
+            print(f"  {self.docs} docs, {self.tokens} tokens | {self.rates()}", file=sys.stderr, flush=True)
+
+    def rates(self):
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return f"{self.docs / elapsed:.0f} docs/s, {self.nbytes / elapsed / 1e6:.2f} MB/s"
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+
+
+def main(argv=None):
+    args = get_args(argv)
+    tokenizer = args.tokenizer
+    init_args = (args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    progress = Progress()
+    texts = read_documents(args.input, args.json_key)
+    pool = None
+    if args.workers == 1:
+        _init_worker(*init_args)
+        encoded = map(_encode, texts)
+    else:
+        pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=init_args)
+        encoded = pool.imap(_encode, texts, chunksize=32)  # imap, not imap_unordered: keep input order
+    try:
+        with IndexedDatasetBuilder(args.output_prefix, tokenizer.vocab_size) as builder:
+            for ids, num_bytes in encoded:
+                builder.add_document(ids)
+                progress.update(len(ids), num_bytes)
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+    print(f"> {progress.docs} documents, {progress.tokens} tokens ({tokenizer.__class__.__name__}, "
+          f"vocab_size {tokenizer.vocab_size}, eod {tokenizer.eod}) from {progress.nbytes / 1e6:.2f} MB of text "
+          f"in {time.perf_counter() - progress.start:.2f} s: {progress.rates()}")
+    for ext in (".bin", ".idx"):
+        path = args.output_prefix + ext
+        print(f"> wrote {path} ({os.path.getsize(path) / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()
