@@ -1,11 +1,11 @@
-"""Train a tiny character-level language model with megatron-lite's DistributedDataParallel.
+"""Train a tiny character-level language model with megatron-lite's DistributedDataParallel and optimizer.
 
-    torchrun --nproc-per-node 2 examples/train_ddp_cpu.py --overlap-grad-reduce
+    torchrun --nproc-per-node 2 examples/train_ddp_cpu.py --overlap-grad-reduce --use-distributed-optimizer
 
 The data is built in: sequences sampled from a random order-2 Markov chain over 32 symbols, so the loss
 falls from ln(32) = 3.47 towards the chain's entropy within seconds on 2 CPU cores. Every rank builds
-the same data and model from --seed, reads its own slice of each global batch and runs the training
-step of megatron_lite/distributed/distributed_data_parallel.py's module docstring.
+the same data and model from --seed, reads its own slice of each global batch and runs Megatron's
+training step (zero_grad_buffer, no_sync micro-batches, finish_grad_sync, optimizer.step()).
 """
 
 import argparse
@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_lite import (
+    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+)
 
 VOCAB, CONTEXT, SEQ_LEN, NUM_SEQUENCES = 32, 2, 32, 8192
 
@@ -28,35 +30,54 @@ def parse_args():
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per micro-batch per rank")
     g.add_argument("--global-batch-size", type=int, default=128,
-                   help="sequences per iteration over all ranks; must be divisible by micro-batch-size x "
-                        "data-parallel size (the quotient is the number of micro-batches accumulated)")
+                   help="sequences per iteration over all ranks: a multiple of micro-batch-size x data-parallel "
+                        "size (the quotient is the number of micro-batches accumulated per rank)")
     g.add_argument("--train-iters", type=int, default=200, help="iterations to train")
-    g.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (constant)")
     g.add_argument("--log-interval", type=int, default=20, help="rank 0 prints a log line every this many iterations")
     g.add_argument("--seed", type=int, default=1234, help="seeds data and model, identically on every rank")
+    g = p.add_argument_group("OptimizerConfig (Megatron's flag -> config field; optimizer='adam', i.e. AdamW)")
+    g.add_argument("--lr", type=float, default=1e-2, help="lr: learning rate (constant, no schedule)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="weight_decay (none on biases, 1-D params)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip_grad: max global L2 grad norm; 0 disables")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="adam_beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="adam_beta2")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--bf16", action="store_true",
+                   help="bf16: bf16 params, fp32 main params; implies --accumulate-allreduce-grads-in-fp32")
+    m.add_argument("--fp16", action="store_true", help="fp16: fp16 params, fp32 main params, loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="loss_scale: constant loss scale (--fp16 only); default: dynamic loss scaling")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="use_distributed_optimizer (both configs): ZeRO-1, i.e. main params and Adam state sharded "
+                        "over data-parallel ranks, gradients reduce-scattered, parameters all-gathered")
     g = p.add_argument_group("distributed")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
-                   help="default: nccl when CUDA is available, else gloo (gloo trains on CPU)")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="timeout of init_process_group and of every collective")
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo (CPU)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, help="timeout of init and of collectives")
     g = p.add_argument_group("DistributedDataParallelConfig (Megatron's flag -> config field)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="overlap_grad_reduce: launch each bucket's all-reduce during backward")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="overlap_grad_reduce: communicate in backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap_param_gather: all-gather updated params in the next forward, not in "
+                        "optimizer.step() (requires --use-distributed-optimizer)")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="bucket_size in elements (default: max(40M, 1M x dp), i.e. one bucket for this "
-                        "model); only used with --overlap-grad-reduce, without it there is always one bucket")
+                   help="bucket_size in elements (default: max(40M, 1M x dp), i.e. one bucket for this model); "
+                        "only used with --overlap-grad-reduce, without it there is always one bucket")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="average_in_collective: ReduceOp.AVG instead of pre-scaling by 1/dp and summing")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="grad_reduce_in_fp32 (a no-op here: this model is fp32 already)")
+                   help="grad_reduce_in_fp32: keep and reduce main_grad in fp32 (implied by --bf16)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
                    help="check_for_nan_in_grad, and check the loss too; all ranks raise together")
     args = p.parse_args()
-    for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
-        if getattr(args, name) <= 0:
+    for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "ddp_bucket_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
-        p.error(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        p.error("--overlap-param-gather requires --use-distributed-optimizer (only it all-gathers parameters)")
+    if args.loss_scale is not None and not args.fp16:
+        p.error("--loss-scale only applies with --fp16")
+    if args.fp16 and args.check_for_nan_in_loss_and_grad:  # megatron_lite's check also rejects Inf, unlike Megatron's
+        p.error("--check-for-nan-in-loss-and-grad raises on the Inf gradients that --fp16 loss scaling skips")
+    args.accumulate_allreduce_grads_in_fp32 |= args.bf16  # as Megatron does for bf16
     args.dp = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; all ranks are data-parallel
     if args.global_batch_size % (args.micro_batch_size * args.dp):
         p.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -113,77 +134,89 @@ def main():
     data = make_dataset(args.seed).to(device)
     order = torch.randperm(NUM_SEQUENCES, generator=torch.Generator().manual_seed(args.seed)).to(device)
     torch.manual_seed(args.seed)
-    config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-        bucket_size=args.ddp_bucket_size,
+    params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
     )
-    model = DistributedDataParallel(CharMLP().to(device), config)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, foreach=True)
+    # The model lives in params_dtype before wrapping: DDP's buffers take the dtypes they find.
+    model = DistributedDataParallel(CharMLP().to(device=device, dtype=params_dtype), ddp_config)
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
+        params_dtype=params_dtype, loss_scale=args.loss_scale, use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
     if rank == 0:
-        print(f"> data-parallel size {dp} ({backend}), {sum(p.numel() for p in params)} parameters in "
-              f"{sum(len(b.buckets) for b in model.buffers)} bucket(s), {args.num_micro_batches} micro-batch(es) "
-              f"of {args.micro_batch_size} per rank per iteration\n> {config}", flush=True)
+        print(f"> data-parallel size {dp} ({backend}), {sum(p.numel() for p in model.parameters())} {params_dtype} "
+              f"parameters in {sum(len(b.buckets) for b in model.buffers)} bucket(s), {type(optimizer).__name__}, "
+              f"{args.num_micro_batches} micro-batch(es) of {args.micro_batch_size} per rank per iteration\n"
+              f"> {ddp_config}\n> {opt_config}", flush=True)
 
     local_batch = args.micro_batch_size * args.num_micro_batches
-    loss_sum = torch.zeros((), device=device)  # local, summed over the iterations of one log interval
-    first_loss = last_loss = None
+    loss_sum = torch.zeros((), device=device)  # local, over the updated iterations of one log interval
+    advanced = skipped = total_skipped = 0  # iterations in this log interval: updated / skipped (fp16 overflow)
+    logged_losses = []
     interval_start = time.perf_counter()
     for iteration in range(1, args.train_iters + 1):
-        # This rank's slice of the global batch, in micro-batches.
-        start = (iteration - 1) * args.global_batch_size + rank * local_batch
+        start = (iteration - 1) * args.global_batch_size + rank * local_batch  # this rank's slice of the batch
         batch = data[order[torch.arange(start, start + local_batch, device=device) % NUM_SEQUENCES]]
         micro_batches = batch.split(args.micro_batch_size)
 
         model.zero_grad_buffer()  # main_grad := 0
+        optimizer.zero_grad()  # drop the main params' grads
         iteration_loss = torch.zeros((), device=device)
         for i, mb in enumerate(micro_batches):
             is_last = i == len(micro_batches) - 1  # only the last micro-batch's backward communicates
             with contextlib.nullcontext() if is_last else model.no_sync():
-                logits = model(mb[:, :-1])
+                logits = model(mb[:, :-1]).float()  # the loss in fp32, whatever the params dtype
                 loss = F.cross_entropy(logits.flatten(0, 1), mb[:, 1:].flatten()) / args.num_micro_batches
-                loss.backward()
-            iteration_loss += loss.detach()
-        model.finish_grad_sync()  # main_grad now holds the data-parallel mean gradient
+                optimizer.scale_loss(loss).backward()  # x loss scale (fp16), else x 1
+            iteration_loss += loss.detach()  # unscaled
+        model.finish_grad_sync()  # main_grad: the data-parallel mean (distributed optimizer: in own shard only)
         if args.check_for_nan_in_loss_and_grad:  # a collective, so that every rank raises together
             bad = torch.tensor([float(not torch.isfinite(iteration_loss))], device=device)
             dist.all_reduce(bad)
             if bad.item():
                 raise RuntimeError(f"NaN/Inf loss on {int(bad.item())} rank(s) at iteration {iteration}")
-        for p in params:
-            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
-        optimizer.step()
-        # Drop .grad: it aliases main_grad, and autograd would accumulate into it in the next backward.
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum += iteration_loss
+        update_successful, grad_norm, _ = optimizer.step()  # False: fp16 overflow, step skipped on all ranks
+        if update_successful:  # as Megatron, the logged loss is the mean over the iterations that updated
+            loss_sum, advanced = loss_sum + iteration_loss, advanced + 1
+        else:
+            skipped += 1
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            steps = (iteration - 1) % args.log_interval + 1
-            dist.all_reduce(loss_sum)  # SUM over ranks, then the mean over ranks and iterations
-            loss_avg = loss_sum.item() / (dp * steps)
-            elapsed_ms = (time.perf_counter() - interval_start) * 1000 / steps
-            first_loss = loss_avg if first_loss is None else first_loss
-            last_loss = loss_avg
+            dist.all_reduce(loss_sum)  # SUM over ranks
+            loss_avg = loss_sum.item() / (dp * advanced) if advanced else float("nan")
+            elapsed_ms = (time.perf_counter() - interval_start) * 1000 / (advanced + skipped)
+            logged_losses += [loss_avg] if advanced else []
             if rank == 0:
                 print(f" iteration {iteration:8d}/{args.train_iters:8d} |"
                       f" consumed samples: {iteration * args.global_batch_size:12d} |"
                       f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
                       f" learning rate: {optimizer.param_groups[0]['lr']:.6E} |"
-                      f" lm loss: {loss_avg:.6E} |", flush=True)
+                      f" global batch size: {args.global_batch_size:5d} | lm loss: {loss_avg:.6E} |"
+                      f" loss scale: {optimizer.get_loss_scale().item():.1f} |"
+                      + (f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else "")
+                      + f" number of skipped iterations: {skipped:3d} |", flush=True)
+            total_skipped, advanced, skipped = total_skipped + skipped, 0, 0
             loss_sum.zero_()
             interval_start = time.perf_counter()
 
+    if args.use_distributed_optimizer:  # with overlap_param_gather the last step's all-gathers are pending
+        model.finish_param_sync()
     # Every rank applied the same averaged gradients, so the replicas must still be bit-identical.
-    flat = torch.cat([p.detach().flatten() for p in params])
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     reference = flat.clone()
     dist.broadcast(reference, src=0)
     max_diff = (flat - reference).abs().max()
     dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+    logged_losses = logged_losses or [float("nan")]  # no iteration updated (all skipped)
     if rank == 0:
-        print(f"> lm loss {first_loss:.4f} (first log) -> {last_loss:.4f} (last log)")
+        print(f"> lm loss {logged_losses[0]:.4f} (first log) -> {logged_losses[-1]:.4f} (last log); "
+              f"{total_skipped} of {args.train_iters} iterations skipped")
         print(f"> parameters identical on all {dp} rank(s): max |param - rank 0's param| = {max_diff.item():.3e} "
               f"({'OK' if max_diff.item() == 0 else 'MISMATCH'})", flush=True)
     dist.destroy_process_group()
