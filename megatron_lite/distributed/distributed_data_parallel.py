@@ -18,6 +18,7 @@ autograd visits parameters in a rank-dependent order.
 """
 
 import contextlib
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -98,11 +99,14 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self._next_to_launch = 0
         self._grads_finalized = False
+        self._overlap = config.overlap_grad_reduce
         self.is_last_microbatch = True
 
-        self._grad_hook_handles = [
-            param.register_post_accumulate_grad_hook(self._grad_ready_hook) for param in self.param_to_name
-        ]
+        self._grad_hook_handles = []
+        for bucket in all_buckets:
+            for index, param in enumerate(bucket.params_list):
+                self._grad_hook_handles.append(param.register_post_accumulate_grad_hook(
+                    functools.partial(self._grad_ready_hook, bucket=bucket, index=index)))
 
         # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
         self._gather_order: List[Bucket] = self._launch_order[::-1]
@@ -116,24 +120,26 @@ class DistributedDataParallel(torch.nn.Module):
                     self._forward_pre_hook_handles.append(module.register_forward_pre_hook(self._param_gather_hook))
 
     # ---------------------------------------------------------------- hooks and launching
-    def _grad_ready_hook(self, param: torch.nn.Parameter):
-        """Runs after autograd accumulated `param.grad`: move it into main_grad, maybe launch buckets."""
+    def _grad_ready_hook(self, param: torch.nn.Parameter, bucket: Bucket, index: int):
+        """Runs after autograd accumulated `param.grad` (= bucket.params_list[index]): move it into
+        main_grad and, on the last micro-batch with overlap, mark it ready and maybe launch buckets."""
         if self._grads_finalized:
             raise RuntimeError(
                 f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
                 f"zero_grad_buffer() at the start of every iteration"
             )
-        bucket = self.param_to_bucket[param]
-        report_ready = self.ddp_config.overlap_grad_reduce and self.is_last_microbatch
+        report_ready = self._overlap and self.is_last_microbatch
         if report_ready:
-            bucket.check_accepts_grad(param)  # before touching main_grad: it may be in flight
-        if param.grad is not None:
+            bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
+        grad = param.grad
+        if grad is not None:
+            main_grad = param.main_grad
             # If .grad still aliases main_grad (FP32Optimizer sets it so for the step), autograd has
             # already accumulated into the buffer in place: adding again would double-count.
-            if param.grad.data_ptr() != param.main_grad.data_ptr():
-                param.main_grad.add_(param.grad)  # main_grad is a view into the buffer: only add_ into it
+            if grad.data_ptr() != main_grad.data_ptr():
+                main_grad.add_(grad)  # main_grad is a view into the buffer: only add_ into it
             param.grad = None
-        if report_ready and bucket.register_grad_ready(param):
+        if report_ready and bucket.mark_ready(index):
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self):

@@ -71,31 +71,43 @@ class Bucket:
 
     def reset(self):
         """Forget this iteration's progress (called by zero_grad_buffer)."""
-        self.params_with_grad = set()
+        self._ready = [False] * len(self.params_list)  # by position in params_list (cheaper than a set)
+        self._num_ready = 0
         self.communication_handle = None
         self.nonfinite_params: List[str] = []
+
+    @property
+    def params_with_grad(self):
+        """The parameters whose gradient has been reported ready in this iteration."""
+        return {p for p, ready in zip(self.params_list, self._ready) if ready}
 
     def name(self, param) -> str:
         return self.param_to_name.get(param, f"<unnamed parameter of shape {tuple(param.shape)}>")
 
-    def check_accepts_grad(self, param):
-        """Raise if `param` already reported this iteration (its grad would miss the collective)."""
-        if param in self.params_with_grad or self.communication_handle is not None:
+    def check_accepts_grad(self, index: int):
+        """Raise if params_list[index] already reported this iteration (its grad would miss the collective)."""
+        if self._ready[index] or self.communication_handle is not None:
             raise RuntimeError(
-                f"parameter {self.name(param)} received a second gradient after it was marked ready "
-                f"(bucket {self.bucket_id}). Run backward once per micro-batch, wrap all but the last "
-                f"micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
+                f"parameter {self.name(self.params_list[index])} received a second gradient after it was "
+                f"marked ready (bucket {self.bucket_id}). Run backward once per micro-batch, wrap all but "
+                f"the last micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
             )
+
+    def mark_ready(self, index: int) -> bool:
+        """Hot path of register_grad_ready, by position in params_list, after check_accepts_grad(index);
+        returns whether the bucket is complete."""
+        self._ready[index] = True
+        self._num_ready += 1
+        return self._num_ready == len(self._ready)
 
     def register_grad_ready(self, param) -> bool:
         """Record that `param`'s gradient is final in main_grad; returns whether the bucket is complete."""
-        assert param in self.params
-        self.check_accepts_grad(param)
-        self.params_with_grad.add(param)
-        return self.is_ready()
+        index = next(i for i, p in enumerate(self.params_list) if p is param)
+        self.check_accepts_grad(index)
+        return self.mark_ready(index)
 
     def is_ready(self) -> bool:
-        return len(self.params_with_grad) == len(self.params)
+        return self._num_ready == len(self._ready)
 
     @property
     def is_launched(self) -> bool:
