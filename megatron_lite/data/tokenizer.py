@@ -45,6 +45,10 @@ class HuggingFaceTokenizer:
     """
 
     def __init__(self, tokenizer_model: Optional[str]):
+        if not tokenizer_model:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model PATH (a local tokenizer.json)")
+        if not os.path.isfile(tokenizer_model):
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r}: no such file (expected a tokenizer.json)")
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
@@ -52,10 +56,6 @@ class HuggingFaceTokenizer:
                 "HuggingFaceTokenizer needs the optional 'tokenizers' package (pip install tokenizers); "
                 "ByteLevelTokenizer needs nothing"
             ) from e
-        if not tokenizer_model:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model PATH (a local tokenizer.json)")
-        if not os.path.isfile(tokenizer_model):
-            raise ValueError(f"--tokenizer-model {tokenizer_model!r}: no such file (expected a tokenizer.json)")
         self.tokenizer_model = tokenizer_model
         self._tokenizer = Tokenizer.from_file(tokenizer_model)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
