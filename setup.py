@@ -10,5 +10,11 @@ setup(
     python_requires=">=3.9",
     # Core: torch and numpy only. Pin torch yourself where an unpinned install would pull a CUDA build.
     install_requires=["torch>=2.1", "numpy"],
-    extras_require={"dev": ["pytest>=7", "pytest-timeout"]},
+    extras_require={
+        "progress": ["tqdm"],  # preprocessing progress bar (a plain line is printed without it)
+        "bench": ["matplotlib"],  # benchmark and bucket-sweep plots
+        "tensorboard": ["tensorboard"],
+        "hf": ["tokenizers"],  # --tokenizer-type HuggingFaceTokenizer
+        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm"],
+    },
 )
