@@ -186,3 +186,11 @@ def test_cli_under_torchrun_and_flag_error(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--fp16", "--bf16"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert bad.returncode == 2 and "mutually exclusive" in bad.stderr
+
+
+def test_help_renders():
+    """Would catch a help string argparse cannot format (e.g. a bare '%'): --help must always work."""
+    from megatron_lite.training import build_parser
+
+    text = build_parser().format_help()
+    assert "--overlap-grad-reduce" in text and "--use-distributed-optimizer" in text

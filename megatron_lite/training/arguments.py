@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
                    choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
-    g.add_argument("--vocab-size", type=int, default=512, help="vocabulary of --mock-data / NullTokenizer")
+    g.add_argument("--vocab-size", type=int, default=512,
+                   help="vocabulary of --tokenizer-type NullTokenizer (use it with --mock-data for a custom size)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test document split weights")
 
     g = p.add_argument_group("logging, evaluation and checkpoints")
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", help="checkpoint directory")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
     g.add_argument("--load", help="resume from the latest checkpoint in this directory (if any)")
-    g.add_argument("--exit-interval", type=int, help="stop (after saving) once iteration % N == 0")
+    g.add_argument("--exit-interval", type=int, help="stop (after saving) once iteration %% N == 0")
     return p
 
 

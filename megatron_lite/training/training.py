@@ -100,8 +100,9 @@ def build_model_and_optimizer(args, vocab_size: int, device: torch.device):
 
 def _forward_losses(model, batch, device):
     vocab = model.module.config.vocab_size
-    if int(batch["tokens"].max()) >= vocab:  # on the CPU copy: no device sync
-        raise ValueError(f"the dataset holds token id {int(batch['tokens'].max())} >= the model's vocabulary "
+    largest = max(int(batch["tokens"].max()), int(batch["labels"].max()))  # CPU copies: no device sync
+    if largest >= vocab:
+        raise ValueError(f"the dataset holds token id {largest} >= the model's vocabulary "
                          f"({vocab}): was it preprocessed with another --tokenizer-type?")
     tokens = batch["tokens"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
