@@ -54,6 +54,8 @@ def shard(bucket: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
 
 def all_reduce(bucket: torch.Tensor, group=None, average: bool = False, async_op: bool = False):
     """In place: every rank ends with the sum (or mean) of `bucket` over the group."""
+    if dist.get_world_size(group) == 1:
+        return DONE  # nothing to exchange (gloo would still spend milliseconds on a large bucket)
     return _handle(dist.all_reduce(bucket, op=reduce_op(average), group=group, async_op=async_op))
 
 
@@ -62,9 +64,9 @@ def reduce_scatter(bucket: torch.Tensor, group=None, average: bool = False, asyn
 
     The other shards are left unspecified (reduced, partially reduced or untouched, by backend).
     """
-    if backend(group) == "gloo":
-        return all_reduce(bucket, group, average, async_op)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world_size == 1 or backend(group) == "gloo":
+        return all_reduce(bucket, group, average, async_op)
     own = shard(bucket, world_size, rank)
     return _handle(_reduce_scatter_single(own, bucket, op=reduce_op(average), group=group, async_op=async_op))
 
@@ -72,6 +74,8 @@ def reduce_scatter(bucket: torch.Tensor, group=None, average: bool = False, asyn
 def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):
     """In place: every rank's bucket ends with shard r taken from rank r."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world_size == 1:
+        return DONE
     own = shard(bucket, world_size, rank)
     return _handle(_all_gather_single(bucket, own, group=group, async_op=async_op))
 

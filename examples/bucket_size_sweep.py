@@ -1,0 +1,264 @@
+"""Time a GPT training step against the DDP bucket size (overlap_grad_reduce=True).
+
+    python examples/bucket_size_sweep.py                        # spawns 2 gloo ranks (file:// rendezvous)
+    torchrun --nproc-per-node 2 examples/bucket_size_sweep.py   # gloo on CPU, NCCL with one GPU per rank
+    python examples/bucket_size_sweep.py --quick --out /tmp/sweep.png   # smoke test, seconds
+
+Configurations, each a separately wrapped copy of the same model (same seed):
+  * bucket_size=1 (one parameter per bucket), then 2^k from --min-bucket up to the first power of two
+    >= the number of parameters (one bucket), all with overlap_grad_reduce=True;
+  * overlap off: one bucket, reduced synchronously inside finish_grad_sync() (a reference line);
+  * compute only: DDP over a one-rank group per rank, so the same hooks, buffer and optimizer but no
+    traffic between ranks (a reference line; both ranks still compute at the same time).
+A step is zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step. After --warmup untimed steps
+of each configuration, every round (--repeats) runs each configuration for --steps timed steps, in an order
+rotated by one per round, so that slow phases of a shared machine hit all configurations alike. Each step
+starts after a barrier; a sample is the slowest rank's time. Reported per configuration (medians):
+  step ms    the full step;
+  exposed    step - compute-only step: communication (and its overhead) that the step pays for;
+  finish     wall time of finish_grad_sync(): communication not hidden behind backward.
+The recommendation is the bucket size with the smallest median step; sizes within --tie-tolerance of it
+count as ties, won by the larger bucket (fewer collectives, the safer choice). See docs/bucket_size_tuning.md.
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from megatron_lite import (  # noqa: E402
+    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+)
+from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
+
+# Model and timing flags: (help, default, default with --quick).
+SETTINGS = dict(
+    num_layers=("transformer layers", 4, 2),
+    hidden_size=("hidden size", 256, 64),
+    num_attention_heads=("attention heads", 8, 2),
+    seq_length=("tokens per sequence", 64, 32),
+    vocab_size=("vocabulary size", 4096, 512),
+    micro_batch_size=("sequences per rank per step", 1, 2),
+    repeats=("rounds over all configurations", 40, 1),
+    steps=("timed steps per configuration per round", 2, 2),
+    warmup=("untimed steps per configuration before the first round", 2, 1),
+)
+COMPUTE_ONLY, OVERLAP_OFF = "compute only", "overlap off"
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, (text, default, quick) in SETTINGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{text} (default {default}, quick {quick})")
+    p.add_argument("--min-bucket", type=int, default=2**13,
+                   help="smallest bucket of the 2^k series, in elements (default 8192)")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1 (DDP and optimizer config): buckets are reduce-scattered, parameters all-gathered "
+                        "in optimizer.step()")
+    p.add_argument("--tie-tolerance", type=float, default=0.05,
+                   help="step times within this fraction of the fastest count as ties (default 0.05)")
+    p.add_argument("--quick", action="store_true",
+                   help="use the 'quick' defaults above (tiny model, 1 round): a smoke test, not a measurement")
+    p.add_argument("--out", default="docs/img/bucket_size_sweep.png",
+                   help="plot path; the table goes next to it as .csv (default docs/img/bucket_size_sweep.png)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="ranks to spawn when not launched by torchrun (default 2)")
+    p.add_argument("--seed", type=int, default=1234, help="model and data seed")
+    args = p.parse_args()
+    for name, (_, default, quick) in SETTINGS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else default)
+    for name in [*SETTINGS, "min_bucket", "world_size"]:
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= {int(name != 'warmup')}, got {getattr(args, name)}")
+    if args.tie_tolerance < 0:
+        p.error(f"--tie-tolerance must be >= 0, got {args.tie_tolerance}")
+    return args
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpt_config(args):
+    return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, vocab_size=args.vocab_size,
+                     num_attention_heads=args.num_attention_heads, max_position_embeddings=args.seq_length)
+
+
+def build(args, device, bucket_size, overlap, group):
+    """A fresh model (same seed on every rank), wrapped, with its optimizer."""
+    torch.manual_seed(args.seed)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    model = DistributedDataParallel(GPTModel(gpt_config(args)).to(device), ddp_config, data_parallel_group=group)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-4, use_distributed_optimizer=args.use_distributed_optimizer), [model])
+    return model, optimizer
+
+
+def train_step(model, optimizer, tokens, device):
+    """One step; returns (step seconds, finish_grad_sync seconds) on this rank."""
+    sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    model.zero_grad_buffer()
+    model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    sync(device)  # with NCCL, wait() only orders streams: time finish_grad_sync on a drained device
+    finish_start = time.perf_counter()
+    model.finish_grad_sync()
+    sync(device)
+    finish = time.perf_counter() - finish_start
+    optimizer.step()
+    sync(device)
+    return time.perf_counter() - start, finish
+
+
+def sweep(args, device):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    numel = sum(p.numel() for p in GPTModel(gpt_config(args)).parameters())
+    one = 1 << (numel - 1).bit_length()  # the first power of two >= numel: always a single bucket
+    series = [2**k for k in range(one.bit_length()) if args.min_bucket <= 2**k < one]
+    # (name, bucket_size or None, overlap_grad_reduce, group)
+    configs = [(f"{b}", b, True, None) for b in [1, *series]] + [(f"one bucket ({one})", one, True, None),
+                                                               (OVERLAP_OFF, None, False, None),
+                                                               (COMPUTE_ONLY, None, False, solo)]
+    runs = [build(args, device, b, overlap, group) for _, b, overlap, group in configs]
+    g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own data
+    tokens = torch.randint(args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g).to(device)
+    for i in range(len(configs) * args.warmup):  # first steps allocate optimizer state etc.
+        train_step(*runs[i % len(configs)], tokens, device)
+    samples = torch.zeros(len(configs), args.repeats * args.steps, 2, dtype=torch.float64)
+    for r in range(args.repeats):
+        for i in [(r + j) % len(configs) for j in range(len(configs))]:  # rotated order
+            for s in range(args.steps):
+                samples[i, r * args.steps + s] = torch.tensor(train_step(*runs[i], tokens, device))
+    samples = samples.to(device)
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    q = torch.quantile(samples.cpu() * 1e3, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1).tolist()
+    compute = q[1][-1][0]  # [quantile][config][step, finish]
+    rows = [dict(config=name, bucket_size="" if b is None else b, num_buckets=sum(len(x.buckets) for x in m.buffers),
+                 step_ms=q[1][i][0], exposed_comm_ms=q[1][i][0] - compute, finish_grad_sync_ms=q[1][i][1],
+                 step_p25_ms=q[0][i][0], step_p75_ms=q[2][i][0])
+            for i, ((name, b, _, _), (m, _)) in enumerate(zip(configs, runs))]
+    return rows, numel
+
+
+def recommend(rows, tolerance):
+    swept = [r for r in rows if r["config"] not in (OVERLAP_OFF, COMPUTE_ONLY)]
+    best = min(r["step_ms"] for r in swept)
+    choice = max((r for r in swept if r["step_ms"] <= best * (1 + tolerance)), key=lambda r: r["bucket_size"])
+    ref = {r["config"]: r["step_ms"] for r in rows}
+    return choice, (
+        f"recommended bucket size: {choice['bucket_size']} elements "
+        f"({'one bucket' if choice['num_buckets'] == 1 else str(choice['num_buckets']) + ' buckets'}): "
+        f"{choice['step_ms']:.1f} ms/step, within {tolerance:.0%} of the fastest ({best:.1f} ms) and the largest such "
+        f"bucket; overlap off {ref[OVERLAP_OFF]:.1f} ms, compute only {ref[COMPUTE_ONLY]:.1f} ms")
+
+
+def report(args, rows, numel, world, backend):
+    print(f"\nGPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, seq "
+          f"{args.seq_length}, vocab {args.vocab_size}, micro-batch {args.micro_batch_size}: {numel} parameters | "
+          f"{backend}, {world} ranks, {torch.get_num_threads()} thread(s)/rank, torch {torch.__version__}, "
+          f"{'distributed' if args.use_distributed_optimizer else 'fp32'} optimizer | median of "
+          f"{args.repeats} x {args.steps} steps, slowest rank\n")
+    print(f"| {'bucket_size':>22} | {'buckets':>7} | {'step ms':>8} | {'exposed comm ms':>15} | "
+          f"{'finish_grad_sync ms':>19} |")
+    print(f"|{'-' * 24}|{'-' * 9}|{'-' * 10}|{'-' * 17}|{'-' * 21}|")
+    for r in rows:
+        print(f"| {r['config']:>22} | {r['num_buckets']:>7} | {r['step_ms']:>8.1f} | {r['exposed_comm_ms']:>15.1f} | "
+              f"{r['finish_grad_sync_ms']:>19.1f} |")
+    choice, line = recommend(rows, args.tie_tolerance)
+    print("\n" + line)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    csv_path = os.path.splitext(args.out)[0] + ".csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    print(f"table: {csv_path}")
+    plot(args, rows, choice, numel, f"{backend} x {world}")
+
+
+def plot(args, rows, choice, numel, where):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot")
+        return
+    swept = [r for r in rows if r["config"] not in (OVERLAP_OFF, COMPUTE_ONLY)]
+    ref = {r["config"]: r for r in rows}
+    x = [r["bucket_size"] for r in swept]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    ax.plot(x, [r["step_ms"] for r in swept], "o-", color="C0", label="step time (overlap on), median")
+    ax.fill_between(x, [r["step_p25_ms"] for r in swept], [r["step_p75_ms"] for r in swept], color="C0", alpha=0.1,
+                    label="step time, 25th-75th percentile")
+    ax.plot(x, [r["exposed_comm_ms"] for r in swept], "s--", color="C3", label="exposed comm = step - compute only")
+    ax.plot(x, [r["finish_grad_sync_ms"] for r in swept], "^:", color="C2", label="finish_grad_sync wall time")
+    ax.axhline(ref[OVERLAP_OFF]["step_ms"], color="C1",
+               label=f"step, overlap off ({ref[OVERLAP_OFF]['step_ms']:.0f} ms)")
+    ax.axhline(ref[COMPUTE_ONLY]["step_ms"], color="gray", ls="-.",
+               label=f"step, compute only ({ref[COMPUTE_ONLY]['step_ms']:.0f} ms)")
+    ax.axhline(0, color="black", lw=0.5)
+    for r in swept:
+        ax.annotate(f"{r['num_buckets']}", (r["bucket_size"], r["step_ms"]), textcoords="offset points", xytext=(0, 9),
+                    ha="center", fontsize=8, color="C0")
+    ax.plot([choice["bucket_size"]], [choice["step_ms"]], "*", ms=13, color="gold", mec="black",
+            label=f"recommended: {choice['bucket_size']}")
+    ax.set_xscale("log", base=2)
+    labels = [f"{v >> 20}M" if v >= 2**20 else f"{v >> 10}K" if v >= 2**10 else str(v) for v in x]
+    ax.set_xticks(x, labels[:-1] + [labels[-1] + "\none\nbucket"], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("bucket_size (elements, log scale; numbers above the points: buckets)")
+    ax.set_ylabel("ms (median, slowest rank)")
+    ax.set_title(f"GPT {numel / 1e6:.1f}M params, {where}, "
+                 f"{'distributed' if args.use_distributed_optimizer else 'fp32'} optimizer", fontsize=11)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"plot: {args.out}")
+
+
+def run(rank, args, world, init_method):
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    try:
+        rows, numel = sweep(args, device)
+        if rank == 0:
+            report(args, rows, numel, world, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    args = parse_args()
+    if "RANK" in os.environ:  # torchrun: one process per rank, env:// rendezvous
+        run(int(os.environ["RANK"]), args, int(os.environ["WORLD_SIZE"]), "env://")
+    else:
+        with tempfile.TemporaryDirectory(prefix="bucket_sweep_") as tmp:
+            mp.spawn(run, args=(args, args.world_size, f"file://{os.path.join(tmp, 'rendezvous')}"),
+                     nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
