@@ -12,14 +12,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from launch import launch, world_size  # noqa: E402  (benchmarks/launch.py)
 from megatron_lite.distributed import collectives  # noqa: E402
 
 # torch 2.13 names first, older names as fallback (same choice as megatron_lite.distributed.collectives).
@@ -111,15 +110,10 @@ def main():
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks to spawn when not launched by torchrun (default: 2)")
     args = parser.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    world = world_size(args.world_size)
     if any(size % world for size in args.sizes):
         parser.error(f"--sizes must be multiples of the world size ({world})")
-
-    if "RANK" in os.environ:  # launched by torchrun: one process per rank, env:// rendezvous
-        run(int(os.environ["RANK"]), args, world, "env://")
-    else:
-        with tempfile.TemporaryDirectory(prefix="collectives_gloo_") as tmp:
-            mp.spawn(run, args=(args, world, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+    launch(run, args, world)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -38,9 +37,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from launch import launch, world_size  # noqa: E402  (benchmarks/launch.py)
 from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron_lite import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron_lite.distributed import collectives as ml_collectives  # noqa: E402
@@ -428,14 +427,10 @@ def main():
     for name, value in vars(args).items():
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if name == "warmup_steps" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup_steps' else 1}")
-    world = int(os.environ.get("WORLD_SIZE", args.world_size))
-    if "RANK" in os.environ:  # launched by torchrun: one process per rank, env:// rendezvous
-        run(int(os.environ["RANK"]), args, world, "env://")
-        return
-    if torch.cuda.is_available() and not args.cpu and torch.cuda.device_count() < world:
+    world = world_size(args.world_size)
+    if "RANK" not in os.environ and torch.cuda.is_available() and not args.cpu and torch.cuda.device_count() < world:
         p.error(f"{world} ranks need {world} GPUs, found {torch.cuda.device_count()} (or pass --cpu)")
-    with tempfile.TemporaryDirectory(prefix="compare_ddp_") as tmp:
-        mp.spawn(run, args=(args, world, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+    launch(run, args, world)
 
 
 if __name__ == "__main__":

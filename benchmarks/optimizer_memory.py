@@ -26,14 +26,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from launch import launch, world_size  # noqa: E402  (benchmarks/launch.py)
 from megatron_lite import (  # noqa: E402
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
@@ -190,13 +189,7 @@ def main():
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    world = int(os.environ.get("WORLD_SIZE", args.world_size))
-
-    if "RANK" in os.environ:  # launched by torchrun: one process per rank, env:// rendezvous
-        run(int(os.environ["RANK"]), args, world, "env://")
-    else:
-        with tempfile.TemporaryDirectory(prefix="optimizer_memory_") as tmp:
-            mp.spawn(run, args=(args, world, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+    launch(run, args, world_size(args.world_size))
 
 
 if __name__ == "__main__":
