@@ -179,13 +179,14 @@ def test_cli_under_torchrun_and_flag_error(tmp_path):
            "--eval-interval", "4", "--eval-iters", "1", "--num-layers", "1", "--hidden-size", "32",
            "--num-attention-heads", "2", "--seq-length", "32", "--save", str(tmp_path / "ck")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "iteration        4/       4 | consumed samples:" in out.stdout
-    assert "lm loss:" in out.stdout and "validation loss at iteration 4" in out.stdout
+    report = f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, report
+    assert "iteration        4/       4 | consumed samples:" in out.stdout, report
+    assert "lm loss:" in out.stdout and "validation loss at iteration 4" in out.stdout, report
     assert os.path.exists(tmp_path / "ck" / "iter_0000004" / "model_optim_rng.pt")
     bad = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--fp16", "--bf16"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
-    assert bad.returncode == 2 and "mutually exclusive" in bad.stderr
+    assert bad.returncode == 2 and "mutually exclusive" in bad.stderr, bad.stderr[-3000:]
 
 
 def test_help_renders():
