@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from launch import launch, world_size  # noqa: E402  (benchmarks/launch.py)
+from launch import launch_gloo, world_size  # noqa: E402  (benchmarks/launch.py)
 from megatron_lite.distributed import collectives  # noqa: E402
 
 # torch 2.13 names first, older names as fallback (same choice as megatron_lite.distributed.collectives).
@@ -92,15 +92,6 @@ def benchmark(args, world: int, rank: int):
             print(f"| {size:>10} | {name:<22} | {ms:>9.2f} | {ratio:>11.2f}x |")
 
 
-def run(rank: int, args, world: int, init_method: str):
-    torch.set_num_threads(1)  # 2 cores, 2 ranks: more threads per rank only oversubscribe
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    try:
-        benchmark(args, world, rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[2**16, 2**20, 2**22, 2**24],
@@ -113,7 +104,7 @@ def main():
     world = world_size(args.world_size)
     if any(size % world for size in args.sizes):
         parser.error(f"--sizes must be multiples of the world size ({world})")
-    launch(run, args, world)
+    launch_gloo(benchmark, args, world)
 
 
 if __name__ == "__main__":

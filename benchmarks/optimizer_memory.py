@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from launch import launch, world_size  # noqa: E402  (benchmarks/launch.py)
+from launch import launch_gloo, world_size  # noqa: E402  (benchmarks/launch.py)
 from megatron_lite import (  # noqa: E402
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
@@ -164,15 +164,6 @@ def benchmark(args, world: int, rank: int):
           f"bf16 {drift[0]:.2e}, fp32 {drift[1]:.2e}")
 
 
-def run(rank: int, args, world: int, init_method: str):
-    torch.set_num_threads(1)  # 2 cores, 2 ranks: more threads per rank only oversubscribe
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    try:
-        benchmark(args, world, rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256, help="model width h (default: 256)")
@@ -189,7 +180,7 @@ def main():
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    launch(run, args, world_size(args.world_size))
+    launch_gloo(benchmark, args, world_size(args.world_size))
 
 
 if __name__ == "__main__":
