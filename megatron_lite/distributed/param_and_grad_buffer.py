@@ -109,10 +109,6 @@ class Bucket:
     def is_ready(self) -> bool:
         return self._num_ready == len(self._ready)
 
-    @property
-    def is_launched(self) -> bool:
-        return self.communication_handle is not None
-
     @torch.no_grad()
     def start_grad_sync(self):
         """Scale and launch this bucket's all-reduce (or reduce-scatter); async with overlap_grad_reduce."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
-from .grad_scaler import ConstantGradScaler
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer_config import OptimizerConfig
 
 # Kernel choices are the loading machine's business (e.g. foreach on CPU, fused on CUDA), not the checkpoint's.
@@ -49,6 +49,7 @@ class MegatronOptimizer:
         self.data_parallel_group = model_chunks[0].data_parallel_group
         self.param_to_name = qualified_param_names(model_chunks)
         self.device = next(iter(self.param_to_name)).device if self.param_to_name else torch.device("cpu")
+        self._loss_scale = None  # (scale, tensor) cache for get_loss_scale
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -56,8 +57,12 @@ class MegatronOptimizer:
         return self.optimizer.param_groups
 
     def get_loss_scale(self) -> torch.Tensor:
+        # Called once per micro-batch: rebuild the (device) tensor only when the scale changed.
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-        return torch.tensor(scale, dtype=torch.float32, device=self.device)
+        cached = self._loss_scale
+        if cached is None or cached[0] != scale:
+            self._loss_scale = cached = (scale, torch.tensor(scale, dtype=torch.float32, device=self.device))
+        return cached[1]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.get_loss_scale()
@@ -251,8 +256,6 @@ def make_grad_scaler(config: OptimizerConfig):
         return None
     if config.loss_scale is not None:
         return ConstantGradScaler(config.loss_scale)
-    from .grad_scaler import DynamicGradScaler
-
     return DynamicGradScaler(
         initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
         growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
