@@ -1,16 +1,21 @@
 """Every collective megatron-lite issues, and the one place for backend quirks.
 
-All functions take a flat bucket tensor (CPU tensors with gloo, CUDA tensors with NCCL) and return a
-handle with `.wait()`; with `async_op=False` the work is done on return and the handle is a no-op.
+Tensor collectives work in place and return a handle with `.wait()`; with `async_op=False` the work is
+done on return and the handle is a no-op. On a one-rank group nothing is sent (gloo would still spend
+milliseconds copying a large bucket).
 
 Backend choices (measured with benchmarks/collectives_gloo.py, 2 gloo ranks, torch 2.13):
   * gloo's reduce-scatter costs ~2.3x an all-reduce of the same bucket (16M fp32: 145 ms vs 63 ms), so on
     gloo `reduce_scatter` all-reduces the whole bucket, which leaves the rank's shard with exactly the
     values a reduce-scatter would produce (the other shards are reduced too, which is harmless);
   * NCCL (and anything else) uses the native in-place reduce-scatter / all-gather.
+
+Observers (`observe`) see every tensor collective as it is issued, with the bytes it moves: benchmarks
+count communication through them instead of patching torch.distributed.
 """
 
-from typing import Optional
+import contextlib
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +23,8 @@ import torch.distributed as dist
 # torch 2.13 renamed the tensor-based collectives; use the new names where they exist.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
 
 
 class _Done:
@@ -37,12 +44,35 @@ def _handle(work):
     return DONE if work is None else work
 
 
+# ------------------------------------------------------------------------------------------ observers
+_observers: List[Callable[[str, torch.Tensor, int], None]] = []
+
+
+@contextlib.contextmanager
+def observe(callback: Callable[[str, torch.Tensor, int], None]):
+    """Within the context, call `callback(name, full_tensor, group_size)` for every tensor collective
+    issued, before it is issued. `name` is what actually runs ('all_reduce', 'reduce_scatter',
+    'all_gather', 'broadcast'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
+    all-gather's output). Collectives skipped on one-rank groups are not reported."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _notify(name: str, tensor: torch.Tensor, group_size: int):
+    for callback in _observers:
+        callback(name, tensor, group_size)
+
+
+# ------------------------------------------------------------------------------------------ helpers
 def backend(group: Optional[dist.ProcessGroup]) -> str:
     return str(dist.get_backend(group)).lower()
 
 
 def reduce_op(average: bool) -> dist.ReduceOp:
-    return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return AVG if average else SUM
 
 
 def shard(bucket: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -52,23 +82,27 @@ def shard(bucket: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     return bucket[rank * size:(rank + 1) * size]
 
 
-def all_reduce(bucket: torch.Tensor, group=None, average: bool = False, async_op: bool = False):
-    """In place: every rank ends with the sum (or mean) of `bucket` over the group."""
-    if dist.get_world_size(group) == 1:
-        return DONE  # nothing to exchange (gloo would still spend milliseconds on a large bucket)
-    return _handle(dist.all_reduce(bucket, op=reduce_op(average), group=group, async_op=async_op))
+# ------------------------------------------------------------------------------------------ tensors
+def all_reduce(tensor: torch.Tensor, group=None, op: dist.ReduceOp = SUM, async_op: bool = False):
+    """In place: every rank ends with the reduction (sum, mean or max) of `tensor` over the group."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return DONE
+    _notify("all_reduce", tensor, world_size)
+    return _handle(dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
-def reduce_scatter(bucket: torch.Tensor, group=None, average: bool = False, async_op: bool = False):
-    """In place: rank r's shard r of `bucket` ends with the sum (or mean) of shard r over the group.
+def reduce_scatter(bucket: torch.Tensor, group=None, op: dist.ReduceOp = SUM, async_op: bool = False):
+    """In place: rank r's shard r of `bucket` ends with the reduction of shard r over the group.
 
     The other shards are left unspecified (reduced, partially reduced or untouched, by backend).
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size == 1 or backend(group) == "gloo":
-        return all_reduce(bucket, group, average, async_op)
+        return all_reduce(bucket, group, op, async_op)
+    _notify("reduce_scatter", bucket, world_size)
     own = shard(bucket, world_size, rank)
-    return _handle(_reduce_scatter_single(own, bucket, op=reduce_op(average), group=group, async_op=async_op))
+    return _handle(_reduce_scatter_single(own, bucket, op=op, group=group, async_op=async_op))
 
 
 def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):
@@ -76,17 +110,35 @@ def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size == 1:
         return DONE
+    _notify("all_gather", bucket, world_size)
     own = shard(bucket, world_size, rank)
     return _handle(_all_gather_single(bucket, own, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, group=None, src_group_rank: int = 0, async_op: bool = False):
     """In place: every rank ends with the tensor of the group's rank `src_group_rank`."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return DONE
+    _notify("broadcast", tensor, world_size)
     src = dist.get_global_rank(group or dist.group.WORLD, src_group_rank)
     return _handle(dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
-def all_reduce_flags(flags: torch.Tensor, group=None) -> torch.Tensor:
-    """Synchronous element-wise sum of a small tensor (used to agree on error conditions)."""
-    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
-    return flags
+# ------------------------------------------------------------------------------------------ objects
+def barrier(group=None):
+    dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group=None) -> list:
+    """Every rank's `obj` (picklable), indexed by rank in the group."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, group=None, src_group_rank: int = 0) -> Any:
+    """The `obj` of the group's rank `src_group_rank`, on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group)
+    return box[0]

@@ -219,7 +219,7 @@ class DistributedDataParallel(torch.nn.Module):
         local = [(f"buffer {i} ({buf.grad_dtype}) bucket {b.bucket_id}", name)
                  for i, buf in enumerate(self.buffers) for b in buf.buckets for name in b.nonfinite_params]
         flags[self.data_parallel_rank] = float(bool(local))
-        collectives.all_reduce_flags(flags, self.data_parallel_group)
+        collectives.all_reduce(flags, self.data_parallel_group)
         bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if not bad_ranks:
             return

@@ -32,7 +32,6 @@ class Bucket:
         offset: index of the bucket's first element in the whole buffer.
         numel_unpadded: elements up to the end of the last parameter.
         data_parallel_group: the group to reduce over.
-        data_parallel_world_size, data_parallel_rank: size of and rank in that group.
         gradient_scaling_factor: applied to grad_data before the collective (1/dp unless averaging in it).
         bucket_id: index of the bucket in its buffer (used in error messages).
         param_to_name: parameter names for error messages.
@@ -47,22 +46,17 @@ class Bucket:
         offset: int,
         numel_unpadded: int,
         data_parallel_group,
-        data_parallel_world_size: int,
-        data_parallel_rank: int,
         gradient_scaling_factor: float,
         bucket_id: int = 0,
         param_to_name: Optional[Dict[torch.nn.Parameter, str]] = None,
     ):
         self.ddp_config = ddp_config
         self.params_list = params
-        self.params = set(params)
         self.param_data = param_data
         self.grad_data = grad_data
         self.offset = offset
         self.numel_unpadded = numel_unpadded
         self.data_parallel_group = data_parallel_group
-        self.data_parallel_world_size = data_parallel_world_size
-        self.data_parallel_rank = data_parallel_rank
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
         self.param_to_name = param_to_name or {}
@@ -94,17 +88,11 @@ class Bucket:
             )
 
     def mark_ready(self, index: int) -> bool:
-        """Hot path of register_grad_ready, by position in params_list, after check_accepts_grad(index);
-        returns whether the bucket is complete."""
+        """Record that params_list[index]'s gradient is final in main_grad (after check_accepts_grad(index));
+        returns whether the bucket is complete. By position, not by parameter: this is the hot path."""
         self._ready[index] = True
         self._num_ready += 1
         return self._num_ready == len(self._ready)
-
-    def register_grad_ready(self, param) -> bool:
-        """Record that `param`'s gradient is final in main_grad; returns whether the bucket is complete."""
-        index = next(i for i, p in enumerate(self.params_list) if p is param)
-        self.check_accepts_grad(index)
-        return self.mark_ready(index)
 
     def is_ready(self) -> bool:
         return self._num_ready == len(self._ready)
@@ -125,7 +113,7 @@ class Bucket:
         self.communication_handle = collective(
             self.grad_data,
             group=self.data_parallel_group,
-            average=self.ddp_config.average_in_collective,
+            op=collectives.reduce_op(self.ddp_config.average_in_collective),
             async_op=self.ddp_config.overlap_grad_reduce,
         )
 
@@ -195,10 +183,8 @@ class ParamAndGradBuffer:
             pad_buckets_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
             shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
         )
-        self.layout = layout
         self.numel = layout.numel
         self.numel_unpadded = layout.numel_unpadded
-        self.bucket_indices = [(b.start, b.end) for b in layout.buckets]
 
         # Padding stays zero forever: main_grad views never cover it and the collectives only sum zeros.
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
@@ -226,8 +212,6 @@ class ParamAndGradBuffer:
                     offset=b.start,
                     numel_unpadded=b.numel_unpadded,
                     data_parallel_group=data_parallel_group,
-                    data_parallel_world_size=self.data_parallel_world_size,
-                    data_parallel_rank=self.data_parallel_rank,
                     gradient_scaling_factor=gradient_scaling_factor,
                     bucket_id=bucket_id,
                     param_to_name=param_to_name,

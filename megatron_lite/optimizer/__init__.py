@@ -6,9 +6,7 @@ import torch
 
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
-from .optimizer import (
-    FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer, make_grad_scaler, qualified_param_names,
-)
+from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer, make_grad_scaler
 from .optimizer_config import OptimizerConfig
 
 __all__ = [
@@ -94,8 +92,5 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     grad_scaler = make_grad_scaler(config)
     if config.use_distributed_optimizer:
         return DistributedOptimizer(make_inner, config, model_chunks, groups, grad_scaler)
-    if config.fp16 or config.bf16:
-        main_for = {p: torch.nn.Parameter(p.detach().float().clone()) for p in qualified_param_names(model_chunks)}
-        main_groups = [{**g, "params": [main_for[p] for p in g["params"]]} for g in groups]
-        return Float16OptimizerWithFloat16Params(make_inner(main_groups), config, model_chunks, grad_scaler, main_for)
-    return FP32Optimizer(make_inner(groups), config, model_chunks)
+    cls = Float16OptimizerWithFloat16Params if config.fp16 or config.bf16 else FP32Optimizer
+    return cls(make_inner, config, model_chunks, groups, grad_scaler)

@@ -5,6 +5,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed import collectives
+
 
 def get_grad_norm_fp32(grads: List[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
                        sharded: bool = False, device=None) -> torch.Tensor:
@@ -22,7 +24,7 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], group: Optional[dist.ProcessGr
             return torch.zeros((), device=device)
         return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2)
     total_sq = torch.stack([n.float() for n in norms]).square().sum() if norms else torch.zeros((), device=device)
-    dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=group)
+    collectives.all_reduce(total_sq, group)
     return total_sq.sqrt()
 
 
@@ -39,5 +41,5 @@ def count_zeros_fp32(grads: List[torch.Tensor], group: Optional[dist.ProcessGrou
     device = grads[0].device if grads else device
     zeros = sum((g.numel() - torch.count_nonzero(g) for g in grads), torch.zeros((), dtype=torch.int64, device=device))
     if sharded:
-        dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(zeros, group)
     return int(zeros.item())

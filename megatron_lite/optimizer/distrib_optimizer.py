@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from ..distributed import collectives
-from .optimizer import STATE_KEYS, MegatronOptimizer
+from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, main_param
 
 
 @dataclass
@@ -72,11 +71,7 @@ class DistributedOptimizer(MegatronOptimizer):
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in model_param_groups]
         self.main_of: Dict[int, torch.Tensor] = {}  # index into self.shards -> main shard
         for i, s in enumerate(self.shards):
-            if s.model_param.dtype == torch.float32:
-                # fp32 params: the main shard *is* the param buffer slice; the update lands in place.
-                main = torch.nn.Parameter(s.buffer.param_data[s.buffer_start:s.buffer_end])
-            else:
-                main = torch.nn.Parameter(s.buffer.param_data[s.buffer_start:s.buffer_end].detach().float().clone())
+            main = main_param(s.buffer.param_data[s.buffer_start:s.buffer_end])  # fp32: the buffer slice itself
             self.main_of[i] = main
             groups[group_of[s.model_param]]["params"].append(main)
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
@@ -97,9 +92,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _copy_main_params_to_model_params(self):
         for i, s in enumerate(self.shards):
-            main = self.main_of[i]
-            if s.model_param.dtype != torch.float32:
-                s.buffer.param_data[s.buffer_start:s.buffer_end].copy_(main)
+            copy_main_to_model(self.main_of[i], s.buffer.param_data[s.buffer_start:s.buffer_end])
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
@@ -135,7 +128,7 @@ class DistributedOptimizer(MegatronOptimizer):
         # Every shard is stepped together, so one step count (agreed over ranks) serves all params.
         local_steps = [self._state_of(m).get("step") for m in self.main_of.values()]
         step = torch.tensor(max([int(s.item()) for s in local_steps if s is not None] + [0]), device=self.device)
-        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+        collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
         out = {}
         for chunk in self.model_chunks:
             for buffer in chunk.buffers:

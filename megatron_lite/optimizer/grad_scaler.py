@@ -9,10 +9,6 @@ class ConstantGradScaler:
     def __init__(self, scale: float):
         self.scale = float(scale)
 
-    @property
-    def inv_scale(self) -> float:
-        return 1.0 / self.scale
-
     def update(self, found_inf: bool):
         pass
 

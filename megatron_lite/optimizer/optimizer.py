@@ -13,8 +13,8 @@ on the data-parallel size, the bucket layout or which of the three optimizers wr
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import collectives
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer_config import OptimizerConfig
@@ -105,7 +105,7 @@ class MegatronOptimizer:
             inv_scale = torch.tensor(1.0 / self.grad_scaler.scale, dtype=torch.float32, device=self.device)
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
         # Every rank must make the same skip decision (an overflow may sit in one rank's shard only).
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+        collectives.all_reduce(found_inf, self.data_parallel_group, op=collectives.MAX)
         return bool(found_inf.item() > 0)
 
     # ------------------------------------------------------------------ subclass hooks
@@ -177,9 +177,28 @@ class MegatronOptimizer:
 
 
 class _FullParamOptimizer(MegatronOptimizer):
-    """Every rank holds full main params; `main_for[model_param]` is the tensor the inner optimizer steps."""
+    """Every rank holds full main params: `main_for[model_param]` is the tensor the inner optimizer steps.
 
-    main_for: Dict[torch.nn.Parameter, torch.Tensor]
+    Args:
+        make_inner: callable(list of param-group dicts over main params) -> inner torch optimizer.
+        config, model_chunks, grad_scaler: as MegatronOptimizer.
+        model_param_groups: param-group dicts over *model* params (weight-decay split etc.).
+    """
+
+    def __init__(self, make_inner, config, model_chunks, model_param_groups, grad_scaler):
+        # Registration order, as torch's clip_grad_norm_ sees the parameters (bit-exact norms).
+        self.main_for = {p: main_param(p) for p in qualified_param_names(model_chunks)}
+        groups = [{**g, "params": [self.main_for[p] for p in g["params"]]} for g in model_param_groups]
+        super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
+
+    def _copy_model_grads_to_main_grads(self):
+        for model_param, main in self.main_for.items():
+            main.grad = model_param.main_grad.float()  # fp32 main_grad: .float() is the same tensor
+        return [main.grad for main in self.main_for.values()]
+
+    def _copy_main_params_to_model_params(self):
+        for model_param, main in self.main_for.items():
+            copy_main_to_model(main, model_param.data)
 
     def _full_main_state(self):
         out = {}
@@ -204,41 +223,25 @@ class _FullParamOptimizer(MegatronOptimizer):
 
 
 class FP32Optimizer(_FullParamOptimizer):
-    """fp32 params: the inner optimizer steps the model params directly, with grad = main_grad (alias)."""
-
-    def __init__(self, optimizer, config, model_chunks):
-        super().__init__(optimizer, config, model_chunks, grad_scaler=None)
-        self.main_for = {p: p for p in self.param_to_name}  # registration order, as torch's clip_grad_norm_
-
-    def _copy_model_grads_to_main_grads(self):
-        for p in self.main_for:
-            p.grad = p.main_grad
-        return [p.grad for p in self.main_for]
-
-    def _copy_main_params_to_model_params(self):
-        pass
+    """fp32 params: the inner optimizer steps the model params themselves, with grad = main_grad (an alias)."""
 
 
 class Float16OptimizerWithFloat16Params(_FullParamOptimizer):
-    """fp16/bf16 params with fp32 main params (full copies) held by the inner optimizer.
+    """fp16/bf16 params with full fp32 main copies held by the inner optimizer; step() casts them back."""
 
-    Args:
-        optimizer: inner optimizer built over the fp32 main params.
-        main_for: model param -> its fp32 main param.
-    """
 
-    def __init__(self, optimizer, config, model_chunks, grad_scaler, main_for):
-        super().__init__(optimizer, config, model_chunks, grad_scaler)
-        self.main_for = main_for
+def main_param(model_data: torch.Tensor) -> torch.nn.Parameter:
+    """The fp32 tensor the inner optimizer steps for `model_data` (a parameter, or a rank's shard of a
+    param buffer): fp32 data itself, so the update lands in the model in place; else an fp32 copy."""
+    if model_data.dtype == torch.float32:
+        return model_data if isinstance(model_data, torch.nn.Parameter) else torch.nn.Parameter(model_data)
+    return torch.nn.Parameter(model_data.detach().float())  # .float() of another dtype is a new tensor
 
-    def _copy_model_grads_to_main_grads(self):
-        for model_param, main in self.main_for.items():
-            main.grad = model_param.main_grad.float()
-        return [main.grad for main in self.main_for.values()]
 
-    def _copy_main_params_to_model_params(self):
-        for model_param, main in self.main_for.items():
-            model_param.data.copy_(main)
+def copy_main_to_model(main: torch.Tensor, model_data: torch.Tensor):
+    """Write an updated main param back into the model (a cast); nothing to do when it is the model's data."""
+    if model_data.dtype != torch.float32:
+        model_data.copy_(main)
 
 
 def qualified_param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
