@@ -4,6 +4,10 @@
 
 With no data flags it trains a tiny GPT on the built-in corpus (documentation text of the Python standard
 library, tokenized byte-level and cached under data/cache on first use). `--help` lists every flag.
+
+This file holds what is GPT-specific, as Megatron-LM's pretrain_gpt.py does: the model, the datasets and
+the forward step with its loss. The generic loop (initialisation, DDP and the optimizer, logging,
+evaluation, checkpoints) is megatron_lite.training.pretrain.
 """
 
 import os
@@ -11,19 +15,73 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a checkout without installing
 
-from megatron_lite.training import parse_args, pretrain  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_lite.data import build_gpt_datasets, ensure_builtin_dataset  # noqa: E402
+from megatron_lite.distributed import collectives  # noqa: E402
+from megatron_lite.models import GPTModel, num_floating_point_operations  # noqa: E402
+from megatron_lite.training import gpt_config_from_args, parse_args, pretrain, print_rank_0  # noqa: E402
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    try:
-        pretrain(args)
-    finally:
-        import torch.distributed as dist
+def model_provider(args) -> GPTModel:
+    """The GPT of the architecture flags, created in the params dtype (DDP's buffers take that dtype)."""
+    config = gpt_config_from_args(args, args.padded_vocab_size)
+    print_rank_0(f"> building GPT model: {config.num_layers} layers, hidden {config.hidden_size}, "
+                 f"{config.num_attention_heads} heads, vocab {config.vocab_size}")
+    return GPTModel(config)
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def train_valid_test_datasets_provider(args, tokenizer):
+    """--mock-data, --data-path, or the built-in corpus (built once by rank 0 while the others wait)."""
+    data_prefix = args.data_path
+    if not args.mock_data and data_prefix is None:
+        if torch.distributed.get_rank() == 0:
+            ensure_builtin_dataset(args.data_cache_path, tokenizer)
+        collectives.barrier()
+        data_prefix = ensure_builtin_dataset(args.data_cache_path, tokenizer)
+    train_ds, valid_ds = build_gpt_datasets(data_prefix, args.mock_data, args.split, args.seq_length, args.seed,
+                                            tokenizer)
+    return train_ds, valid_ds, None  # the test split is not used
+
+
+def get_batch(data_iterator, model):
+    """The next micro-batch on the model's device; token ids must fit the model's vocabulary."""
+    batch = next(data_iterator)
+    vocab = model.module.config.vocab_size
+    largest = max(int(batch["tokens"].max()), int(batch["labels"].max()))  # CPU copies: no device sync
+    if largest >= vocab:
+        raise ValueError(f"the dataset holds token id {largest} >= the model's vocabulary "
+                         f"({vocab}): was it preprocessed with another --tokenizer-type?")
+    device = model.module.word_embeddings.weight.device
+    return batch["tokens"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+
+
+def loss_func(output_tensor: torch.Tensor):
+    """Mean cross-entropy over the micro-batch's tokens (in fp32), and the value to report as 'lm loss'."""
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """Forward one micro-batch; the model returns per-token losses when given labels."""
+    tokens, labels = get_batch(data_iterator, model)
+    return model(tokens, labels=labels), loss_func
+
+
+def flops_per_iteration(args) -> float:
+    return num_floating_point_operations(gpt_config_from_args(args, args.padded_vocab_size),
+                                         args.global_batch_size, args.seq_length)
+
+
+def main(argv=None, world_size=None) -> dict:
+    """Parse `argv` (default: the command line) and train; returns pretrain()'s summary."""
+    args = parse_args(argv, world_size)
+    return pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step, flops_per_iteration)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

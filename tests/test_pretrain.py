@@ -22,12 +22,15 @@ def data_cache(tmp_path_factory):
 
 
 def _pretrain_worker(argv):
+    """pretrain_gpt.main on this rank of the pool; returns {iteration: lm loss}."""
     import torch.distributed as dist
 
-    from megatron_lite.training import parse_args, pretrain
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
 
-    result = pretrain(parse_args(argv, world_size=dist.get_world_size()))
-    return result["losses"]
+    result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
+    return {iteration: reported["lm loss"] for iteration, reported in result["losses"].items()}
 
 
 def _model_state(save_dir):

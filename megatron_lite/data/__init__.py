@@ -1,7 +1,8 @@
 """Data: tokenizers, the indexed token dataset, GPT samples and the built-in corpus.
 
 Text -> `tools/preprocess_data.py` (a tokenizer) -> PREFIX.bin/.idx (`IndexedDataset`) ->
-`GPTDataset` (windows of seq_length + 1 tokens, shuffled per epoch) -> `get_batch_for_rank`.
+`GPTDataset` (windows of seq_length + 1 tokens, shuffled per epoch) -> `get_batch_for_rank` /
+`micro_batch_iterator`.
 """
 
 from .corpus import builtin_corpus_documents, ensure_builtin_dataset, write_builtin_dataset
@@ -10,6 +11,7 @@ from .gpt_dataset import (
     MockGPTDataset,
     build_gpt_datasets,
     get_batch_for_rank,
+    micro_batch_iterator,
     split_documents,
 )
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -19,5 +21,5 @@ __all__ = [
     "build_tokenizer",
     "IndexedDataset", "IndexedDatasetBuilder",
     "builtin_corpus_documents", "write_builtin_dataset", "ensure_builtin_dataset",
-    "split_documents", "GPTDataset", "MockGPTDataset", "get_batch_for_rank", "build_gpt_datasets",
+    "split_documents", "GPTDataset", "MockGPTDataset", "get_batch_for_rank", "micro_batch_iterator", "build_gpt_datasets",
 ]

@@ -15,7 +15,7 @@ in order, each micro-step taking the next mbs x dp of them, so the samples in a 
 depend on the data-parallel size.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -186,6 +186,15 @@ def get_batch_for_rank(dataset, consumed_samples: int, micro_batch_size: int, da
     start = consumed_samples + data_parallel_rank * micro_batch_size
     samples = [dataset[start + j] for j in range(micro_batch_size)]
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                        data_parallel_size: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """This rank's micro-batches, one micro-step after another, from global sample `consumed_samples` on
+    (the data iterator of Megatron's pretraining sampler; see get_batch_for_rank)."""
+    while True:
+        yield get_batch_for_rank(dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        consumed_samples += micro_batch_size * data_parallel_size
 
 
 def build_gpt_datasets(data_prefix: Optional[str], mock: bool, split: str, seq_length: int, seed: int,

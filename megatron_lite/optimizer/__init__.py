@@ -10,7 +10,7 @@ from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, Megatro
 from .optimizer_config import OptimizerConfig
 
 __all__ = [
-    "OptimizerConfig", "get_megatron_optimizer", "MegatronOptimizer", "FP32Optimizer",
+    "OptimizerConfig", "get_megatron_optimizer", "check_optimizer_matches_ddp", "MegatronOptimizer", "FP32Optimizer",
     "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
 ]
 
@@ -58,6 +58,21 @@ def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
     return make
 
 
+def check_optimizer_matches_ddp(config: OptimizerConfig, ddp_config) -> None:
+    """Raise ValueError when an OptimizerConfig cannot drive a model wrapped with `ddp_config`."""
+    if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+        raise ValueError(
+            f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "
+            f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
+            f"{ddp_config.use_distributed_optimizer}: set both the same"
+        )
+    if config.fp16 and ddp_config.check_for_nan_in_grad:
+        raise ValueError(
+            "check_for_nan_in_grad=True rejects Inf gradients, which fp16=True loss scaling produces on purpose "
+            "(and then skips the step): use one or the other"
+        )
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOptimizer:
     """Build the optimizer for DDP-wrapped `model_chunks` (one DistributedDataParallel or a list).
 
@@ -74,12 +89,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     if not model_chunks or not all(isinstance(c, DistributedDataParallel) for c in model_chunks):
         raise TypeError("model_chunks must be megatron_lite DistributedDataParallel modules (main_grad lives there)")
     for chunk in model_chunks:
-        if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
-            raise ValueError(
-                f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "
-                f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
-                f"{chunk.ddp_config.use_distributed_optimizer}: set both the same"
-            )
+        check_optimizer_matches_ddp(config, chunk.ddp_config)
         for param, name in chunk.param_to_name.items():
             if param.dtype != config.params_dtype:
                 raise ValueError(

@@ -1,9 +1,24 @@
-"""GPT pre-training: arguments, LR schedule, checkpoints and the training loop (used by pretrain_gpt.py)."""
+"""Pre-training (mirrors megatron.training): the generic loop that pretrain_gpt.py hands its providers to.
 
-from .arguments import build_parser, parse_args, validate_args
+    arguments.py      the command line and the one mapping from flags to the configs
+    initialize.py     process group and device (initialize_distributed), seed, tokenizer
+    training.py       pretrain(), setup_model_and_optimizer, train_step, evaluate
+    metrics.py        the log line, JSONL / TensorBoard records, MFU
+    checkpointing.py  atomic, data-parallel-size-independent save_checkpoint / load_checkpoint
+    scheduler.py      OptimizerParamScheduler
+"""
+
+from .arguments import (
+    build_parser, ddp_config_from_args, gpt_config_from_args, optimizer_config_from_args, parse_args, validate_args,
+)
 from .checkpointing import load_checkpoint, save_checkpoint
+from .initialize import initialize_distributed, initialize_megatron
+from .metrics import print_rank_0
 from .scheduler import OptimizerParamScheduler
-from .training import pretrain
+from .training import evaluate, pretrain, setup_model_and_optimizer, train_step
 
-__all__ = ["build_parser", "parse_args", "validate_args", "pretrain", "save_checkpoint", "load_checkpoint",
-           "OptimizerParamScheduler"]
+__all__ = [
+    "build_parser", "parse_args", "validate_args", "ddp_config_from_args", "optimizer_config_from_args",
+    "gpt_config_from_args", "initialize_distributed", "initialize_megatron", "pretrain", "setup_model_and_optimizer",
+    "train_step", "evaluate", "print_rank_0", "save_checkpoint", "load_checkpoint", "OptimizerParamScheduler",
+]

@@ -23,11 +23,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..distributed import collectives
+
 _serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 1
+# The run's arguments stored in a checkpoint and compared on load (Megatron's check_checkpoint_args).
+ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
+                     "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings")
+
+
+def checkpoint_args(args) -> dict:
+    """The plain-data part of `args` a checkpoint records: the architecture."""
+    return {k: getattr(args, k) for k in ARCHITECTURE_ARGS}
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -96,8 +106,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     """
     model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     optimizer_state = optimizer.state_dict()
-    rng_states = [None] * dist.get_world_size(group)
-    dist.all_gather_object(rng_states, get_rng_state(), group=group)
+    rng_states = collectives.all_gather_object(get_rng_state(), group)
     error = None
     if dist.get_rank(group) == 0:
         try:
@@ -113,12 +122,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
             })
         except BaseException as e:  # tell the other ranks instead of leaving them waiting
             error = e
-    status = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(status, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    status = collectives.broadcast_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
         raise error
-    if status[0] is not None:
-        raise RuntimeError(f"saving checkpoint {iteration} failed on rank 0: {status[0]}")
+    if status is not None:
+        raise RuntimeError(f"saving checkpoint {iteration} failed on rank 0: {status}")
 
 
 def _write_checkpoint(root: str, iteration: int, payload: dict):

@@ -3,6 +3,14 @@
 import math
 
 
+def check_schedule(lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str):
+    """Raise ValueError unless 0 <= lr_warmup_steps <= lr_decay_steps and the decay style is known."""
+    if lr_decay_style not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {lr_decay_style!r}")
+    if not 0 <= lr_warmup_steps <= lr_decay_steps:
+        raise ValueError(f"lr_warmup_steps ({lr_warmup_steps}) must be in [0, lr_decay_steps ({lr_decay_steps})]")
+
+
 class OptimizerParamScheduler:
     """Linear warmup from 0 to `max_lr`, then constant / linear / cosine decay to `min_lr`.
 
@@ -18,10 +26,7 @@ class OptimizerParamScheduler:
     """
 
     def __init__(self, optimizer, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style):
-        if lr_decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {lr_decay_style!r}")
-        if lr_decay_steps < lr_warmup_steps:
-            raise ValueError(f"lr_decay_steps ({lr_decay_steps}) must be >= lr_warmup_steps ({lr_warmup_steps})")
+        check_schedule(lr_warmup_steps, lr_decay_steps, lr_decay_style)
         self.optimizer = optimizer
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         self.lr_warmup_steps, self.lr_decay_steps = int(lr_warmup_steps), int(lr_decay_steps)

@@ -1,0 +1,70 @@
+"""Start-up: the process group and this rank's device, the seed, the tokenizer.
+
+`initialize_distributed` is the one process-group helper of the project: pretrain_gpt.py, the examples,
+the benchmarks' launcher and the tests' rank pool all join their group through it.
+"""
+
+import datetime
+import os
+import tempfile
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..data import build_tokenizer
+
+
+def initialize_distributed(backend: Optional[str] = None, device: Optional[str] = None,
+                           timeout_minutes: float = 10.0, rank: Optional[int] = None,
+                           world_size: Optional[int] = None, init_method: Optional[str] = None) -> torch.device:
+    """Join (or create) the default process group; returns this rank's device.
+
+    Args:
+        backend: 'gloo' or 'nccl' (default: nccl on CUDA, else gloo).
+        device: 'cuda' or 'cpu' (default: cuda when available). On CUDA the rank takes GPU LOCAL_RANK
+            (torchrun), else `rank` modulo the number of GPUs.
+        timeout_minutes: a collective waiting longer than this fails instead of hanging.
+        rank, world_size, init_method: an explicit rendezvous (e.g. file:// for spawned ranks). Without
+            one: torchrun's env:// when RANK and WORLD_SIZE are set, else a world of one.
+    An existing default group is kept as it is (only the device is chosen).
+    """
+    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count()
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if init_method is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)  # torchrun's env://
+        else:
+            if init_method is None:  # a plain `python script.py`: a world of one, file rendezvous (no port)
+                init_file = tempfile.NamedTemporaryFile(prefix="mlite_init_", delete=False).name
+                os.remove(init_file)
+                init_method, rank, world_size = f"file://{init_file}", 0, 1
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def vocab_size_with_padding(vocab_size: int, divisor: int = 128) -> int:
+    """Megatron pads the embedding table to a multiple of 128 rows for fast matmuls (257 -> 384)."""
+    return -(-vocab_size // divisor) * divisor
+
+
+def initialize_megatron(args) -> Tuple[torch.device, object]:
+    """pretrain()'s start-up: process group and device, the seed of the identical initial replicas, the
+    tokenizer. Sets `args.padded_vocab_size` (the one value known only once the tokenizer is built).
+
+    Returns:
+        (device, tokenizer)
+    """
+    device = initialize_distributed(args.distributed_backend, args.device, args.distributed_timeout_minutes)
+    if dist.get_world_size() != args.data_parallel_size:
+        raise ValueError(f"arguments were validated for {args.data_parallel_size} ranks, the group has "
+                         f"{dist.get_world_size()}")
+    torch.manual_seed(args.seed)  # identical initial replicas on every rank
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size)
+    args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size)
+    return device, tokenizer
