@@ -10,7 +10,6 @@ training step (zero_grad_buffer, no_sync micro-batches, finish_grad_sync, optimi
 
 import argparse
 import contextlib
-import datetime
 import os
 import time
 
@@ -21,12 +20,19 @@ import torch.nn.functional as F
 from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
+from megatron_lite.optimizer import check_optimizer_matches_ddp
+from megatron_lite.training import initialize_distributed
+from megatron_lite.training.arguments import (
+    DDP_FLAGS, OPTIMIZER_FLAGS, add_config_arguments, ddp_config_from_args, flag_error_message,
+    optimizer_config_from_args,
+)
 
 VOCAB, CONTEXT, SEQ_LEN, NUM_SEQUENCES = 32, 2, 32, 8192
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per micro-batch per rank")
     g.add_argument("--global-batch-size", type=int, default=128,
@@ -35,54 +41,30 @@ def parse_args():
     g.add_argument("--train-iters", type=int, default=200, help="iterations to train")
     g.add_argument("--log-interval", type=int, default=20, help="rank 0 prints a log line every this many iterations")
     g.add_argument("--seed", type=int, default=1234, help="seeds data and model, identically on every rank")
-    g = p.add_argument_group("OptimizerConfig (Megatron's flag -> config field; optimizer='adam', i.e. AdamW)")
-    g.add_argument("--lr", type=float, default=1e-2, help="lr: learning rate (constant, no schedule)")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="weight_decay (none on biases, 1-D params)")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="clip_grad: max global L2 grad norm; 0 disables")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="adam_beta1")
-    g.add_argument("--adam-beta2", type=float, default=0.999, help="adam_beta2")
-    m = g.add_mutually_exclusive_group()
-    m.add_argument("--bf16", action="store_true",
-                   help="bf16: bf16 params, fp32 main params; implies --accumulate-allreduce-grads-in-fp32")
-    m.add_argument("--fp16", action="store_true", help="fp16: fp16 params, fp32 main params, loss scaling")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="loss_scale: constant loss scale (--fp16 only); default: dynamic loss scaling")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="use_distributed_optimizer (both configs): ZeRO-1, i.e. main params and Adam state sharded "
-                        "over data-parallel ranks, gradients reduce-scattered, parameters all-gathered")
+    # The configs' own flags, generated from their fields (Megatron's spelling, help = the field's docstring):
+    # the same mapping pretrain_gpt.py uses, so every rule is checked once, by the config.
+    g = p.add_argument_group("OptimizerConfig (optimizer='adam', i.e. AdamW; constant learning rate)")
+    fields = ("lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "bf16", "fp16", "loss_scale")
+    add_config_arguments(g, OptimizerConfig, {k: OPTIMIZER_FLAGS[k] for k in fields}, defaults=dict(lr=1e-2))
+    add_config_arguments(p.add_argument_group("DistributedDataParallelConfig"), DistributedDataParallelConfig,
+                         DDP_FLAGS)
     g = p.add_argument_group("distributed")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo (CPU)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, help="timeout of init and of collectives")
-    g = p.add_argument_group("DistributedDataParallelConfig (Megatron's flag -> config field)")
-    g.add_argument("--overlap-grad-reduce", action="store_true", help="overlap_grad_reduce: communicate in backward")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="overlap_param_gather: all-gather updated params in the next forward, not in "
-                        "optimizer.step() (requires --use-distributed-optimizer)")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="bucket_size in elements (default: max(40M, 1M x dp), i.e. one bucket for this model); "
-                        "only used with --overlap-grad-reduce, without it there is always one bucket")
-    g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="average_in_collective: ReduceOp.AVG instead of pre-scaling by 1/dp and summing")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="grad_reduce_in_fp32: keep and reduce main_grad in fp32 (implied by --bf16)")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="check_for_nan_in_grad, and check the loss too; all ranks raise together")
     args = p.parse_args()
-    for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "ddp_bucket_size"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
+    for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
+        if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        p.error("--overlap-param-gather requires --use-distributed-optimizer (only it all-gathers parameters)")
-    if args.loss_scale is not None and not args.fp16:
-        p.error("--loss-scale only applies with --fp16")
-    if args.fp16 and args.check_for_nan_in_loss_and_grad:  # megatron_lite's check also rejects Inf, unlike Megatron's
-        p.error("--check-for-nan-in-loss-and-grad raises on the Inf gradients that --fp16 loss scaling skips")
-    args.accumulate_allreduce_grads_in_fp32 |= args.bf16  # as Megatron does for bf16
     args.dp = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; all ranks are data-parallel
     if args.global_batch_size % (args.micro_batch_size * args.dp):
         p.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                 f"{args.micro_batch_size} x data-parallel size {args.dp}")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.dp)
+    try:
+        args.ddp_config, args.optimizer_config = ddp_config_from_args(args), optimizer_config_from_args(args)
+        check_optimizer_matches_ddp(args.optimizer_config, args.ddp_config)
+    except ValueError as e:
+        p.error(flag_error_message(e))
     return args
 
 
@@ -117,16 +99,9 @@ class CharMLP(torch.nn.Module):
 
 def main():
     args = parse_args()
-    if "RANK" not in os.environ:  # plain `python examples/train_ddp_cpu.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    # torchrun's env:// group, or a world of one for a plain `python examples/train_ddp_cpu.py`.
+    device = initialize_distributed(backend, "cuda" if backend == "nccl" else "cpu", args.distributed_timeout_minutes)
     rank, dp = dist.get_rank(), dist.get_world_size()
     assert dp == args.dp, "WORLD_SIZE changed between argument checks and init_process_group"
 
@@ -134,20 +109,10 @@ def main():
     data = make_dataset(args.seed).to(device)
     order = torch.randperm(NUM_SEQUENCES, generator=torch.Generator().manual_seed(args.seed)).to(device)
     torch.manual_seed(args.seed)
-    params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32, overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
-    )
+    ddp_config, opt_config = args.ddp_config, args.optimizer_config
+    params_dtype = opt_config.params_dtype
     # The model lives in params_dtype before wrapping: DDP's buffers take the dtypes they find.
     model = DistributedDataParallel(CharMLP().to(device=device, dtype=params_dtype), ddp_config)
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
-        params_dtype=params_dtype, loss_scale=args.loss_scale, use_distributed_optimizer=args.use_distributed_optimizer,
-    )
     optimizer = get_megatron_optimizer(opt_config, [model])
     if rank == 0:
         print(f"> data-parallel size {dp} ({backend}), {sum(p.numel() for p in model.parameters())} {params_dtype} "
@@ -176,7 +141,7 @@ def main():
                 optimizer.scale_loss(loss).backward()  # x loss scale (fp16), else x 1
             iteration_loss += loss.detach()  # unscaled
         model.finish_grad_sync()  # main_grad: the data-parallel mean (distributed optimizer: in own shard only)
-        if args.check_for_nan_in_loss_and_grad:  # a collective, so that every rank raises together
+        if ddp_config.check_for_nan_in_grad:  # a collective, so that every rank raises together
             bad = torch.tensor([float(not torch.isfinite(iteration_loss))], device=device)
             dist.all_reduce(bad)
             if bad.item():
