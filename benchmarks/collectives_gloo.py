@@ -10,15 +10,16 @@ all-reduce of the same bucket, measured in the same run (results: docs/ddp_buffe
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from launch import launch_gloo, world_size  # noqa: E402  (benchmarks/launch.py)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
+from launch import launch, world_size  # noqa: E402
+from timing import alternate  # noqa: E402
+
 from megatron_lite.distributed import collectives  # noqa: E402
 
 # torch 2.13 names first, older names as fallback (same choice as megatron_lite.distributed.collectives).
@@ -62,27 +63,23 @@ def check(world: int, rank: int):
         assert torch.equal(got, want), f"{name} on rank {rank}: {got.tolist()} != {want.tolist()}"
 
 
-def benchmark(args, world: int, rank: int):
+def benchmark(args, rank: int, world: int, device):
     check(world, rank)
     rows = []
     for size in args.sizes:
         bucket = torch.empty(size, dtype=torch.float32)
-        ops = make_ops(bucket, world, rank)
-        names = list(ops)
-        times = torch.zeros(len(names), args.iters)
-        for it in range(-args.warmup, args.iters):
-            shift = it % len(names)
-            for i in range(shift, shift + len(names)):
-                k = i % len(names)
-                bucket.fill_(1.0)  # same values every time: no overflow, no denormals
-                dist.barrier()
-                start = time.perf_counter()
-                ops[names[k]]()
-                if it >= 0:
-                    times[k, it] = time.perf_counter() - start
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
-        medians = [statistics.median(times[k].tolist()) * 1e3 for k in range(len(names))]
-        rows += [(size, name, ms, ms / medians[0]) for name, ms in zip(names, medians)]
+        ops = list(make_ops(bucket, world, rank).items())
+
+        def refill(k):  # the same values every time: no overflow, no denormals
+            bucket.fill_(1.0)
+            return ()
+
+        def run(k):
+            ops[k][1]()
+
+        timings = alternate(run, len(ops), args.iters, warmup=args.warmup, prepare=refill)
+        medians = [timings.median_ms(k) for k in range(len(ops))]
+        rows += [(size, name, ms, ms / medians[0]) for (name, _), ms in zip(ops, medians)]
     if rank == 0:
         print(f"gloo, {world} ranks, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} CPUs, "
               f"fp32, median of {args.iters} iterations ({args.warmup} warm-up)\n")
@@ -104,7 +101,7 @@ def main():
     world = world_size(args.world_size)
     if any(size % world for size in args.sizes):
         parser.error(f"--sizes must be multiples of the world size ({world})")
-    launch_gloo(benchmark, args, world)
+    launch(benchmark, args, world, cpu=True, threads_per_rank=1)
 
 
 if __name__ == "__main__":

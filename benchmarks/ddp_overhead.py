@@ -12,14 +12,15 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
+from launch import launch  # noqa: E402
+
 from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 
 
@@ -30,9 +31,10 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=50, help="timed steps per variant per repeat")
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    launch(benchmark, p.parse_args(), 1, cpu=True, threads_per_rank=1)  # a world of one, in this process
+
+
+def benchmark(args, rank, world, device):
 
     def model():
         torch.manual_seed(0)
@@ -73,7 +75,6 @@ def main():
     for name in names:
         t = p10(cpu[name])
         print(f"{name:28s} {t * 1e3:8.3f} {t / base:7.2f}x {(t - base) / n_params * 1e6:20.2f}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
-"""Run a benchmark on every rank: under torchrun (env:// rendezvous), or by spawning local gloo ranks.
+"""Run a benchmark on every rank: under torchrun, by spawning local ranks, or in this process for one rank.
 
-Every multi-rank benchmark here is written as `run(rank, args, world_size, init_method)`; `launch` calls
-it once per rank either way, so `torchrun --nproc-per-node 2 benchmarks/X.py` and `python benchmarks/X.py`
-behave the same. CPU-only benchmarks just write `benchmark(args, world, rank)` and call `launch_gloo`.
+Every benchmark here is written as `benchmark(args, rank, world_size, device)`; `launch` calls it once per
+rank inside a process group joined through megatron_lite's `initialize_distributed`, so
+`torchrun --nproc-per-node 2 benchmarks/X.py` and `python benchmarks/X.py` behave the same. Ranks use one
+GPU each when there are enough GPUs (NCCL), else the CPU (gloo) with the cores split between them.
 """
 
 import os
 import tempfile
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_lite.training import initialize_distributed
 
 
 def world_size(default: int) -> int:
@@ -18,24 +22,33 @@ def world_size(default: int) -> int:
     return int(os.environ.get("WORLD_SIZE", default))
 
 
-def launch(run, args, world: int):
-    if "RANK" in os.environ:  # torchrun: this process is one rank
-        run(int(os.environ["RANK"]), args, world, "env://")
-        return
-    with tempfile.TemporaryDirectory(prefix="mlite_bench_") as tmp:  # file:// rendezvous: no port races
-        mp.spawn(run, args=(args, world, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
-
-
-def _gloo_rank(rank: int, benchmark_and_args, world: int, init_method: str):
-    benchmark, args = benchmark_and_args
-    torch.set_num_threads(1)  # 2 cores, 2 ranks: more threads per rank only oversubscribe
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+def _rank(rank: int, benchmark: Callable, args, world: int, init_method: Optional[str], cpu: bool,
+          threads_per_rank: Optional[int]):
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cuda = not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if not cuda:  # ranks on one machine share its cores: more threads per rank only oversubscribe
+        torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world))
+    device = initialize_distributed(device="cuda" if cuda else "cpu", rank=rank, world_size=world,
+                                    init_method=init_method)
     try:
-        benchmark(args, world, rank)
+        benchmark(args, rank, world, device)
     finally:
         dist.destroy_process_group()
 
 
-def launch_gloo(benchmark, args, world: int):
-    """launch() for CPU benchmarks: a gloo group, one thread per rank, around benchmark(args, world, rank)."""
-    launch(_gloo_rank, (benchmark, args), world)
+def launch(benchmark: Callable, args, world: int, cpu: bool = False, threads_per_rank: Optional[int] = None):
+    """Call benchmark(args, rank, world, device) on every rank (see the module docstring).
+
+    Args:
+        world: ranks to spawn when not under torchrun (torchrun's WORLD_SIZE wins).
+        cpu: gloo on the CPU even when GPUs are available.
+        threads_per_rank: torch threads of a CPU rank (default: the cores divided among the local ranks).
+    """
+    if "RANK" in os.environ:  # torchrun: this process is one rank (env:// rendezvous)
+        _rank(int(os.environ["RANK"]), benchmark, args, int(os.environ["WORLD_SIZE"]), None, cpu, threads_per_rank)
+    elif world == 1:  # no other process needed: a world of one in this process
+        _rank(0, benchmark, args, 1, None, cpu, threads_per_rank)
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlite_bench_") as tmp:  # file:// rendezvous: no port races
+            mp.spawn(_rank, args=(benchmark, args, world, f"file://{os.path.join(tmp, 'rendezvous')}", cpu,
+                                  threads_per_rank), nprocs=world)

@@ -24,18 +24,20 @@ discussion: docs/distributed_optimizer.md::
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from launch import launch_gloo, world_size  # noqa: E402  (benchmarks/launch.py)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
+from launch import launch, world_size  # noqa: E402
+from timing import alternate  # noqa: E402
+
 from megatron_lite import (  # noqa: E402
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
+from megatron_lite.distributed import collectives  # noqa: E402
 
 CONFIGS = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
@@ -112,25 +114,15 @@ def theory(dtype, distributed, d) -> float:
     return param + 4 + (main + 8) / (d if distributed else 1)
 
 
-def benchmark(args, world: int, rank: int):
+def benchmark(args, rank: int, world: int, device):
     runs = [build(dtype, distributed, args) for dtype, distributed in CONFIGS]
     numel = sum(p.numel() for p in runs[0][0].module.parameters())
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own micro-batch
     x = torch.randn(args.micro_batch_size, args.hidden, generator=g)
     y = torch.randn(args.micro_batch_size, args.hidden, generator=g)
-    times = torch.zeros(2, len(runs), args.steps)  # [whole step, optimizer.step()]
-    for rep in range(-args.warmup, args.steps):
-        for i in range(rep % len(runs), rep % len(runs) + len(runs)):  # rotate which configuration goes first
-            k = i % len(runs)
-            dist.barrier()
-            start = time.perf_counter()
-            step_s = train_step(*runs[k], x, y)
-            if rep >= 0:
-                times[:, k, rep] = torch.tensor([time.perf_counter() - start, step_s])
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-    medians = [[statistics.median(t[k].tolist()) * 1e3 for k in range(len(runs))] for t in times]
-    mems = [None] * world
-    dist.all_gather_object(mems, [memory(ddp, opt) for ddp, opt in runs])
+    timings = alternate(lambda k: [train_step(*runs[k], x, y)], len(runs), args.steps, warmup=args.warmup)
+    medians = [[timings.median_ms(k, column) for k in range(len(runs))] for column in (0, 1)]  # step, opt.step
+    mems = collectives.all_gather_object([memory(ddp, opt) for ddp, opt in runs])
     # Sanity check: same weights, same batches, same steps. Bit-exact while no clipping happens (the sharded
     # grad norm differs in the last bits, so clipped updates would too).
     flat = [torch.cat([p.detach().float().flatten() for p in ddp.module.parameters()]) for ddp, _ in runs]
@@ -180,7 +172,7 @@ def main():
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    launch_gloo(benchmark, args, world_size(args.world_size))
+    launch(benchmark, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ import cProfile
 import os
 import pstats
 import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
+from launch import launch  # noqa: E402
+
 from megatron_lite import (  # noqa: E402
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
@@ -28,9 +29,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="profiled steps (after 3 warm-up steps)")
     p.add_argument("--top", type=int, default=25, help="rows of the profile to print")
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    launch(benchmark, p.parse_args(), 1, cpu=True, threads_per_rank=1)  # a world of one, in this process
+
+
+def benchmark(args, rank, world, device):
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=4096,
                                max_position_embeddings=64))
@@ -55,7 +57,6 @@ def main():
     print(f"{len(list(model.parameters()))} parameter tensors, {sum(p.numel() for p in model.parameters())} "
           f"elements; totals below are over {args.steps} steps")
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

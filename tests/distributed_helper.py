@@ -12,7 +12,6 @@ races) and timeouts everywhere:
 """
 
 import atexit
-import datetime
 import os
 import queue
 import tempfile
@@ -29,14 +28,10 @@ FAILURE_GRACE_S = 5
 def _worker(rank, world_size, init_file, tasks, results):
     import torch.distributed as dist
 
+    from megatron_lite.training import initialize_distributed
+
     torch.set_num_threads(1)  # 2 cores, up to 4 ranks: oversubscription only slows things down
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
-    )
+    initialize_distributed("gloo", "cpu", PROCESS_GROUP_TIMEOUT_S / 60, rank, world_size, f"file://{init_file}")
     while True:
         task = tasks.get()
         if task is None:

@@ -1,4 +1,4 @@
-"""Smoke test of examples/bucket_size_sweep.py: it runs end to end on 2 spawned gloo ranks and reports
+"""Smoke test of benchmarks/bucket_size_sweep.py: it runs end to end on 2 spawned gloo ranks and reports
 every configuration. No timing assertions (the numbers are noise at this size)."""
 
 import csv
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "examples", "bucket_size_sweep.py")
+SCRIPT = os.path.join(REPO, "benchmarks", "bucket_size_sweep.py")
 
 
 def test_quick_sweep_reports_every_bucket_size(tmp_path):

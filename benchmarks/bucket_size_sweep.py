@@ -1,8 +1,8 @@
 """Time a GPT training step against the DDP bucket size (overlap_grad_reduce=True).
 
-    python examples/bucket_size_sweep.py                        # spawns 2 gloo ranks (file:// rendezvous)
-    torchrun --nproc-per-node 2 examples/bucket_size_sweep.py   # gloo on CPU, NCCL with one GPU per rank
-    python examples/bucket_size_sweep.py --quick --out /tmp/sweep.png   # smoke test, seconds
+    python benchmarks/bucket_size_sweep.py                        # spawns 2 gloo ranks (file:// rendezvous)
+    torchrun --nproc-per-node 2 benchmarks/bucket_size_sweep.py   # gloo on CPU, NCCL with one GPU per rank
+    python benchmarks/bucket_size_sweep.py --quick --out /tmp/sweep.png   # smoke test, seconds
 
 Configurations, each a separately wrapped copy of the same model (same seed):
   * bucket_size=1 (one parameter per bucket), then 2^k from --min-bucket up to the first power of two
@@ -10,10 +10,11 @@ Configurations, each a separately wrapped copy of the same model (same seed):
   * overlap off: one bucket, reduced synchronously inside finish_grad_sync() (a reference line);
   * compute only: DDP over a one-rank group per rank, so the same hooks, buffer and optimizer but no
     traffic between ranks (a reference line; both ranks still compute at the same time).
-A step is zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step. After --warmup untimed steps
-of each configuration, every round (--repeats) runs each configuration for --steps timed steps, in an order
-rotated by one per round, so that slow phases of a shared machine hit all configurations alike. Each step
-starts after a barrier; a sample is the slowest rank's time. Reported per configuration (medians):
+A step is zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step. After --warmup untimed rounds,
+every round (--repeats) runs each configuration for --steps timed steps, in an order rotated by one per
+round, so that slow phases of a shared machine hit all configurations alike (timing.py). Each step starts
+after a barrier; a sample is the slowest rank's time. Reported per configuration (medians; the table, CSV
+and plot are written by bucket_size_sweep_report.py):
   step ms    the full step;
   exposed    step - compute-only step: communication (and its overhead) that the step pays for;
   finish     wall time of finish_grad_sync(): communication not hidden behind backward.
@@ -22,18 +23,19 @@ count as ties, won by the larger bucket (fewer collectives, the safer choice). S
 """
 
 import argparse
-import csv
-import datetime
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
+from bucket_size_sweep_report import COMPUTE_ONLY, OVERLAP_OFF, report  # noqa: E402
+from launch import launch  # noqa: E402
+from timing import alternate  # noqa: E402
+
 from megatron_lite import (  # noqa: E402
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
@@ -49,9 +51,8 @@ SETTINGS = dict(
     micro_batch_size=("sequences per rank per step", 1, 2),
     repeats=("rounds over all configurations", 40, 1),
     steps=("timed steps per configuration per round", 2, 2),
-    warmup=("untimed steps per configuration before the first round", 2, 1),
+    warmup=("untimed rounds (one step per configuration) before the first timed round", 2, 1),
 )
-COMPUTE_ONLY, OVERLAP_OFF = "compute only", "overlap off"
 
 
 def parse_args():
@@ -106,10 +107,7 @@ def build(args, device, bucket_size, overlap, group):
 
 
 def train_step(model, optimizer, tokens, device):
-    """One step; returns (step seconds, finish_grad_sync seconds) on this rank."""
-    sync(device)
-    dist.barrier()
-    start = time.perf_counter()
+    """One step; returns [finish_grad_sync seconds] (alternate() times the whole step)."""
     model.zero_grad_buffer()
     model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
     sync(device)  # with NCCL, wait() only orders streams: time finish_grad_sync on a drained device
@@ -118,8 +116,7 @@ def train_step(model, optimizer, tokens, device):
     sync(device)
     finish = time.perf_counter() - finish_start
     optimizer.step()
-    sync(device)
-    return time.perf_counter() - start, finish
+    return [finish]
 
 
 def sweep(args, device):
@@ -135,16 +132,9 @@ def sweep(args, device):
     runs = [build(args, device, b, overlap, group) for _, b, overlap, group in configs]
     g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own data
     tokens = torch.randint(args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g).to(device)
-    for i in range(len(configs) * args.warmup):  # first steps allocate optimizer state etc.
-        train_step(*runs[i % len(configs)], tokens, device)
-    samples = torch.zeros(len(configs), args.repeats * args.steps, 2, dtype=torch.float64)
-    for r in range(args.repeats):
-        for i in [(r + j) % len(configs) for j in range(len(configs))]:  # rotated order
-            for s in range(args.steps):
-                samples[i, r * args.steps + s] = torch.tensor(train_step(*runs[i], tokens, device))
-    samples = samples.to(device)
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-    q = torch.quantile(samples.cpu() * 1e3, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1).tolist()
+    timings = alternate(lambda k: train_step(*runs[k], tokens, device), len(configs), args.repeats, args.steps,
+                        args.warmup, device)
+    q = torch.quantile(timings.samples * 1e3, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1).tolist()
     compute = q[1][-1][0]  # [quantile][config][step, finish]
     rows = [dict(config=name, bucket_size="" if b is None else b, num_buckets=sum(len(x.buckets) for x in m.buffers),
                  step_ms=q[1][i][0], exposed_comm_ms=q[1][i][0] - compute, finish_grad_sync_ms=q[1][i][1],
@@ -165,99 +155,15 @@ def recommend(rows, tolerance):
         f"bucket; overlap off {ref[OVERLAP_OFF]:.1f} ms, compute only {ref[COMPUTE_ONLY]:.1f} ms")
 
 
-def report(args, rows, numel, world, backend):
-    print(f"\nGPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, seq "
-          f"{args.seq_length}, vocab {args.vocab_size}, micro-batch {args.micro_batch_size}: {numel} parameters | "
-          f"{backend}, {world} ranks, {torch.get_num_threads()} thread(s)/rank, torch {torch.__version__}, "
-          f"{'distributed' if args.use_distributed_optimizer else 'fp32'} optimizer | median of "
-          f"{args.repeats} x {args.steps} steps, slowest rank\n")
-    print(f"| {'bucket_size':>22} | {'buckets':>7} | {'step ms':>8} | {'exposed comm ms':>15} | "
-          f"{'finish_grad_sync ms':>19} |")
-    print(f"|{'-' * 24}|{'-' * 9}|{'-' * 10}|{'-' * 17}|{'-' * 21}|")
-    for r in rows:
-        print(f"| {r['config']:>22} | {r['num_buckets']:>7} | {r['step_ms']:>8.1f} | {r['exposed_comm_ms']:>15.1f} | "
-              f"{r['finish_grad_sync_ms']:>19.1f} |")
-    choice, line = recommend(rows, args.tie_tolerance)
-    print("\n" + line)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    csv_path = os.path.splitext(args.out)[0] + ".csv"
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
-    print(f"table: {csv_path}")
-    plot(args, rows, choice, numel, f"{backend} x {world}")
-
-
-def plot(args, rows, choice, numel, where):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not importable: no plot")
-        return
-    swept = [r for r in rows if r["config"] not in (OVERLAP_OFF, COMPUTE_ONLY)]
-    ref = {r["config"]: r for r in rows}
-    x = [r["bucket_size"] for r in swept]
-    fig, ax = plt.subplots(figsize=(9, 6))
-    ax.plot(x, [r["step_ms"] for r in swept], "o-", color="C0", label="step time (overlap on), median")
-    ax.fill_between(x, [r["step_p25_ms"] for r in swept], [r["step_p75_ms"] for r in swept], color="C0", alpha=0.1,
-                    label="step time, 25th-75th percentile")
-    ax.plot(x, [r["exposed_comm_ms"] for r in swept], "s--", color="C3", label="exposed comm = step - compute only")
-    ax.plot(x, [r["finish_grad_sync_ms"] for r in swept], "^:", color="C2", label="finish_grad_sync wall time")
-    ax.axhline(ref[OVERLAP_OFF]["step_ms"], color="C1",
-               label=f"step, overlap off ({ref[OVERLAP_OFF]['step_ms']:.0f} ms)")
-    ax.axhline(ref[COMPUTE_ONLY]["step_ms"], color="gray", ls="-.",
-               label=f"step, compute only ({ref[COMPUTE_ONLY]['step_ms']:.0f} ms)")
-    ax.axhline(0, color="black", lw=0.5)
-    for r in swept:
-        ax.annotate(f"{r['num_buckets']}", (r["bucket_size"], r["step_ms"]), textcoords="offset points", xytext=(0, 9),
-                    ha="center", fontsize=8, color="C0")
-    ax.plot([choice["bucket_size"]], [choice["step_ms"]], "*", ms=13, color="gold", mec="black",
-            label=f"recommended: {choice['bucket_size']}")
-    ax.set_xscale("log", base=2)
-    labels = [f"{v >> 20}M" if v >= 2**20 else f"{v >> 10}K" if v >= 2**10 else str(v) for v in x]
-    ax.set_xticks(x, labels[:-1] + [labels[-1] + "\none\nbucket"], fontsize=8)
-    ax.minorticks_off()
-    ax.set_xlabel("bucket_size (elements, log scale; numbers above the points: buckets)")
-    ax.set_ylabel("ms (median, slowest rank)")
-    ax.set_title(f"GPT {numel / 1e6:.1f}M params, {where}, "
-                 f"{'distributed' if args.use_distributed_optimizer else 'fp32'} optimizer", fontsize=11)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"plot: {args.out}")
-
-
-def run(rank, args, world, init_method):
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
-    try:
-        rows, numel = sweep(args, device)
-        if rank == 0:
-            report(args, rows, numel, world, backend)
-    finally:
-        dist.destroy_process_group()
+def benchmark(args, rank, world, device):
+    rows, numel = sweep(args, device)
+    if rank == 0:
+        report(args, rows, numel, world, dist.get_backend(), recommend(rows, args.tie_tolerance))
 
 
 def main():
     args = parse_args()
-    if "RANK" in os.environ:  # torchrun: one process per rank, env:// rendezvous
-        run(int(os.environ["RANK"]), args, int(os.environ["WORLD_SIZE"]), "env://")
-    else:
-        with tempfile.TemporaryDirectory(prefix="bucket_sweep_") as tmp:
-            mp.spawn(run, args=(args, args.world_size, f"file://{os.path.join(tmp, 'rendezvous')}"),
-                     nprocs=args.world_size)
+    launch(benchmark, args, args.world_size)
 
 
 if __name__ == "__main__":
