@@ -28,8 +28,9 @@ class DistributedDataParallelConfig:
     """Check every bucket for NaN/Inf before communicating it; raise naming rank, bucket and parameter."""
 
     bucket_size: Optional[int] = None
-    """Elements per bucket (a bucket closes at the first parameter that reaches this size). None: Megatron's
-    default, max(40M, 1M x dp) with `overlap_grad_reduce`; without overlap there is always one bucket."""
+    """Elements per bucket (a bucket closes at the first parameter that reaches this size). Only used with
+    `overlap_grad_reduce`: without overlap there is always one bucket. None: Megatron's default,
+    max(40M, 1M x dp)."""
 
     average_in_collective: bool = False
     """Average with ReduceOp.AVG inside the collective instead of pre-scaling by 1/dp and summing."""

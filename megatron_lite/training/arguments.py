@@ -140,20 +140,28 @@ def check_configs(args):
 
 
 # ------------------------------------------------------------------------------------------ the parser
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Megatron-style GPT pre-training with megatron_lite (launch with torchrun).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model (GPTConfig)")
     g.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default="tiny",
-                   help="architecture defaults: " + "; ".join(
+                   help="sets the architecture flags you do not give: " + "; ".join(
                        f"{k}: {v['num_layers']} layers, hidden {v['hidden_size']}, {v['num_attention_heads']} "
                        f"heads, seq {v['seq_length']}" for k, v in MODEL_PRESETS.items())
-                   + ". Explicit flags override them")
+                   )
+    docs = field_docs(GPTConfig)
     add_config_arguments(g, GPTConfig, GPT_FLAGS, defaults=dict.fromkeys(_PRESET_FIELDS),
-                         max_position_embeddings=dict(help="longest sequence the model accepts (default: "
-                                                      "--seq-length)"))
+                         max_position_embeddings=dict(help=docs["max_position_embeddings"] + " (default: --seq-length)"),
+                         **{f: dict(help=docs[f] + " (default: from --model-preset)") for f in _PRESET_FIELDS})
     g.add_argument("--seq-length", type=int, help="tokens per sample (default: from --model-preset)")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
                    help="learned absolute position embeddings added to the input, or rotary embeddings in attention")
