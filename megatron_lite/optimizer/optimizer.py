@@ -34,9 +34,9 @@ class MegatronOptimizer:
         config: the OptimizerConfig.
         model_chunks: the DistributedDataParallel-wrapped model chunks.
         grad_scaler: loss scaler (fp16 only) or None.
-        main_params: per model parameter, the main tensor the inner optimizer steps (same order as
-            `model_params`); for the distributed optimizer only the rank's shards.
-        model_params: the trainable parameters, in optimizer order.
+    The main params (what the inner optimizer steps) are built by `main_param` in every subclass: the
+    model's fp32 data itself, or an fp32 copy of fp16/bf16 data; the distributed optimizer does this for
+    the rank's shards only.
     """
 
     sharded = False  # whether each rank holds only a shard of the main params / grads
