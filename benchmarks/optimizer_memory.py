@@ -31,6 +31,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
+from counting import held_bytes  # noqa: E402
 from launch import launch, world_size  # noqa: E402
 from timing import alternate  # noqa: E402
 
@@ -85,26 +86,16 @@ def train_step(ddp, opt, x, y) -> float:
     return time.perf_counter() - start
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def memory(ddp, opt) -> dict:
-    """This rank's bytes of params, grads, fp32 main params and Adam state; shared storage counted once."""
-    counted = set()  # storages already counted
-
-    def new(t):
-        ptr = t.untyped_storage().data_ptr()
-        fresh = ptr not in counted
-        counted.add(ptr)
-        return fresh
-
-    params = sum(nbytes(b.param_data) for b in ddp.buffers if b.param_data is not None and new(b.param_data))
-    params += sum(nbytes(p) for p in ddp.param_to_name if new(p))  # no-op when params are buffer views
-    grads = sum(nbytes(b.grad_data) for b in ddp.buffers)
-    main = sum(nbytes(p) for g in opt.optimizer.param_groups for p in g["params"] if new(p))
-    state = sum(nbytes(s[k]) for s in opt.optimizer.state.values() for k in ADAM_STATE if k in s)
-    return dict(params=params, grads=grads, main=main, state=state)
+    """This rank's bytes of params, grads, fp32 main params and Adam state; shared storage counted once
+    (the fp32 optimizers' main params are the model's own storage, so they add nothing)."""
+    seen = set()
+    return dict(
+        params=held_bytes([b.param_data for b in ddp.buffers if b.param_data is not None] + list(ddp.param_to_name),
+                          seen),  # params are views into param_data with the distributed optimizer
+        grads=held_bytes([b.grad_data for b in ddp.buffers], seen),
+        main=held_bytes([p for g in opt.optimizer.param_groups for p in g["params"]], seen),
+        state=held_bytes([s[k] for s in opt.optimizer.state.values() for k in ADAM_STATE if k in s], seen))
 
 
 def theory(dtype, distributed, d) -> float:

@@ -143,6 +143,11 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
         (["--save-interval", "10"], "--save"),
         (["--ddp-bucket-size", "0"], "ddp-bucket-size"),
         (["--lr-decay-style", "exponential"], "invalid choice"),
+        (["--lr-warmup-iters", "300"], "--lr-warmup-iters"),
+        (["--fp16", "--check-for-nan-in-loss-and-grad"], "--check-for-nan-in-loss-and-grad"),
+        (["--num-layers", "0"], "--num-layers"),
+        (["--adam-beta1", "1.0"], "--adam-beta1"),
+        (["--hidden-dropout", "1.0"], "--hidden-dropout"),
     ],
 )
 def test_bad_flags_fail_at_start_up(argv, message, capsys):
@@ -198,3 +203,39 @@ def test_help_renders():
 
     text = build_parser().format_help()
     assert "--overlap-grad-reduce" in text and "--use-distributed-optimizer" in text
+
+
+def test_config_flags_are_generated_from_the_configs():
+    """Every config field with a flag: help text = the field's docstring, and the parsed value reaches the
+    config. Would catch a flag that is parsed but never mapped, or whose help drifted from the config."""
+    from megatron_lite.models import GPTConfig
+    from megatron_lite.training import arguments as a
+
+    values = {"--ddp-bucket-size": "12345", "--lr": "0.25", "--min-lr": "0.125", "--weight-decay": "0.5",
+              "--clip-grad": "2.5", "--adam-beta1": "0.5", "--adam-beta2": "0.75", "--adam-eps": "0.001",
+              "--sgd-momentum": "0.25", "--initial-loss-scale": "64", "--min-loss-scale": "2",
+              "--loss-scale-window": "7", "--hysteresis": "3", "--loss-scale": "8", "--optimizer": "sgd",
+              "--num-layers": "3", "--hidden-size": "48", "--num-attention-heads": "6", "--ffn-hidden-size": "40",
+              "--max-position-embeddings": "256", "--hidden-dropout": "0.25", "--attention-dropout": "0.125",
+              "--init-method-std": "0.5"}
+    switches = ["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer",
+                "--ddp-average-in-collective", "--accumulate-allreduce-grads-in-fp32", "--fp16"]
+    argv = [x for flag, value in values.items() for x in (flag, value)] + switches
+    args = a.parse_args(argv, world_size=1)
+    configs = [(a.ddp_config_from_args(args), a.DDP_FLAGS), (a.optimizer_config_from_args(args), a.OPTIMIZER_FLAGS),
+               (a.gpt_config_from_args(args, vocab_size=64), a.GPT_FLAGS)]
+    help_text = " ".join(build_parser_help().split())
+    for config, flags in configs:
+        docs = a.field_docs(type(config))
+        for field, flag in flags.items():
+            value = getattr(config, field)
+            expected = flag in switches if isinstance(value, bool) else type(value)(values[flag])
+            assert getattr(config, field) == expected, (field, flag)
+            assert docs[field][:40] in help_text, (field, docs[field])
+    assert isinstance(configs[2][0], GPTConfig) and configs[1][0].params_dtype == torch.float16
+
+
+def build_parser_help():
+    from megatron_lite.training import build_parser
+
+    return build_parser().format_help()

@@ -1,0 +1,84 @@
+"""collectives.py is the one place the library communicates: its observer hook sees every collective of a
+training step, and no other library module calls torch.distributed's collectives directly."""
+
+import os
+import re
+
+from distributed_helper import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIVE_CALL = re.compile(r"\bdist\.(all_reduce|reduce_scatter\w*|all_gather\w*|broadcast\w*|barrier|"
+                             r"all_to_all\w*|send|recv|isend|irecv|reduce|gather|scatter)\(")
+
+
+def test_no_collective_outside_collectives_module():
+    """Would catch a library module that calls torch.distributed directly (its traffic would be invisible to
+    collectives.observe, and it would bypass the backend choices made there)."""
+    offenders = []
+    for root, _, files in os.walk(os.path.join(REPO, "megatron_lite")):
+        for name in files:
+            path = os.path.join(root, name)
+            if name.endswith(".py") and not path.endswith(os.path.join("distributed", "collectives.py")):
+                for number, line in enumerate(open(path, encoding="utf-8"), 1):
+                    if COLLECTIVE_CALL.search(line):
+                        offenders.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def _observed_step_worker(use_distributed_optimizer):
+    import torch
+
+    from ddp_testing import loss_fn, make_batches
+    from megatron_lite.distributed import collectives
+    from optim_testing import build
+
+    rank = torch.distributed.get_rank()
+    _, ddp, opt = build(dict(use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=True,
+                             bucket_size=200),
+                        dict(lr=1e-3, use_distributed_optimizer=use_distributed_optimizer))
+    x, y = make_batches(2, 1)[rank][0]
+    seen = []
+    with collectives.observe(lambda name, tensor, size: seen.append((name, tensor.numel(), size))):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss_fn(ddp, x, y).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    after = len(seen)
+    collectives.all_reduce(torch.zeros(1))  # outside the context: not reported
+    buckets = [b.grad_data.numel() for b in ddp._launch_order]
+    return seen, after == len(seen), buckets
+
+
+def test_observe_reports_every_collective_of_a_step():
+    """Would catch a bucket collective, the grad-norm reduction or the parameter all-gather issued around
+    the observer hook (uncounted traffic in the benchmarks), or an observer that outlives its context."""
+    for distributed in (False, True):
+        seen, removed, buckets = run_distributed(_observed_step_worker, 2, distributed)[0]
+        assert removed
+        big = [(name, numel) for name, numel, size in seen if numel > 1]
+        # gloo: the reduce-scatter of each bucket is an all-reduce of the whole bucket
+        expected = [("all_reduce", n) for n in buckets] + ([("all_gather", n) for n in buckets[::-1]]
+                                                           if distributed else [])
+        assert big == expected, (distributed, seen)
+        assert all(size == 2 for _, _, size in seen)
+        assert any(name == "all_reduce" and numel == 1 for name, numel, _ in seen) == distributed  # norm of shards
+
+
+def _one_rank_worker():
+    import torch
+
+    from megatron_lite.distributed import collectives
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    solo = [torch.distributed.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    seen = []
+    with collectives.observe(lambda *call: seen.append(call)):
+        collectives.all_reduce(torch.ones(4), solo)
+        collectives.all_gather(torch.ones(4), solo)
+    return seen
+
+
+def test_one_rank_groups_send_nothing():
+    """Would catch collectives on a one-rank group reaching gloo (milliseconds of copying for nothing)."""
+    assert run_distributed(_one_rank_worker, 2) == [[], []]
