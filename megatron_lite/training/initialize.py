@@ -30,6 +30,10 @@ def initialize_distributed(backend: Optional[str] = None, device: Optional[str] 
     An existing default group is kept as it is (only the device is chosen).
     """
     device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
     if device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count()
         torch.cuda.set_device(local_rank)
