@@ -165,3 +165,193 @@ def test_protocol_misuse_messages():
         assert "outside no_sync()" in errors[0]
         assert "zero_grad_buffer()" in errors[1]
         assert "second gradient" in errors[2]
+
+
+def _step_without_finish_worker():
+    from ddp_testing import loss_fn, make_batches
+    from optim_testing import build
+
+    _, ddp, opt = build(dict(overlap_grad_reduce=True, bucket_size=50), dict(lr=1e-3))
+    x, y = make_batches(2, 1)[ddp.data_parallel_rank][0]
+    ddp.zero_grad_buffer()
+    loss_fn(ddp, x, y).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        error = str(e)
+    ddp.finish_grad_sync()  # the protocol, completed: step() now works
+    ok, _, _ = opt.step()
+    return error, ok
+
+
+def test_step_without_finish_grad_sync_is_an_error_on_every_rank():
+    """Would catch optimizer.step() on local, unreduced gradients: replicas diverge and the run exits 0."""
+    for error, ok in run_distributed(_step_without_finish_worker, 2):
+        assert "finish_grad_sync()" in error and ok
+
+
+def _requires_grad_worker(freeze, when):
+    from ddp_testing import loss_fn, make_batches, make_model
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = make_model()
+    if not freeze:
+        model.fc2.weight.requires_grad_(False)  # frozen at wrap time, unfrozen later
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig())
+    x, y = make_batches(2, 1)[ddp.data_parallel_rank][0]
+    try:
+        if when == "between iterations":
+            model.fc2.weight.requires_grad_(not freeze)
+        ddp.zero_grad_buffer()
+        if when == "during the iteration":
+            model.fc2.weight.requires_grad_(not freeze)
+        loss_fn(ddp, x, y).backward()
+        ddp.finish_grad_sync()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_changing_requires_grad_after_wrapping_names_the_parameter():
+    """Would catch a 'frozen' weight that still changes (weight decay on a zero main_grad) or an unfrozen
+    one that never does (it has no main_grad), both silent today."""
+    for freeze in (True, False):
+        for when in ("between iterations", "during the iteration"):
+            for message in run_distributed(_requires_grad_worker, 2, freeze, when):
+                assert message is not None and "fc2.weight" in message, (freeze, when, message)
+                assert ("frozen" if freeze else "unfrozen") in message and "before wrapping" in message
+
+
+def _mismatch_worker(kind):
+    import torch.distributed as dist
+
+    from ddp_testing import SmallNet
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = SmallNet(width=16 if kind != "shape" or rank == 0 else 12)
+    config = dict(overlap_grad_reduce=True, bucket_size=100)
+    if kind == "dtype" and rank == 1:
+        model.head.to(torch.float64)
+    if kind == "name" and rank == 1:
+        model.add_module("extra", torch.nn.Linear(2, 2))
+    if kind == "config" and rank == 1:
+        config["bucket_size"] = 200
+    try:
+        DistributedDataParallel(model, DistributedDataParallelConfig(**config))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_models_or_configs_that_differ_across_ranks_are_rejected_at_wrap_time():
+    """Would catch buckets of different layouts being reduced together (silent divergence) or a backend
+    size-mismatch abort: every rank gets an error naming the first difference and the rank."""
+    expected = {"shape": "fc1.weight: shape (12, 8)", "dtype": "torch.float64", "name": "extra.weight",
+                "config": "bucket_size = 200"}
+    for kind, needle in expected.items():
+        for message in run_distributed(_mismatch_worker, 2, kind):
+            assert message is not None and "rank 1:" in message and needle in message, (kind, message)
+
+
+class SharedCheckpointed(nn.Module):
+    """One Linear used in two reentrant-checkpointed segments: its gradient arrives twice per backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        def segment(h):
+            return torch.tanh(self.shared(h))
+
+        h = checkpoint(segment, x, use_reentrant=True)
+        h = checkpoint(segment, h, use_reentrant=True)
+        return self.head(h)
+
+
+def _shared_checkpoint_worker():
+    import copy
+
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = SharedCheckpointed()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1))
+    exact = []
+    for iteration in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * iteration + r)).requires_grad_()
+              for r in range(dp)]
+        ddp.zero_grad_buffer()
+        ddp(xs[rank]).pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        expected = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+        for r in range(dp):
+            reference.zero_grad()
+            reference(xs[r]).pow(2).mean().backward()
+            for n, p in reference.named_parameters():
+                expected[n] += p.grad / dp
+        exact.append(all(torch.allclose(p.main_grad, expected[n], rtol=1e-6, atol=1e-7)
+                         for n, p in model.named_parameters()))
+    return exact, ddp.param_to_bucket[model.shared.weight].expected_counts
+
+
+def test_gradient_arriving_twice_per_backward_under_overlap():
+    """Reentrant checkpointing of a shared weight: would catch the 'second gradient' crash under
+    overlap_grad_reduce, or a bucket launched after the first of the two arrivals (half a gradient)."""
+    for exact, counts in run_distributed(_shared_checkpoint_worker, 2):
+        assert exact == [True, True, True] and counts == [2]
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    """Like megatron-core's fused layers: adds the weight gradient into main_grad itself, marks
+    grad_added_to_main_grad and returns a dummy gradient (so the grad hook still fires; megatron-core's is
+    torch.empty, i.e. garbage, stood in for here by a large constant)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(grad_out.t() @ x)
+        weight.grad_added_to_main_grad = True
+        return grad_out @ weight, torch.full_like(weight, 1e6)
+
+
+def _fused_wgrad_worker():
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(3, 5))
+    module = nn.Module()
+    module.weight = weight
+    ddp = DistributedDataParallel(module, DistributedDataParallelConfig(overlap_grad_reduce=True))
+    xs = [torch.randn(4, 5, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    results = []
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        _FusedWgradLinear.apply(xs[rank], weight).sum().backward()
+        ddp.finish_grad_sync()
+        expected = sum(torch.ones(4, 3).t() @ x for x in xs) / 2
+        results.append(torch.allclose(weight.main_grad, expected))
+    return results
+
+
+def test_grad_added_to_main_grad_is_honoured():
+    """Would catch the hook adding a fused layer's (dummy) gradient on top of what it already accumulated."""
+    for results in run_distributed(_fused_wgrad_worker, 2):
+        assert results == [True, True]

@@ -47,6 +47,11 @@ def _overlap_worker(distopt):
     )
     n_buckets = len(ddp.buffers[0].buckets)
     batches = make_batches(dist.get_world_size(), 2)[rank]
+    # The first iteration learns how many times each gradient arrives per backward (megatron-core's golden
+    # counts); its buckets are launched in finish_grad_sync. Overlap starts with the second iteration.
+    ddp.zero_grad_buffer()
+    loss_fn(ddp, *batches[1]).backward()
+    ddp.finish_grad_sync()
     rec = _Recorder(ddp)
     try:
         ddp.zero_grad_buffer()

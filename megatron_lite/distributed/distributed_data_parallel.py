@@ -28,6 +28,7 @@ from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .layout import default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from .replica_check import check_replicas_agree
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -68,12 +69,17 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = default_bucket_size(self.data_parallel_world_size)
         self.bucket_size = bucket_size if config.overlap_grad_reduce else None
 
+        # Every rank must wrap the same model with the same config, or the collectives pair up wrong buckets.
+        check_replicas_agree(module, config, data_parallel_group)
         # named_parameters() yields a tied parameter once, under its first name.
+        # (name, param, requires_grad at wrap time), frozen ones too: a later change is an error.
+        self._all_named_params = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.param_to_name: Dict[torch.nn.Parameter, str] = {}
         dtype_to_params: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
-        for name, param in module.named_parameters():
+        for name, param, _ in self._all_named_params:
             if not param.requires_grad:
                 continue
+            param.grad_added_to_main_grad = False  # megatron-core's flag for fused weight-gradient layers
             self.param_to_name[param] = name
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
             dtype_to_params.setdefault((param.dtype, grad_dtype), []).append(param)
@@ -99,6 +105,7 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self._next_to_launch = 0
         self._grads_finalized = False
+        self._unsynchronized_grads = False  # a backward ran since zero_grad_buffer / finish_grad_sync
         self._overlap = config.overlap_grad_reduce
         self.is_last_microbatch = True
 
@@ -128,15 +135,17 @@ class DistributedDataParallel(torch.nn.Module):
                 f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
                 f"zero_grad_buffer() at the start of every iteration"
             )
+        self._unsynchronized_grads = True
         report_ready = self._overlap and self.is_last_microbatch
         if report_ready:
             bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
         grad = param.grad
         if grad is not None:
             main_grad = param.main_grad
-            # If .grad still aliases main_grad (FP32Optimizer sets it so for the step), autograd has
-            # already accumulated into the buffer in place: adding again would double-count.
-            if grad.data_ptr() != main_grad.data_ptr():
+            # Skip the add when the gradient is already in main_grad: a fused weight-gradient layer added
+            # it (grad_added_to_main_grad, as in megatron-core), or .grad still aliases main_grad
+            # (FP32Optimizer sets it so for the step) and autograd accumulated into the buffer in place.
+            if not param.grad_added_to_main_grad and grad.data_ptr() != main_grad.data_ptr():
                 main_grad.add_(grad)  # main_grad is a view into the buffer: only add_ into it
             param.grad = None
         if report_ready and bucket.mark_ready(index):
@@ -188,20 +197,29 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self._launch_order:
             bucket.finish_grad_sync()
         self._grads_finalized = True
+        self._unsynchronized_grads = False
         if unused_error:
             raise ValueError(unused_error)
+        if self._overlap:
+            for bucket in self._launch_order:
+                if bucket.expected_counts is None:  # the first complete iteration sets what to expect
+                    bucket.learn_expected_counts()
+        self._check_requires_grad_unchanged()
         if self.ddp_config.check_for_nan_in_grad:
             self._raise_if_any_rank_found_nonfinite()
 
-    def _unused_parameters_message(self, pending: List[Bucket]) -> str:
+    def _unused_parameters_message(self, pending: List[Bucket]) -> Optional[str]:
         if not any(b.params_with_grad for b in self._launch_order):
             return (
                 "finish_grad_sync() found no gradient registered for communication: the last "
                 "micro-batch's backward must run outside no_sync()"
             )
-        missing = [
-            self.param_to_name[p] for b in pending for p in b.params_list if p not in b.params_with_grad
+        missing = [  # fewer arrivals than the first iteration saw (at least one)
+            self.param_to_name[p] for b in pending for i, p in enumerate(b.params_list)
+            if b._counts[i] < max(1, b.expected_counts[i] if b.expected_counts else 1)
         ]
+        if not missing:
+            return None  # the first iteration: buckets wait for finish_grad_sync, all gradients arrived
         shown = ", ".join(missing[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")
         return (
             f"{len(missing)} parameter(s) received no gradient in this iteration: {shown}. With "
@@ -280,12 +298,34 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
+        self._check_requires_grad_unchanged()
         for param in self.param_to_name:
             param.grad = None  # may alias main_grad after an FP32Optimizer step
+            param.grad_added_to_main_grad = False
         for buffer in self.buffers:
             buffer.reset()
         self._next_to_launch = 0
         self._grads_finalized = False
+        self._unsynchronized_grads = False
+
+    def check_ready_for_step(self):
+        """Raise unless every gradient of this iteration's backward passes was synchronized (called by the
+        optimizer's step(): stepping on unreduced gradients silently makes the replicas diverge)."""
+        if self._unsynchronized_grads:
+            raise RuntimeError(
+                "optimizer.step() after a backward pass whose gradients were not synchronized: call "
+                "model.finish_grad_sync() after the last micro-batch's backward and before optimizer.step()"
+            )
+
+    def _check_requires_grad_unchanged(self):
+        changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
+                   for name, p, trainable in self._all_named_params if p.requires_grad != trainable]
+        if changed:
+            raise ValueError(
+                f"requires_grad changed after the model was wrapped: {', '.join(changed)}. "
+                f"DistributedDataParallel lays out its gradient buffers once, at construction: set requires_grad "
+                f"before wrapping (or wrap the model again, with a new optimizer)."
+            )
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by `scaling_factor`."""

@@ -61,41 +61,55 @@ class Bucket:
         self.bucket_id = bucket_id
         self.param_to_name = param_to_name or {}
         self.param_gather_handle = None
+        # Gradient arrivals per parameter in one backward, learned in the first iteration (megatron-core's
+        # golden counts): more than one when a weight's gradient is accumulated twice, e.g. by reentrant
+        # activation checkpointing of a shared weight. None until learned.
+        self.expected_counts: Optional[List[int]] = None
         self.reset()
 
     def reset(self):
         """Forget this iteration's progress (called by zero_grad_buffer)."""
-        self._ready = [False] * len(self.params_list)  # by position in params_list (cheaper than a set)
-        self._num_ready = 0
+        self._counts = [0] * len(self.params_list)  # arrivals on the last micro-batch, by position
+        self._num_ready = 0  # parameters whose arrivals reached their expected count
         self.communication_handle = None
         self.nonfinite_params: List[str] = []
 
     @property
     def params_with_grad(self):
-        """The parameters whose gradient has been reported ready in this iteration."""
-        return {p for p, ready in zip(self.params_list, self._ready) if ready}
+        """The parameters whose gradient has arrived (on the last micro-batch) in this iteration."""
+        return {p for p, count in zip(self.params_list, self._counts) if count}
 
     def name(self, param) -> str:
         return self.param_to_name.get(param, f"<unnamed parameter of shape {tuple(param.shape)}>")
 
     def check_accepts_grad(self, index: int):
-        """Raise if params_list[index] already reported this iteration (its grad would miss the collective)."""
-        if self._ready[index] or self.communication_handle is not None:
+        """Raise if the bucket was already launched (params_list[index]'s grad would miss the collective)."""
+        if self.communication_handle is not None:
+            expected = "?" if self.expected_counts is None else self.expected_counts[index]
             raise RuntimeError(
-                f"parameter {self.name(self.params_list[index])} received a second gradient after it was "
-                f"marked ready (bucket {self.bucket_id}). Run backward once per micro-batch, wrap all but "
-                f"the last micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
+                f"parameter {self.name(self.params_list[index])} received a second gradient after its bucket "
+                f"{self.bucket_id} was launched (arrival {self._counts[index] + 1} in this backward; the first "
+                f"iteration saw {expected}). Run backward once per micro-batch, wrap all but the last "
+                f"micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
             )
 
     def mark_ready(self, index: int) -> bool:
-        """Record that params_list[index]'s gradient is final in main_grad (after check_accepts_grad(index));
-        returns whether the bucket is complete. By position, not by parameter: this is the hot path."""
-        self._ready[index] = True
+        """Count an arrival of params_list[index]'s gradient (after check_accepts_grad(index)); returns
+        whether the bucket is complete. By position, not by parameter: this is the hot path. Until the
+        expected counts are learned no bucket completes here (the first iteration launches them all in
+        finish_grad_sync); a parameter expected 0 times never completes its bucket either."""
+        count = self._counts[index] = self._counts[index] + 1
+        if self.expected_counts is None or count != self.expected_counts[index]:
+            return False
         self._num_ready += 1
-        return self._num_ready == len(self._ready)
+        return self._num_ready == len(self._counts)
+
+    def learn_expected_counts(self):
+        """Take this iteration's arrivals as the number to expect per backward from now on."""
+        self.expected_counts = list(self._counts)
 
     def is_ready(self) -> bool:
-        return self._num_ready == len(self._ready)
+        return self._num_ready == len(self._counts)
 
     @torch.no_grad()
     def start_grad_sync(self):

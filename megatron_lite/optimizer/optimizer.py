@@ -78,6 +78,8 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        for chunk in self.model_chunks:
+            chunk.check_ready_for_step()  # unreduced gradients would make the replicas diverge
         self._prepare_for_step()
         main_grads = self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:

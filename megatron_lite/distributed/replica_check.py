@@ -1,0 +1,49 @@
+"""Wrap-time check that every data-parallel rank wraps the same model with the same configuration.
+
+Ranks that differ in parameter names, shapes, dtypes, registration order or DDP config would lay out
+different buffers and buckets; their collectives would then pair up unrelated data (silent divergence)
+or mismatch in size (a backend abort). One small collective compares a digest of each rank's
+description; only when the digests differ are the descriptions themselves gathered, to name the first
+difference and the ranks involved, on every rank.
+"""
+
+import dataclasses
+import hashlib
+from typing import List
+
+import torch
+
+from . import collectives
+
+
+def describe(module: torch.nn.Module, config) -> List[str]:
+    """One line per parameter in registration order, then one per config field."""
+    lines = [f"parameter {name}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
+             for name, p in module.named_parameters()]
+    lines += [f"{type(config).__name__}.{f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config)]
+    return lines
+
+
+def _first_difference(mine: List[str], theirs: List[str]) -> str:
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return f"line {index}: {b!r} where rank 0 has {a!r}"
+    longer, shorter = (mine, "rank 0") if len(mine) > len(theirs) else (theirs, "this rank")
+    return f"line {min(len(mine), len(theirs))}: {longer[min(len(mine), len(theirs))]!r} missing on {shorter}"
+
+
+def check_replicas_agree(module: torch.nn.Module, config, group=None):
+    """Raise ValueError on every rank of `group` when the ranks' models or configs differ."""
+    lines = describe(module, config)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests = collectives.all_gather_object(digest, group)
+    if len(set(digests)) == 1:
+        return
+    everyone = collectives.all_gather_object(lines, group)
+    reasons = [f"rank {r}: {_first_difference(everyone[0], theirs)}"
+               for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    raise ValueError(
+        "data-parallel ranks wrap different models or configs (ranks are numbered in the data-parallel "
+        "group; each has to build the same model, in the same order and dtypes, with the same "
+        "DistributedDataParallelConfig): " + "; ".join(reasons)
+    )
