@@ -30,9 +30,9 @@ def megatron_steps(ddp, opt, rank, dp, steps, micro_batches=2, first_step=0, dty
         for i, (x, y) in enumerate(batches):
             if i < len(batches) - 1:
                 with ddp.no_sync():
-                    (loss_fn(ddp, x, y) / len(batches)).backward()
+                    opt.scale_loss(loss_fn(ddp, x, y) / len(batches)).backward()
             else:
-                (loss_fn(ddp, x, y) / len(batches)).backward()
+                opt.scale_loss(loss_fn(ddp, x, y) / len(batches)).backward()
         ddp.finish_grad_sync()
         ok, norm, _ = opt.step()
         out.append((ok, norm))

@@ -279,7 +279,9 @@ def test_param_groups_drive_the_update():
         (dict(lr=1.0, min_lr=2.0), "min_lr"),
         (dict(lr=1.0, adam_beta2=1.0), "adam_beta2"),
         (dict(lr=1.0, fp16=True, bf16=True, params_dtype=torch.float16), "mutually exclusive"),
-        (dict(lr=1.0, bf16=True), "params_dtype"),
+        (dict(lr=1.0, bf16=True, params_dtype=torch.float16), "params_dtype"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(lr=1.0, weight_decay=float("inf")), "weight_decay"),
         (dict(lr=1.0, loss_scale=128.0), "loss_scale"),
         (dict(lr=1.0, fp16=True, params_dtype=torch.float16, hysteresis=0), "hysteresis"),
         (dict(lr=1.0, clip_grad=-1.0), "clip_grad"),
@@ -300,7 +302,79 @@ def test_get_megatron_optimizer_rejects_inconsistent_setups(single_rank_group):
     ddp = DistributedDataParallel(torch.nn.Linear(2, 2), DistributedDataParallelConfig())
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), ddp)
-    with pytest.raises(ValueError, match="params_dtype"):
-        get_megatron_optimizer(OptimizerConfig(lr=1.0, bf16=True, params_dtype=torch.bfloat16), ddp)
+    with pytest.raises(ValueError, match="fp16=True"):
+        fp16 = DistributedDataParallel(torch.nn.Linear(2, 2).half(), DistributedDataParallelConfig())
+        get_megatron_optimizer(OptimizerConfig(lr=1.0, bf16=True), fp16)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0), torch.nn.Linear(2, 2))
+
+
+class MixedNet(torch.nn.Module):
+    """bf16 Linears around an fp32 LayerNorm: a model with two parameter dtypes (two DDP buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(8, 16).bfloat16()
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 3).bfloat16()
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x.bfloat16()))
+        return self.head(self.norm(h.float()).bfloat16())
+
+
+def _mixed_dtype_worker():
+    import copy
+
+    import torch.distributed as dist
+
+    from ddp_testing import reference_grads
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import get_megatron_optimizer
+    from optim_testing import STEP_SEED, make_batches, megatron_steps
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    master = copy.deepcopy(MixedNet()).float()
+    decay = [p for n, p in master.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
+    no_decay = [p for n, p in master.named_parameters() if n.endswith(".bias") or p.dim() == 1]
+    reference = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-2, foreach=True)
+    for k in range(3):
+        low = copy.deepcopy(master)
+        low.fc1.bfloat16(), low.head.bfloat16()
+        grads = reference_grads(low, make_batches(dp, 2, seed=STEP_SEED + k), torch.float32, False)
+        for n, p in master.named_parameters():
+            p.grad = grads[n].float()
+        reference.step()
+    results = {}
+    for name, distributed, loss_scale in [("bf16", False, None), ("bf16 distributed", True, None),
+                                          ("bf16 distributed, loss scale 1024", True, 1024.0)]:
+        model = MixedNet()
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=40, use_distributed_optimizer=distributed))
+        opt = get_megatron_optimizer(OptimizerConfig(  # no params_dtype: derived from bf16=True
+            lr=1e-2, bf16=True, clip_grad=0.0, loss_scale=loss_scale, use_distributed_optimizer=distributed), [ddp])
+        assert all(ok for ok, _ in megatron_steps(ddp, opt, rank, dp, 3))
+        ddp.finish_param_sync()
+        results[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert model.norm.weight.dtype == torch.float32 and model.fc1.weight.dtype == torch.bfloat16
+    failures = []
+    for name, params in results.items():
+        for (n, p), q in zip(params.items(), master.parameters()):
+            close = (torch.allclose(p, q, rtol=1e-5, atol=1e-7) if p.dtype == torch.float32 else
+                     torch.allclose(p.float(), q.detach().bfloat16().float(), rtol=2**-8, atol=1e-6))
+            if not close:
+                failures.append((name, n))
+    scaled_is_exact = all(torch.equal(results["bf16 distributed"][n], results["bf16 distributed, loss scale 1024"][n])
+                          for n in results["bf16 distributed"])
+    return failures, scaled_is_exact
+
+
+def test_mixed_param_dtypes_bf16_without_params_dtype_and_constant_loss_scale_with_bf16():
+    """fp32 norm weights in a bf16 model, with the fp16/bf16 and the distributed optimizer, OptimizerConfig
+    (bf16=True) without params_dtype, and a constant loss scale with bf16 (as megatron-core allows). Would
+    catch a refused setup, fp32 params not stepped (or stepped through a lossy copy), or a loss scale that is
+    not undone exactly (a power of two must give bit-identical updates)."""
+    for failures, scaled_is_exact in run_distributed(_mixed_dtype_worker, 2):
+        assert not failures and scaled_is_exact, failures

@@ -220,7 +220,8 @@ def test_config_flags_are_generated_from_the_configs():
               "--init-method-std": "0.5"}
     switches = ["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer",
                 "--ddp-average-in-collective", "--accumulate-allreduce-grads-in-fp32", "--fp16"]
-    argv = [x for flag, value in values.items() for x in (flag, value)] + switches
+    argv = [x for flag, value in values.items() for x in (flag, value)] + switches + [
+        "--no-check-for-nan-in-loss-and-grad"]  # on by default (Megatron's): its switch is the opt-out
     args = a.parse_args(argv, world_size=1)
     configs = [(a.ddp_config_from_args(args), a.DDP_FLAGS), (a.optimizer_config_from_args(args), a.OPTIMIZER_FLAGS),
                (a.gpt_config_from_args(args, vocab_size=64), a.GPT_FLAGS)]
@@ -239,3 +240,27 @@ def build_parser_help():
     from megatron_lite.training import build_parser
 
     return build_parser().format_help()
+
+
+def test_megatron_defaults_and_presets():
+    """Every flag shared with Megatron-LM defaults to Megatron's value; a preset fills only the flags not
+    given (and says which); --model-preset none keeps Megatron's. Would catch recipe values posing as
+    Megatron defaults, or a preset overriding an explicit flag."""
+    from megatron_lite.training import parse_args
+
+    required = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32",
+                "--lr", "1e-3", "--micro-batch-size", "2", "--train-iters", "10"]
+    plain = parse_args(["--model-preset", "none"] + required, world_size=2)
+    megatron = dict(min_lr=0.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
+                    lr_decay_style="linear", lr_warmup_iters=0, hidden_dropout=0.1, attention_dropout=0.1,
+                    init_method_std=0.02, log_interval=100, eval_interval=1000, eval_iters=100, seed=1234,
+                    global_batch_size=4, initial_loss_scale=2**32, loss_scale_window=1000, hysteresis=2,
+                    check_for_nan_in_loss_and_grad=True, position_embedding_type="learned_absolute")
+    assert {k: getattr(plain, k) for k in megatron} == megatron and plain.preset_values == {}
+    tiny = parse_args(["--weight-decay", "0.05", "--lr-warmup-iters", "3"], world_size=2)
+    assert (tiny.num_layers, tiny.lr, tiny.adam_beta2, tiny.hidden_dropout) == (2, 3e-3, 0.95, 0.0)
+    assert tiny.weight_decay == 0.05 and tiny.lr_warmup_iters == 3  # given flags win over the preset
+    assert "weight_decay" not in tiny.preset_values and "lr_warmup_fraction" not in tiny.preset_values
+    assert tiny.preset_values["lr"] == 3e-3 and parse_args([], world_size=2).lr_warmup_iters == 20
+    with pytest.raises(SystemExit):
+        parse_args(["--model-preset", "none"], world_size=2)  # the architecture is required then

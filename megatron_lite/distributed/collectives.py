@@ -142,3 +142,34 @@ def broadcast_object(obj: Any, group=None, src_group_rank: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group)
     return box[0]
+
+
+# ------------------------------------------------------------------------------------------ errors
+def run_collectively(fn: Callable, *args, group=None):
+    """`fn(*args)` on every rank; if it raises on any rank, every rank raises (naming the ranks) instead of
+    the others walking into the next collective and waiting there for the process-group timeout."""
+    error = None
+    try:
+        result = fn(*args)
+    except Exception as e:  # re-raised below, on every rank
+        error = e
+    failures = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
+    if error is not None:
+        raise error
+    failed = {rank: text for rank, text in enumerate(failures) if text is not None}
+    if failed:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on rank(s) {sorted(failed)}: "
+                           + "; ".join(f"rank {r}: {t}" for r, t in failed.items()))
+    return result
+
+
+def rank_zero_first(fn: Callable, *args, group=None):
+    """`fn(*args)` on the group's rank 0 first (e.g. to build a cache), then on the others; returns its
+    result on every rank. A failure on rank 0 reaches every rank at once (the others do not start)."""
+    first = dist.get_rank(group) == 0
+    result = run_collectively(fn if first else _nothing, *args, group=group)
+    return result if first else fn(*args)
+
+
+def _nothing(*args):
+    return None

@@ -67,8 +67,8 @@ class GPTConfig:
             raise ValueError(
                 "position_embedding_type='rope' needs an even head dim (hidden_size / num_attention_heads)")
         for name in ("rotary_base", "init_method_std", "layernorm_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -66,10 +66,10 @@ def check_optimizer_matches_ddp(config: OptimizerConfig, ddp_config) -> None:
             f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
             f"{ddp_config.use_distributed_optimizer}: set both the same"
         )
-    if config.fp16 and ddp_config.check_for_nan_in_grad:
+    if config.fp16 and config.loss_scale is None and ddp_config.check_for_nan_in_grad:
         raise ValueError(
-            "check_for_nan_in_grad=True rejects Inf gradients, which fp16=True loss scaling produces on purpose "
-            "(and then skips the step): use one or the other"
+            "check_for_nan_in_grad=True rejects Inf gradients, which fp16=True dynamic loss scaling produces on "
+            "purpose (and then skips the step): turn the check off, or set a constant loss_scale"
         )
 
 
@@ -91,11 +91,11 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     for chunk in model_chunks:
         check_optimizer_matches_ddp(config, chunk.ddp_config)
         for param, name in chunk.param_to_name.items():
-            if param.dtype != config.params_dtype:
-                raise ValueError(
-                    f"parameter {name} is {param.dtype} but OptimizerConfig.params_dtype is {config.params_dtype} "
-                    f"(fp16={config.fp16}, bf16={config.bf16})"
-                )
+            # Any mix of dtypes works (fp32 params are stepped in place, others through fp32 main copies),
+            # but fp16 gradients underflow without loss scaling.
+            if param.dtype == torch.float16 and not config.fp16:
+                raise ValueError(f"parameter {name} is float16 but OptimizerConfig.fp16 is False: fp16 training "
+                                 f"needs loss scaling (set fp16=True)")
     groups = _get_param_groups(model_chunks, config)
     device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
     make_inner = _inner_optimizer_factory(config, device)

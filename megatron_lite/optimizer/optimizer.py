@@ -24,6 +24,24 @@ _NOT_SAVED_GROUP_KEYS = {"params", "foreach", "fused", "capturable", "differenti
 
 # Per-parameter optimizer state tensors that have the parameter's shape.
 STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+# Param-group hyperparameters checked against a checkpoint's on resume (lr belongs to the scheduler).
+HYPERPARAMETER_KEYS = {"adam": ("weight_decay", "betas", "eps"), "sgd": ("weight_decay", "momentum")}
+
+
+def pick_hyperparameter(name: str, current, saved, policy: str = "check"):
+    """Megatron's rule for a value that is both in this run and in the checkpoint it resumes: 'check' (the
+    default) requires them equal, 'override' keeps this run's, 'checkpoint' takes the checkpoint's."""
+    if policy not in ("check", "override", "checkpoint"):
+        raise ValueError(f"hyperparameters must be 'check', 'override' or 'checkpoint', got {policy!r}")
+    if policy == "override" or saved == current:
+        return current
+    if policy == "checkpoint":
+        return saved
+    raise ValueError(
+        f"{name} is {current} in this run but {saved} in the checkpoint: resume with the same value, or pass "
+        f"--override-opt_param-scheduler to keep this run's or --use-checkpoint-opt_param-scheduler to take "
+        f"the checkpoint's (load_checkpoint(hyperparameters='override' / 'checkpoint'))"
+    )
 
 
 class MegatronOptimizer:
@@ -143,7 +161,10 @@ class MegatronOptimizer:
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict, hyperparameters: str = "check"):
+        """Restore the state; the hyperparameters stored with it meet this run's per `hyperparameters`
+        ('check', 'override' or 'checkpoint', see pick_hyperparameter). The learning rate is the
+        scheduler's business."""
         if state_dict.get("optimizer") != self.config.optimizer:
             raise ValueError(
                 f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is {self.config.optimizer!r}"
@@ -151,13 +172,20 @@ class MegatronOptimizer:
         missing = set(self.param_to_name.values()) - set(state_dict["state"])
         if missing:
             raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
-        # Hyperparameters (lr, weight_decay, betas, ...) come from this run's config and scheduler; only
-        # group-level optimizer *state* is restored (apex keeps Adam's step per group).
+        # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
         saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
         for group in self.optimizer.param_groups:
             saved = saved_groups.get((group.get("wd_mult"), group.get("lr_mult")))
-            if saved is not None and "step" in saved:
+            if saved is None:
+                continue
+            if "step" in saved:
                 group["step"] = saved["step"]
+            for key in HYPERPARAMETER_KEYS[self.config.optimizer]:
+                if key in saved and key in group:
+                    current = tuple(group[key]) if isinstance(group[key], (list, tuple)) else group[key]
+                    value = tuple(saved[key]) if isinstance(saved[key], (list, tuple)) else saved[key]
+                    group[key] = pick_hyperparameter(f"optimizer {key} (wd_mult {group.get('wd_mult')})",
+                                                     current, value, hyperparameters)
         self._load_full_main_state(state_dict["state"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -257,10 +285,11 @@ def qualified_param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
 
 
 def make_grad_scaler(config: OptimizerConfig):
-    if not config.fp16:
-        return None
+    """Megatron's choice: a constant scale when one is given (fp16 or bf16), dynamic scaling for fp16."""
     if config.loss_scale is not None:
         return ConstantGradScaler(config.loss_scale)
+    if not config.fp16:
+        return None
     return DynamicGradScaler(
         initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
         growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,

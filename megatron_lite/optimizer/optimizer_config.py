@@ -1,6 +1,7 @@
 """Optimizer configuration (field names and meanings follow megatron.core.optimizer.OptimizerConfig)."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -40,11 +41,12 @@ class OptimizerConfig:
     bf16: bool = False
     """Parameters are bf16: keep fp32 main params (no loss scaling needed)."""
 
-    params_dtype: torch.dtype = torch.float32
-    """dtype of the model parameters (must agree with fp16 / bf16)."""
+    params_dtype: Optional[torch.dtype] = None
+    """dtype of most model parameters; None derives it from fp16 / bf16 (a model may mix in fp32
+    parameters, e.g. norms or routers, with any setting)."""
 
     loss_scale: Optional[float] = None
-    """Constant loss scale for fp16; None selects dynamic loss scaling."""
+    """Constant loss scale (fp16 or bf16, as in Megatron); None: dynamic loss scaling with fp16, none with bf16."""
 
     initial_loss_scale: float = 2**32
     """Dynamic loss scaling: starting scale."""
@@ -68,6 +70,10 @@ class OptimizerConfig:
     """Count zero gradient elements each step (returned by step())."""
 
     def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.lr is None or not isinstance(self.lr, (int, float)) or self.lr < 0:
@@ -86,6 +92,8 @@ class OptimizerConfig:
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are mutually exclusive")
         expected = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+        if self.params_dtype is None:
+            self.params_dtype = expected
         if self.params_dtype != expected:
             raise ValueError(
                 f"params_dtype {self.params_dtype} does not match fp16={self.fp16}, bf16={self.bf16} "
@@ -93,8 +101,8 @@ class OptimizerConfig:
             )
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ValueError(f"loss_scale must be > 0, got {self.loss_scale}")
-        if self.loss_scale is not None and not self.fp16:
-            raise ValueError("loss_scale only applies with fp16=True")
+        if self.loss_scale is not None and not (self.fp16 or self.bf16):
+            raise ValueError("loss_scale only applies with fp16=True or bf16=True")
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
             raise ValueError("initial_loss_scale and min_loss_scale must be > 0")
         if self.min_loss_scale > self.initial_loss_scale:

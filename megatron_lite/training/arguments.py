@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import re
 import textwrap
@@ -50,16 +51,23 @@ GPT_FLAGS = {  # vocab_size comes from the tokenizer; position type, tying and d
 SCHEDULE_FLAGS = {"lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--lr-decay-iters",
                   "lr_decay_style": "--lr-decay-style"}
 
-# pretrain_gpt.py's own defaults where they differ from the configs' (Megatron's); a tiny model trains well.
-PRETRAIN_DEFAULTS = {"lr": 3e-3, "min_lr": 3e-4, "weight_decay": 0.1, "adam_beta2": 0.95}
-
-# --model-preset fills the architecture flags the user did not give.
+# Every flag has Megatron-LM's default. A model preset fills the flags you do not give with a recipe
+# that trains the preset's model well (printed at start-up); `--model-preset none` keeps Megatron's.
+RECIPE = dict(lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta2=0.95, lr_decay_style="cosine",
+              lr_warmup_fraction=0.1, hidden_dropout=0.0, attention_dropout=0.0, micro_batch_size=4,
+              global_batch_size=16, train_iters=200, log_interval=10, eval_interval=100, eval_iters=5)
 MODEL_PRESETS = {
-    "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128),
-    "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256),
-    "gpt2-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024),
+    "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, **RECIPE),
+    "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, **RECIPE),
+    "gpt2-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, **RECIPE),
+    "none": {},
 }
-_PRESET_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
+# Megatron-LM's defaults of the flags a preset may set (None: required, or derived from other flags).
+MEGATRON_DEFAULTS = dict(num_layers=None, hidden_size=None, num_attention_heads=None, seq_length=None, lr=None,
+                         min_lr=0.0, weight_decay=0.01, adam_beta2=0.999, lr_decay_style="linear",
+                         lr_warmup_fraction=None, hidden_dropout=0.1, attention_dropout=0.1, micro_batch_size=None,
+                         global_batch_size=None, train_iters=None, log_interval=100, eval_interval=1000,
+                         eval_iters=100)
 
 
 # ------------------------------------------------------------------------------------------ config flags
@@ -153,27 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model (GPTConfig)")
-    g.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default="tiny",
-                   help="sets the architecture flags you do not give: " + "; ".join(
+    g.add_argument("--model-preset", choices=list(MODEL_PRESETS), default="tiny",
+                   help="fills the flags you do not give (printed at start-up): " + "; ".join(
                        f"{k}: {v['num_layers']} layers, hidden {v['hidden_size']}, {v['num_attention_heads']} "
-                       f"heads, seq {v['seq_length']}" for k, v in MODEL_PRESETS.items())
-                   )
+                       f"heads, seq {v['seq_length']}" for k, v in MODEL_PRESETS.items() if v)
+                   + "; all three with the recipe " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in RECIPE.items())
+                   + ". none: Megatron's defaults, the architecture flags required")
     docs = field_docs(GPTConfig)
-    add_config_arguments(g, GPTConfig, GPT_FLAGS, defaults=dict.fromkeys(_PRESET_FIELDS),
-                         max_position_embeddings=dict(help=docs["max_position_embeddings"] + " (default: --seq-length)"),
-                         **{f: dict(help=docs[f] + " (default: from --model-preset)") for f in _PRESET_FIELDS})
-    g.add_argument("--seq-length", type=int, help="tokens per sample (default: from --model-preset)")
+    add_config_arguments(g, GPTConfig, GPT_FLAGS, max_position_embeddings=dict(
+        help=docs["max_position_embeddings"] + " (default: --seq-length)"))
+    g.add_argument("--seq-length", type=int, help="tokens per sample")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
                    help="learned absolute position embeddings added to the input, or rotary embeddings in attention")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output layer instead of reusing the word-embedding matrix")
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="samples per rank per micro-batch")
-    g.add_argument("--global-batch-size", type=int, default=16,
+    g.add_argument("--micro-batch-size", type=int, help="samples per rank per micro-batch")
+    g.add_argument("--global-batch-size", type=int,
                    help="samples per iteration; each rank accumulates global / (micro x data-parallel size) "
-                        "micro-batches")
-    g.add_argument("--train-iters", type=int, default=200, help="iterations to train for")
+                        "micro-batches (Megatron's default: micro-batch size x data-parallel size)")
+    g.add_argument("--train-iters", type=int, help="iterations to train for")
     g.add_argument("--seed", type=int, default=1234, help="seeds the model init (identical on every rank), "
                                                           "data shuffling and dropout")
     precision = ("fp16", "bf16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
@@ -182,16 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimizer (OptimizerConfig) and learning-rate schedule")
     add_config_arguments(g, OptimizerConfig, {k: v for k, v in OPTIMIZER_FLAGS.items() if k not in precision},
-                         defaults=PRETRAIN_DEFAULTS, optimizer=dict(choices=["adam", "sgd"]))
-    g.add_argument("--lr-warmup-iters", type=int, help="iterations of linear warmup from 0 to --lr (default: 10%% "
-                                                       "of --lr-decay-iters)")
+                         defaults=dict(min_lr=0.0), optimizer=dict(choices=["adam", "sgd"]))
+    g.add_argument("--lr-warmup-iters", type=int, help="iterations of linear warmup from 0 to --lr (default: 0)")
+    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters (instead of "
+                                                            "--lr-warmup-iters)")
     g.add_argument("--lr-decay-iters", type=int, help="iteration at which the decay reaches --min-lr (default: "
                                                       "--train-iters)")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine",
-                   help="shape of the decay after warmup")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], help="shape of the decay after warmup")
 
     g = p.add_argument_group("data parallelism (DistributedDataParallelConfig)")
-    add_config_arguments(g, DistributedDataParallelConfig, DDP_FLAGS)
+    add_config_arguments(g, DistributedDataParallelConfig, DDP_FLAGS, check_for_nan_in_grad=dict(
+        action=argparse.BooleanOptionalAction, default=None,
+        help=field_docs(DistributedDataParallelConfig)["check_for_nan_in_grad"] + " The loss is checked too; all "
+             "ranks stop together (default: on, except with --fp16 dynamic loss scaling, whose overflows produce "
+             "Inf on purpose)"))
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, else gloo")
     g.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -207,20 +219,36 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
                    help="how text was turned into token ids (must match tools/preprocess_data.py)")
     g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
-    g.add_argument("--vocab-size", type=int, default=512,
+    g.add_argument("--vocab-size", type=int,
                    help="vocabulary of --tokenizer-type NullTokenizer (use it with --mock-data for a custom size)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test document split weights")
 
     g = p.add_argument_group("logging, evaluation and checkpoints")
-    g.add_argument("--log-interval", type=int, default=10, help="iterations between log lines")
-    g.add_argument("--eval-interval", type=int, default=100, help="iterations between evaluations (and one at the end)")
-    g.add_argument("--eval-iters", type=int, default=5, help="global batches of validation data per evaluation")
+    g.add_argument("--log-interval", type=int, help="iterations between log lines")
+    g.add_argument("--eval-interval", type=int, help="iterations between evaluations (and one at the end)")
+    g.add_argument("--eval-iters", type=int, help="global batches of validation data per evaluation")
     g.add_argument("--tensorboard-dir", help="TensorBoard event files (when tensorboard is installed)")
     g.add_argument("--metrics-file", help="JSONL metrics (default: TENSORBOARD_DIR or SAVE /metrics.jsonl)")
     g.add_argument("--save", help="checkpoint directory")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
-    g.add_argument("--load", help="resume from the latest checkpoint in this directory (if any)")
+    g.add_argument("--load", help="resume from the newest complete checkpoint in this directory (if any)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with an error when the directory holds no checkpoint, instead of "
+                        "training from scratch")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, use this run's learning-rate schedule and optimizer hyperparameters where "
+                        "the checkpoint's differ (default: a difference is an error)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, take the learning-rate schedule and optimizer hyperparameters from the "
+                        "checkpoint where they differ from this run's")
     g.add_argument("--exit-interval", type=int, help="stop (after saving) once iteration %% N == 0")
+    # Flags a preset may set: no argparse default (None = not given), Megatron's default in the help.
+    for action in p._actions:
+        if action.dest in MEGATRON_DEFAULTS:
+            action.default = None
+            megatron = MEGATRON_DEFAULTS[action.dest]
+            action.help = (action.help or "") + (f" (default: {megatron}" if megatron is not None else
+                                                 " (default: none") + ", unless --model-preset sets it)"
     return p
 
 
@@ -238,15 +266,36 @@ def parse_args(argv=None, world_size=None) -> argparse.Namespace:
 def validate_args(args, world_size: int):
     """Fill the defaults that depend on other flags, check what is not a config field, then build the
     configs (their ValueError names the field). Raises ValueError."""
+    args.preset_values = {}  # what the preset filled in, printed at start-up
     for key, value in MODEL_PRESETS[args.model_preset].items():
+        if getattr(args, key) is None and not (key == "lr_warmup_fraction" and args.lr_warmup_iters is not None):
+            setattr(args, key, value)
+            args.preset_values[key] = value
+    for key, value in MEGATRON_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr", "micro_batch_size",
+                 "train_iters"):
+        if getattr(args, name) is None:
+            raise ValueError(f"--{name.replace('_', '-')} is required with --model-preset none")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * world_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters is None:
-        args.lr_warmup_iters = args.lr_decay_iters // 10
+    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
+        raise ValueError("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
+    if args.lr_warmup_fraction is not None:
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    elif args.lr_warmup_iters is None:
+        args.lr_warmup_iters = 0
+    if args.check_for_nan_in_loss_and_grad is None:  # Megatron's default, off where fp16 overflows are normal
+        args.check_for_nan_in_loss_and_grad = not (args.fp16 and args.loss_scale is None)
+    if not math.isfinite(args.distributed_timeout_minutes) or args.distributed_timeout_minutes <= 0:
+        raise ValueError(f"--distributed-timeout-minutes must be a positive number, got {args.distributed_timeout_minutes}")
     for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                  "eval_interval"):
         if getattr(args, name) <= 0:
@@ -265,8 +314,15 @@ def validate_args(args, world_size: int):
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.save_interval is not None and (args.save_interval <= 0 or not args.save):
         raise ValueError("--save-interval must be > 0 and needs --save")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
+                         "exclusive")
+    if args.exit_on_missing_checkpoint and not args.load:
+        raise ValueError("--exit-on-missing-checkpoint needs --load")
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ValueError("--exit-interval must be > 0")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,22 +1,14 @@
-"""Atomic, resumable, DP-size-independent checkpoints.
+"""Checkpoints: what a training state is made of, saved and restored on every rank.
 
-Layout (Megatron's names)::
-
-    SAVE/latest_checkpointed_iteration.txt      "200"            <- written last, atomically
-    SAVE/iter_0000200/model_optim_rng.pt        model, optimizer, scheduler, RNG, data position
-
-The model state and the optimizer state (full fp32 tensors per parameter name, see
-megatron_lite/optimizer/optimizer.py) do not depend on the data-parallel size, so a run saved on N ranks
-resumes on M. Rank 0 writes into a temporary directory, fsyncs, then renames it into place and only then
-updates the tracker file: a crash at any point leaves the previous checkpoint intact and `latest`
-pointing at it. Files are loaded with `torch.load(weights_only=True)`: no pickled code is executed.
+Layout, atomicity and checksums: checkpoint_files.py. The model state and the optimizer state (full fp32
+tensors per parameter name, see megatron_lite/optimizer/optimizer.py) do not depend on the data-parallel
+size, so a run saved on N ranks resumes on M. Rank 0 writes; a failure there reaches every rank. Files
+are loaded with `torch.load(weights_only=True)`: no pickled code is executed. A state with NaN/Inf in it
+is never saved.
 """
 
-import glob
 import os
 import random
-import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
@@ -24,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
+from . import checkpoint_files
+from .checkpoint_files import find_latest, read_tracker
 
 _serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: a manifest with checksums
 # The run's arguments stored in a checkpoint and compared on load (Megatron's check_checkpoint_args).
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
                      "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings")
@@ -38,35 +31,6 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
 def checkpoint_args(args) -> dict:
     """The plain-data part of `args` a checkpoint records: the architecture."""
     return {k: getattr(args, k) for k in ARCHITECTURE_ARGS}
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def _fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: str, write):
-    """Write a file through a temporary sibling, fsync, then os.replace (atomic on POSIX)."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def get_rng_state() -> dict:
@@ -110,6 +74,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     error = None
     if dist.get_rank(group) == 0:
         try:
+            _refuse_nonfinite(iteration, {"model": model_state, "optimizer": optimizer_state})
             _write_checkpoint(root, iteration, {
                 "checkpoint_version": CHECKPOINT_VERSION,
                 "iteration": iteration,
@@ -129,66 +94,80 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         raise RuntimeError(f"saving checkpoint {iteration} failed on rank 0: {status}")
 
 
+def _refuse_nonfinite(iteration: int, states: dict):
+    """A checkpoint with NaN/Inf in it would resume a broken run: name the first offending tensors."""
+    bad = []
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            bad.append(prefix)
+
+    walk("", states)
+    if bad:
+        raise ValueError(f"refusing to save checkpoint {iteration}: NaN/Inf in {', '.join(bad[:5])}"
+                         + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+
+
 def _write_checkpoint(root: str, iteration: int, payload: dict):
-    """Rank 0: write into a temporary directory, rename it into place, then move the tracker."""
-    os.makedirs(root, exist_ok=True)
-    final = checkpoint_dir(root, iteration)
-    tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
-    try:
-        _write_atomically(os.path.join(tmp_dir, CHECKPOINT_FILENAME), lambda f: _serialize(payload, f))
-        old = None
-        if os.path.exists(final):  # re-saving an iteration: keep the old copy until the new one is in
-            old = f"{final}.old-{os.getpid()}"
-            os.rename(final, old)
-        os.rename(tmp_dir, final)
-        _fsync_dir(root)
-        if old:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    # Only now does `latest` move: a crash above leaves it pointing at the previous checkpoint.
-    _write_atomically(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(f"{iteration}\n".encode()))
+    """Rank 0: the payload as one file of a new checkpoint directory (see checkpoint_files.publish)."""
+    def write_files(directory):
+        checkpoint_files.write_atomically(f"{directory}/{CHECKPOINT_FILENAME}", lambda f: _serialize(payload, f))
+    checkpoint_files.publish(root, iteration, write_files)
 
 
-def read_tracker(root: str) -> Optional[int]:
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{path} is corrupt: expected an iteration number, found {text!r}")
-    return int(text)
+def refuse_to_shadow(save_dir: str, loaded: Optional[dict]):
+    """Before a run writes into `save_dir`: every checkpoint there must be one this run resumed from (or
+    older), else its saves would overwrite or shadow checkpoints it never loaded. Raises ValueError."""
+    existing = checkpoint_files.complete_checkpoints(save_dir)
+    newest = max(existing) if existing else None
+    resumed_here = loaded is not None and os.path.realpath(os.path.dirname(loaded["path"])) == \
+        os.path.realpath(existing.get(loaded["iteration"], ""))
+    if newest is not None and not (resumed_here and loaded["iteration"] == newest):
+        raise ValueError(
+            f"--save {save_dir} already holds checkpoints this run did not resume from (newest: iteration "
+            f"{newest}); saving there would overwrite or shadow them. Resume with --load {save_dir}, or "
+            f"save into another directory.")
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, group=None,
-                    check_args: Optional[dict] = None) -> Optional[dict]:
-    """Load the latest checkpoint under `root` into model/optimizer/scheduler and restore RNG.
+def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_args: Optional[dict] = None,
+                    hyperparameters: str = "check") -> Optional[dict]:
+    """Load the newest complete checkpoint under `root` into model/optimizer/scheduler and restore RNG.
 
+    Args:
+        hyperparameters: how the schedule and optimizer hyperparameters stored in the checkpoint meet this
+            run's: 'check' (a difference is an error), 'override' (this run's win) or 'checkpoint' (the
+            checkpoint's win); Megatron's --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
     Returns:
-        {'iteration', 'consumed_train_samples', 'args'} or None when `root` holds no checkpoint.
+        {'iteration', 'consumed_train_samples', 'args', 'path'} or None when `root` holds no checkpoint.
     Raises:
-        ValueError when the checkpoint's architecture (check_args keys) differs from this run's.
+        ValueError when a file fails its checksum, or the checkpoint's architecture (check_args keys) or
+        hyperparameters differ from this run's.
     """
-    iteration = read_tracker(root)
+    iteration, directory = find_latest(root)
     if iteration is None:
         return None
-    final = checkpoint_dir(root, iteration)
-    candidates = [final] + sorted(glob.glob(f"{final}.old-*"))  # an interrupted re-save left .old
-    path = next((os.path.join(c, CHECKPOINT_FILENAME) for c in candidates
-                 if os.path.exists(os.path.join(c, CHECKPOINT_FILENAME))), None)
-    if path is None:
-        raise ValueError(f"{root}/{TRACKER_FILENAME} names iteration {iteration} but {final} has no {CHECKPOINT_FILENAME}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    tracker = read_tracker(root)
+    if tracker != iteration and dist.get_rank(group) == 0:
+        print(f"> {root}: the tracker names iteration {tracker}, the newest complete checkpoint is {iteration}: "
+              f"loading {iteration}", flush=True)
+    checkpoint_files.verify(directory)
+    path = f"{directory}/{CHECKPOINT_FILENAME}"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint file {path} cannot be read: {type(e).__name__}: {e}") from e
     for key, value in (check_args or {}).items():
         saved = state["args"].get(key)
         if saved is not None and saved != value:
             raise ValueError(f"checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
+    optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
+    scheduler.load_state_dict(state["opt_param_scheduler"], hyperparameters=hyperparameters)
     rng_states = state["rng_state"]
     rank = dist.get_rank(group)
     set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
     return {"iteration": state["iteration"], "consumed_train_samples": state["consumed_train_samples"],
-            "args": state["args"]}
+            "args": state["args"], "path": path}

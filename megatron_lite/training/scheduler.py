@@ -2,6 +2,8 @@
 
 import math
 
+from ..optimizer.optimizer import pick_hyperparameter
+
 
 def check_schedule(lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str):
     """Raise ValueError unless 0 <= lr_warmup_steps <= lr_decay_steps and the decay style is known."""
@@ -58,7 +60,11 @@ class OptimizerParamScheduler:
                 "lr_decay_steps": self.lr_decay_steps, "lr_decay_style": self.lr_decay_style,
                 "num_steps": self.num_steps}
 
-    def load_state_dict(self, state):
-        # The schedule's shape comes from the command line; only the position is restored.
+    def load_state_dict(self, state, hyperparameters: str = "check"):
+        """Restore the position; the schedule's shape stored with it meets this run's per
+        `hyperparameters` ('check': must be equal, 'override': this run's, 'checkpoint': the checkpoint's)."""
+        for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            setattr(self, key, pick_hyperparameter(f"learning-rate schedule {key}", getattr(self, key), state[key],
+                                                   hyperparameters))
         self.num_steps = int(state["num_steps"])
         self.step(0)

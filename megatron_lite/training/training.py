@@ -15,9 +15,10 @@ One iteration (train_step)::
         loss, reported = loss_func(output)          # loss: mean over the micro-batch's tokens
         optimizer.scale_loss(loss / num_micro_batches).backward()   # with overlap, buckets reduce here
     model.finish_grad_sync()                        # main_grad = data-parallel mean
+    reported values: averaged over micro-batches, then over data-parallel ranks (one all-reduce; with
+                     check_for_nan_in_loss a NaN/Inf on any rank stops every rank here, before the update)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful: scheduler.step()
-    reported values: averaged over micro-batches, then over data-parallel ranks (one all-reduce)
 """
 
 import contextlib
@@ -30,7 +31,7 @@ from ..data import micro_batch_iterator
 from ..distributed import DistributedDataParallel, collectives
 from ..optimizer import get_megatron_optimizer
 from .arguments import ddp_config_from_args, optimizer_config_from_args
-from .checkpointing import checkpoint_args, load_checkpoint, save_checkpoint
+from .checkpointing import checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
 from .initialize import initialize_megatron
 from .metrics import TrainingLog, print_rank_0
 from .scheduler import OptimizerParamScheduler
@@ -45,13 +46,27 @@ def setup_model_and_optimizer(model_provider: Callable, args, device: torch.devi
     return model, optimizer, scheduler
 
 
-def _average_over_ranks(sums: Dict[str, torch.Tensor], count: int) -> Dict[str, float]:
-    """Sum each reported value over the data-parallel ranks (one all-reduce) and divide by `count`."""
+def _average_over_ranks(sums: Dict[str, torch.Tensor], count: int, group, check_finite: bool = False
+                        ) -> Dict[str, float]:
+    """Sum each reported value over the data-parallel ranks and divide by `count`: one all-reduce, which
+    with `check_finite` also carries a flag per rank, so that every rank raises together on a NaN/Inf loss
+    and names the ranks it came from."""
     if not sums:
         return {}
-    stacked = torch.stack(list(sums.values()))
-    collectives.all_reduce(stacked)
-    return {key: value / count for key, value in zip(sums, stacked.tolist())}
+    values = torch.stack(list(sums.values()))
+    flags = torch.zeros(dist.get_world_size(group), dtype=values.dtype, device=values.device)
+    if check_finite:
+        flags[dist.get_rank(group)] = float(not torch.isfinite(values).all())
+    reduced = torch.cat([values, flags])
+    collectives.all_reduce(reduced, group)
+    totals, flags = reduced[:len(sums)].tolist(), reduced[len(sums):].tolist()
+    averages = {key: value / count for key, value in zip(sums, totals)}
+    bad_ranks = [r for r, flag in enumerate(flags) if flag]
+    if bad_ranks:
+        local = {key: value.item() for key, value in sums.items()}
+        raise RuntimeError(f"check_for_nan_in_loss: the loss is not finite on data-parallel rank(s) {bad_ranks} "
+                           f"(this rank's micro-batch sums: {local}; averaged over all ranks: {averages})")
+    return averages
 
 
 def train_step(forward_step_func: Callable, data_iterator, model, optimizer, scheduler, num_micro_batches: int,
@@ -73,14 +88,11 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
         for key, value in reported.items():
             sums[key] = sums.get(key, 0) + value / num_micro_batches
     model.finish_grad_sync()
+    group = model.data_parallel_group  # a NaN loss stops every rank here, before the update
+    losses = _average_over_ranks(sums, dist.get_world_size(group), group, check_for_nan_in_loss)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step()
-    losses = _average_over_ranks(sums, dist.get_world_size(model.data_parallel_group))
-    if check_for_nan_in_loss:
-        bad = {key: value for key, value in losses.items() if not torch.isfinite(torch.tensor(value))}
-        if bad:
-            raise RuntimeError(f"loss is not finite (averaged over all ranks) at this iteration: {bad}")
     return losses, update_successful, grad_norm
 
 
@@ -94,7 +106,8 @@ def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batche
         for key, value in loss_func(output)[1].items():
             sums[key] = sums.get(key, 0) + value
     model.train()
-    return _average_over_ranks(sums, dist.get_world_size(model.data_parallel_group) * num_micro_batches)
+    group = model.data_parallel_group
+    return _average_over_ranks(sums, dist.get_world_size(group) * num_micro_batches, group)
 
 
 def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -113,21 +126,33 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
     """
     device, tokenizer = initialize_megatron(args)
     rank, dp = dist.get_rank(), dist.get_world_size()
-    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, tokenizer)
+    if args.preset_values:
+        print_rank_0(f"> --model-preset {args.model_preset} set the flags not given: " + " ".join(
+            f"--{key.replace('_', '-')} {value}" for key, value in args.preset_values.items()))
+    # A failure on any rank (say rank 0 cannot build the data) stops every rank now, not at a timeout.
+    train_ds, valid_ds, _ = collectives.run_collectively(train_valid_test_datasets_provider, args, tokenizer)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, device)
     n_params = sum(p.numel() for p in model.module.parameters())
     print_rank_0(f"> {n_params / 1e6:.2f}M parameters | dp={dp} on {device} ({args.distributed_backend}) | "
                  f"{args.num_micro_batches} micro-batches of {args.micro_batch_size}")
 
     iteration, consumed = 0, 0
+    loaded = None
     if args.load:
-        loaded = load_checkpoint(args.load, model, optimizer, scheduler, check_args=checkpoint_args(args))
+        policy = ("override" if args.override_opt_param_scheduler else
+                  "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
+        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
+                                              checkpoint_args(args), policy)
+        if loaded is None and args.exit_on_missing_checkpoint:
+            raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
         if loaded is None:
             print_rank_0(f"> no checkpoint found in {args.load}: training from scratch")
         else:
             iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
-            print_rank_0(f"> resumed from {args.load} at iteration {iteration} ({consumed} samples consumed)")
-    last_saved = iteration if args.load else None
+            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)")
+    if args.save:
+        refuse_to_shadow(args.save, loaded)
+    last_saved = iteration if loaded else None
 
     def save():
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args=checkpoint_args(args))

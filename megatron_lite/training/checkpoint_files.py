@@ -1,0 +1,158 @@
+"""Checkpoint directories on disk: atomic publication, checksums, finding the newest complete one.
+
+::
+
+    SAVE/latest_checkpointed_iteration.txt   "200": a hint, written last
+    SAVE/iter_0000200/model_optim_rng.pt     the state
+    SAVE/iter_0000200/manifest.json          size and sha256 of every file: written last inside the
+                                             directory, so a directory with a manifest is complete
+    SAVE/.tmp_iter_0000200_*/                a save in progress (or a crashed one, removed by the next save)
+
+A directory is written under a temporary name, fsynced, and renamed into place; only then does the tracker
+move. Loading takes the newest directory that has a manifest (the tracker only confirms it) and checks
+every file against the manifest first: a flipped byte, a truncated or an empty file is an error naming the
+file, never a silently loaded state. Files and directories get the usual permissions of the process
+(umask), like the rest of the run's outputs.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Callable, Dict, Optional, Tuple
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MANIFEST_FILENAME = "manifest.json"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: str, write: Callable):
+    """Write a file through a temporary sibling, fsync, then os.replace (atomic on POSIX)."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=directory)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; the run's outputs are not
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _digest(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def publish(root: str, iteration: int, write_files: Callable[[str], None]):
+    """Write a checkpoint directory atomically: `write_files(tmp_dir)` writes the files, then the manifest,
+    the rename into place and, last, the tracker. Refuses to replace an existing checkpoint."""
+    os.makedirs(root, exist_ok=True)
+    final = checkpoint_dir(root, iteration)
+    if os.path.exists(final):
+        raise FileExistsError(f"{final} exists already: a checkpoint is never overwritten")
+    for name in os.listdir(root):  # a crashed save's leftovers (one writer per directory: rank 0)
+        if name.startswith(".tmp_"):
+            path = os.path.join(root, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
+    try:
+        os.chmod(tmp_dir, 0o777 & ~_umask())
+        write_files(tmp_dir)
+        files = {name: {"size": os.path.getsize(os.path.join(tmp_dir, name)),
+                        "sha256": _digest(os.path.join(tmp_dir, name))} for name in sorted(os.listdir(tmp_dir))}
+        manifest = json.dumps({"iteration": iteration, "files": files}, indent=1).encode()
+        write_atomically(os.path.join(tmp_dir, MANIFEST_FILENAME), lambda f: f.write(manifest))
+        os.rename(tmp_dir, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    # Only now does the tracker move: a crash above leaves it (and the scan) at the previous checkpoint.
+    write_atomically(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(f"{iteration}\n".encode()))
+
+
+def verify(directory: str) -> Dict[str, dict]:
+    """Check every file of a checkpoint directory against its manifest; returns the manifest's files."""
+    manifest_path = os.path.join(directory, MANIFEST_FILENAME)
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint manifest {manifest_path} is missing or unreadable ({e}): the directory "
+                         f"is incomplete or was not written by this version of megatron_lite") from e
+    for name, expected in files.items():
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        if size != expected["size"]:
+            raise ValueError(f"checkpoint file {path} is corrupt: {size} bytes, the manifest says "
+                             f"{expected['size']} (truncated, emptied or missing)")
+        if _digest(path) != expected["sha256"]:
+            raise ValueError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest's")
+    return files
+
+
+def complete_checkpoints(root: str) -> Dict[int, str]:
+    """iteration -> directory of every checkpoint under `root` that has a manifest (a finished save)."""
+    found = {}
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            match = _ITER_DIR.match(name)
+            if match and os.path.exists(os.path.join(root, name, MANIFEST_FILENAME)):
+                found[int(match.group(1))] = os.path.join(root, name)
+    return found
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} is corrupt: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def find_latest(root: str) -> Tuple[Optional[int], Optional[str]]:
+    """The newest complete checkpoint under `root`: (iteration, directory), or (None, None).
+
+    Raises ValueError for a directory named like a checkpoint but without a manifest that is newer than
+    every complete one: a crashed save never leaves one (it writes under a temporary name), so something
+    else put it there, and resuming from an older checkpoint past it must be the user's decision."""
+    complete = complete_checkpoints(root)
+    newest = max(complete) if complete else None
+    partial = [int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root) if os.path.isdir(root) else [])
+               if m and int(m.group(1)) not in complete]
+    if partial and (newest is None or max(partial) > newest):
+        raise ValueError(f"{checkpoint_dir(root, max(partial))} has no {MANIFEST_FILENAME}: it is not a complete "
+                         f"checkpoint of this megatron_lite version. Move it away to resume from "
+                         f"{'iteration ' + str(newest) if newest is not None else 'scratch'}.")
+    return (newest, complete[newest]) if newest is not None else (None, None)

@@ -1,0 +1,76 @@
+"""The training loop never trains on, or saves, garbage: NaN losses stop every rank together naming the
+rank, and a checkpoint with NaN/Inf in it is never written."""
+
+import os
+
+import pytest
+import torch
+
+from distributed_helper import run_distributed
+
+
+def _nan_loss_worker():
+    import torch.distributed as dist
+
+    from megatron_lite.training import train_step
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    rank = dist.get_rank()
+    model, ddp, opt = build(dict(), dict(lr=1e-3))  # no grad check: the loss check alone must catch it
+    sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
+
+    def forward_step(data_iterator, model):
+        def loss_func(output):
+            loss = output.float().pow(2).mean() * (float("nan") if rank == 1 else 1.0)
+            return loss, {"lm loss": loss.detach()}
+        return model(next(data_iterator)), loss_func
+
+    data = iter([torch.randn(4, 8, generator=torch.Generator().manual_seed(rank + 10 * i)) for i in range(4)])
+    try:
+        train_step(forward_step, data, ddp, opt, sched, num_micro_batches=2, check_for_nan_in_loss=True)
+    except RuntimeError as e:
+        return str(e), all(torch.isfinite(p).all() for p in model.parameters())
+    return None, None
+
+
+def test_nan_loss_on_one_rank_stops_every_rank_naming_it():
+    """Would catch a NaN loss that only its own rank notices (the others hang in the next collective) or
+    that nobody notices (the log shows nan, the run exits 0)."""
+    for message, params_finite in run_distributed(_nan_loss_worker, 2):
+        assert message is not None and "rank(s) [1]" in message and "not finite" in message
+        assert params_finite  # stopped before the optimizer applied NaN gradients
+
+
+def _nan_checkpoint_worker(root):
+    from megatron_lite.training import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
+    sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
+    with torch.no_grad():
+        model.fc2.weight[0, 0] = float("inf")
+    try:
+        checkpointing.save_checkpoint(root, 3, ddp, opt, sched, consumed_train_samples=8)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_with_nan_is_never_written(tmp_path):
+    """Would catch a checkpoint that resumes a broken run (and, being the newest, shadows the good ones)."""
+    for message in run_distributed(_nan_checkpoint_worker, 2, str(tmp_path)):
+        assert message is not None and "fc2.weight" in message
+    assert not any(name.startswith("iter_") for name in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], True), (["--no-check-for-nan-in-loss-and-grad"], False), (["--fp16"], False),
+    (["--fp16", "--loss-scale", "1024"], True), (["--bf16", "--loss-scale", "1024"], True),
+])
+def test_nan_check_is_megatrons_default(argv, expected):
+    """On by default, off by itself only with dynamic fp16 loss scaling (allowed with a constant scale)."""
+    from megatron_lite.training import parse_args
+
+    assert parse_args(argv, world_size=1).check_for_nan_in_loss_and_grad is expected
