@@ -1,0 +1,138 @@
+"""Checkpoints never lose or shadow data and never load silently corrupt state; failures on one rank stop
+every rank at once."""
+
+import os
+import stat
+import sys
+import time
+
+import pytest
+
+from distributed_helper import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "2",
+        "--eval-iters", "0"]
+
+
+def _main(argv):
+    """pretrain_gpt.main on this rank; returns ('ok', {iteration: lm loss}) or ('error', message)."""
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    try:
+        result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
+    except (ValueError, RuntimeError, SystemExit) as e:
+        return "error", str(e)
+    return "ok", {i: r["lm loss"] for i, r in result["losses"].items()}
+
+
+def _run(argv, world=2):
+    return run_distributed(_main, world, argv)
+
+
+def test_resume_scans_for_the_newest_checkpoint_when_the_tracker_is_gone(tmp_path):
+    """Would catch a resumed run that starts from scratch because the tracker file was deleted (and then
+    overwrites the checkpoints it should have loaded)."""
+    save = str(tmp_path / "ck")
+    straight = _run(TINY + ["--train-iters", "6"])[0][1]
+    _run(TINY + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--exit-interval", "4"])
+    os.remove(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    status, resumed = _run(TINY + ["--train-iters", "6", "--save", save, "--load", save])[0]
+    assert status == "ok" and sorted(resumed) == [5, 6] and [resumed[5], resumed[6]] == [straight[5], straight[6]]
+
+
+def test_a_run_never_shadows_checkpoints_it_did_not_load(tmp_path):
+    """Would catch a fresh run (or one resumed from elsewhere) writing iter_* files into a directory whose
+    newer checkpoints it never loaded: --load would then pick up the wrong run."""
+    save = str(tmp_path / "ck")
+    _run(TINY + ["--save", save])
+    for argv in (TINY + ["--save", save], TINY + ["--save", save, "--load", str(tmp_path / "empty")]):
+        for status, message in _run(argv):
+            assert status == "error" and "did not resume from" in message and "--load" in message
+    assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    for status, message in _run(TINY + ["--load", str(tmp_path / "nothing"), "--exit-on-missing-checkpoint"]):
+        assert status == "error" and "no checkpoint" in message
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "empty"])
+def test_corrupt_checkpoint_file_is_an_error_naming_it(tmp_path, damage):
+    """Would catch a checkpoint loaded with silently wrong weights (a flipped byte in a tensor is still a
+    valid pickle) or a confusing unpickling error instead of the file's name."""
+    save = str(tmp_path / "ck")
+    _run(TINY + ["--save", save], world=1)
+    path = os.path.join(save, "iter_0000004", "model_optim_rng.pt")
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip a byte":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) - 100]
+    else:
+        data = b""
+    open(path, "wb").write(bytes(data))
+    status, message = _run(TINY + ["--train-iters", "6", "--save", save, "--load", save], world=1)[0]
+    assert status == "error" and path in message and "corrupt" in message
+
+
+def test_stale_temporary_directories_are_removed_and_files_are_group_readable(tmp_path):
+    save = str(tmp_path / "ck")
+    os.makedirs(os.path.join(save, ".tmp_iter_0000002_crashed"))
+    _run(TINY + ["--save", save], world=1)
+    assert sorted(os.listdir(save)) == ["iter_0000004", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    umask = os.umask(0)
+    os.umask(umask)
+    directory = os.path.join(save, "iter_0000004")
+    for path, mode in [(directory, 0o777), (os.path.join(directory, "model_optim_rng.pt"), 0o666),
+                       (os.path.join(directory, "manifest.json"), 0o666)]:
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode & ~umask, path
+
+
+def test_schedule_and_hyperparameters_are_checked_on_resume(tmp_path):
+    """Megatron's scheduler rule: a resumed run with another schedule or optimizer hyperparameters stops,
+    unless told which to use. Would catch a silent change of the learning rate or weight decay."""
+    save = str(tmp_path / "ck")
+    _run(TINY + ["--save", save, "--exit-interval", "2"], world=1)
+    for changed, needle in [(["--lr", "1e-2"], "max_lr"), (["--weight-decay", "0.3"], "weight_decay"),
+                            (["--lr-decay-style", "linear"], "lr_decay_style")]:
+        status, message = _run(TINY + changed + ["--save", save, "--load", save], world=1)[0]
+        assert status == "error" and needle in message and "--override-opt_param-scheduler" in message
+    status, losses = _run(TINY + ["--lr", "1e-2", "--save", str(tmp_path / "a"), "--load", save,
+                                  "--use-checkpoint-opt_param-scheduler"], world=1)[0]
+    assert status == "ok" and sorted(losses) == [3, 4]
+
+
+def _rank0_data_failure_worker():
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    real = pretrain_gpt.ensure_builtin_dataset
+
+    def broken(*args):
+        raise OSError("disk full (simulated)")
+
+    if dist.get_rank() == 0:
+        pretrain_gpt.ensure_builtin_dataset = broken
+    start = time.monotonic()
+    try:
+        pretrain_gpt.main(TINY[1:], world_size=dist.get_world_size())  # without --mock-data: built-in corpus
+    except (OSError, RuntimeError) as e:
+        return str(e), time.monotonic() - start
+    finally:
+        pretrain_gpt.ensure_builtin_dataset = real
+    return None, None
+
+
+def test_rank0_failing_to_build_data_stops_every_rank_at_once():
+    """Would catch the other ranks waiting at a barrier until the process-group timeout."""
+    for message, seconds in run_distributed(_rank0_data_failure_worker, 2):
+        assert message is not None and "disk full" in message and seconds < 20
