@@ -10,6 +10,7 @@ the forward step with its loss. The generic loop (initialisation, DDP and the op
 evaluation, checkpoints) is megatron_lite.training.pretrain.
 """
 
+import functools
 import os
 import sys
 
@@ -38,7 +39,7 @@ def train_valid_test_datasets_provider(args, tokenizer):
     if not args.mock_data and data_prefix is None:
         data_prefix = collectives.rank_zero_first(ensure_builtin_dataset, args.data_cache_path, tokenizer)
     train_ds, valid_ds = build_gpt_datasets(data_prefix, args.mock_data, args.split, args.seq_length, args.seed,
-                                            tokenizer)
+                                            tokenizer, args.eod_mask_loss)
     return train_ds, valid_ds, None  # the test split is not used
 
 
@@ -51,19 +52,22 @@ def get_batch(data_iterator, model):
         raise ValueError(f"the dataset holds token id {largest} >= the model's vocabulary "
                          f"({vocab}): was it preprocessed with another --tokenizer-type?")
     device = model.module.word_embeddings.weight.device
-    return batch["tokens"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+    return [batch[key].to(device, non_blocking=True) for key in ("tokens", "labels", "loss_mask")]
 
 
-def loss_func(output_tensor: torch.Tensor):
-    """Mean cross-entropy over the micro-batch's tokens (in fp32), and the value to report as 'lm loss'."""
-    loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach()}
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's form: the sum of the per-token losses (fp32) over the unmasked tokens, their number, and
+    both to report as 'lm loss' (logged as sum / count over the micro-batches and ranks)."""
+    losses, mask = output_tensor.float().reshape(-1), loss_mask.reshape(-1)
+    loss = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int64)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), mask.sum()])}
 
 
 def forward_step(data_iterator, model):
     """Forward one micro-batch; the model returns per-token losses when given labels."""
-    tokens, labels = get_batch(data_iterator, model)
-    return model(tokens, labels=labels), loss_func
+    tokens, labels, loss_mask = get_batch(data_iterator, model)
+    return model(tokens, labels=labels), functools.partial(loss_func, loss_mask)
 
 
 def flops_per_iteration(args) -> float:

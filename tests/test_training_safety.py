@@ -74,3 +74,23 @@ def test_nan_check_is_megatrons_default(argv, expected):
     from megatron_lite.training import parse_args
 
     assert parse_args(argv, world_size=1).check_for_nan_in_loss_and_grad is expected
+
+
+def test_log_line_has_megatrons_bookkeeping(single_rank_group, capsys):
+    """Megatron's log line: a timestamp, the loss averaged over the iterations that updated the model with a
+    finite loss, and the numbers of skipped and of NaN iterations. Would catch a skipped (fp16 overflow) or
+    NaN iteration dragging the logged loss."""
+    import argparse
+    import re
+
+    from megatron_lite.training.metrics import TrainingLog
+
+    args = argparse.Namespace(train_iters=4, log_interval=4, global_batch_size=2, seq_length=8, metrics_file=None,
+                              tensorboard_dir=None)
+    log = TrainingLog(args, torch.device("cpu"), 1, None)
+    for iteration, loss, ok in [(1, 2.0, True), (2, 40.0, False), (3, float("nan"), True), (4, 6.0, True)]:
+        log.training(iteration, 2 * iteration, {"lm loss": loss}, 1e-3, 1.0, 0.5 if ok else None, ok)
+    line = capsys.readouterr().out.strip()
+    assert re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        4/       4 \|", line), line
+    assert "lm loss: 4.000000E+00 |" in line
+    assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in line

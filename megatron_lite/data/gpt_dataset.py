@@ -78,9 +78,13 @@ class _EpochPermutations:
         return self._cache[epoch]
 
 
-def _sample(window: np.ndarray) -> Dict[str, torch.Tensor]:
+def _sample(window: np.ndarray, eod_mask_token: Optional[int] = None) -> Dict[str, torch.Tensor]:
     window = torch.from_numpy(np.asarray(window, dtype=np.int64))
-    return {"tokens": window[:-1], "labels": window[1:]}
+    tokens, labels = window[:-1], window[1:]
+    loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+    if eod_mask_token is not None:  # Megatron's --eod-mask-loss: no loss where the input is end-of-document
+        loss_mask[tokens == eod_mask_token] = 0.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
 class GPTDataset:
@@ -91,9 +95,12 @@ class GPTDataset:
         documents: contiguous document range (from `split_documents`).
         seq_length: tokens per sample (the model's context length).
         seed: shuffling seed; epoch e uses seed + e.
+        eod_mask_token: the end-of-document id, to give the token after it a loss_mask of 0 (else all 1).
     """
 
-    def __init__(self, indexed: IndexedDataset, documents: range, seq_length: int, seed: int):
+    def __init__(self, indexed: IndexedDataset, documents: range, seq_length: int, seed: int,
+                 eod_mask_token: Optional[int] = None):
+        self.eod_mask_token = eod_mask_token
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
         if not isinstance(documents, range) or documents.step != 1 or not (
@@ -115,13 +122,14 @@ class GPTDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        """Args: i, any global sample index >= 0 (epochs repeat). Returns: {'tokens', 'labels'}, int64 [L]."""
+        """Args: i, any global sample index >= 0 (epochs repeat). Returns: {'tokens', 'labels'}, int64 [L], and
+        'loss_mask', float32 [L]."""
         if i < 0:
             raise IndexError(f"sample index must be >= 0, got {i}")
         epoch, position = divmod(int(i), self.num_samples)
         k = int(self._permutation(epoch)[position])
         start = self.token_start + k * self.seq_length
-        return _sample(self.indexed.get_tokens(start, self.seq_length + 1))
+        return _sample(self.indexed.get_tokens(start, self.seq_length + 1), self.eod_mask_token)
 
 
 class MockGPTDataset:
@@ -152,7 +160,7 @@ class MockGPTDataset:
         return 2**31  # unbounded in fact; a finite number for code that asks
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        """Args: i, any sample index >= 0. Returns: {'tokens', 'labels'}, int64 [seq_length]."""
+        """Args: i, any sample index >= 0. Returns: {'tokens', 'labels'}, int64 [seq_length], 'loss_mask' (ones)."""
         if i < 0:
             raise IndexError(f"sample index must be >= 0, got {i}")
         rng = np.random.default_rng([self.seed, int(i)])
@@ -198,7 +206,7 @@ def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int, 
 
 
 def build_gpt_datasets(data_prefix: Optional[str], mock: bool, split: str, seq_length: int, seed: int,
-                       tokenizer):
+                       tokenizer, eod_mask_loss: bool = False):
     """The train and validation datasets for pretrain_gpt.py.
 
     Args:
@@ -207,7 +215,8 @@ def build_gpt_datasets(data_prefix: Optional[str], mock: bool, split: str, seq_l
         split: Megatron's --split weights; the test split is not built.
         seq_length: tokens per sample.
         seed: shuffling seed (mock: train uses seed, valid seed + 1).
-        tokenizer: gives the vocabulary size for mock data.
+        tokenizer: gives the vocabulary size for mock data, and the eod id.
+        eod_mask_loss: no loss on the token after an end-of-document token.
 
     Returns:
         (train_ds, valid_ds); valid_ds is None when its split is empty.
@@ -219,6 +228,7 @@ def build_gpt_datasets(data_prefix: Optional[str], mock: bool, split: str, seq_l
         raise ValueError("give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     indexed = IndexedDataset(data_prefix)
     train_docs, valid_docs, _ = split_documents(len(indexed), split)
-    train_ds = GPTDataset(indexed, train_docs, seq_length, seed)
-    valid_ds = GPTDataset(indexed, valid_docs, seq_length, seed) if len(valid_docs) else None
+    eod = tokenizer.eod if eod_mask_loss else None
+    train_ds = GPTDataset(indexed, train_docs, seq_length, seed, eod)
+    valid_ds = GPTDataset(indexed, valid_docs, seq_length, seed, eod) if len(valid_docs) else None
     return train_ds, valid_ds

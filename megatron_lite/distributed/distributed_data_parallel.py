@@ -84,7 +84,9 @@ class DistributedDataParallel(torch.nn.Module):
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
             dtype_to_params.setdefault((param.dtype, grad_dtype), []).append(param)
 
-        scaling = 1.0 if config.average_in_collective else 1.0 / self.data_parallel_world_size
+        # Pre-scale by 1/dp and sum = the mean over ranks; a per-token loss is summed (scaled after the reduction).
+        averaged = config.average_in_collective or config.calculate_per_token_loss
+        scaling = 1.0 if averaged else 1.0 / self.data_parallel_world_size
         self.buffers: List[ParamAndGradBuffer] = [
             ParamAndGradBuffer(
                 config, param_dtype, grad_dtype, params, data_parallel_group,

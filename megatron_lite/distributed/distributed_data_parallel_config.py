@@ -35,6 +35,11 @@ class DistributedDataParallelConfig:
     average_in_collective: bool = False
     """Average with ReduceOp.AVG inside the collective instead of pre-scaling by 1/dp and summing."""
 
+    calculate_per_token_loss: bool = False
+    """The loss function returns a sum over tokens and their count (Megatron's --calculate-per-token-loss):
+    gradients are summed over ranks, not averaged, and the training loop divides them by the number of
+    tokens in the whole global batch. Off: each rank's gradient is pre-scaled by 1/dp (a mean over ranks)."""
+
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad bucket ends to lcm(dp, 128, 2^16) instead of lcm(dp, 128) (NCCL bus bandwidth is higher for
     message sizes divisible by large powers of two). Requires `use_distributed_optimizer`."""
@@ -54,6 +59,9 @@ class DistributedDataParallelConfig:
                     raise ValueError(f"bucket_size must be a positive number of elements or None, got {value}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {value!r}")
+        if self.calculate_per_token_loss and self.average_in_collective:
+            raise ValueError("calculate_per_token_loss=True sums gradients over ranks; average_in_collective=True "
+                             "would average them: use one or the other")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError(
                 "overlap_param_gather=True requires use_distributed_optimizer=True: only the distributed "

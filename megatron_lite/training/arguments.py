@@ -34,6 +34,7 @@ DDP_FLAGS = {
     "average_in_collective": "--ddp-average-in-collective",
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",  # or --bf16
     "check_for_nan_in_grad": "--check-for-nan-in-loss-and-grad",
+    "calculate_per_token_loss": "--calculate-per-token-loss",
 }
 OPTIMIZER_FLAGS = {  # params_dtype follows from --fp16 / --bf16
     "optimizer": "--optimizer", "lr": "--lr", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int,
                    help="vocabulary of --tokenizer-type NullTokenizer (use it with --mock-data for a custom size)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test document split weights")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss on the token that follows an end-of-document token (Megatron's loss mask)")
 
     g = p.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, help="iterations between log lines")

@@ -6,7 +6,9 @@ tokens_per_s[, mfu]}; per evaluation the validation line and {iteration, valid_<
 Loss keys come from the loss function's reporting dict ('lm loss' -> 'lm_loss').
 """
 
+import datetime
 import json
+import math
 import os
 import time
 from typing import Dict, Optional
@@ -89,7 +91,7 @@ class TrainingLog:
         self.tokens_per_iteration = args.global_batch_size * args.seq_length
         self.device, self.dp, self.flops = device, dp, flops_per_iteration
         self.metrics = MetricsWriter(args.metrics_file, args.tensorboard_dir)
-        self._losses, self._skipped = [], 0
+        self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
         self.restart_timer()
 
     def restart_timer(self):
@@ -98,33 +100,41 @@ class TrainingLog:
 
     def training(self, iteration: int, consumed: int, losses: Dict[str, float], lr: float, loss_scale: float,
                  grad_norm: Optional[float], update_successful: bool):
-        """Record one iteration; at a log interval (and the last iteration) print the line."""
+        """Record one iteration; at a log interval (and the last iteration) print Megatron's line. As in
+        Megatron, the losses are averaged over the iterations that updated the model and whose loss was
+        finite; skipped (fp16 overflow) and NaN iterations are counted instead."""
         self.metrics.write({"iteration": iteration, "consumed_samples": consumed,
                             **{_record_key(k): v for k, v in losses.items()}, "lr": lr, "loss_scale": loss_scale,
                             "grad_norm": grad_norm, "skipped": not update_successful})
-        self._losses.append(losses)
-        self._skipped += 0 if update_successful else 1
+        self._iterations += 1
+        if not update_successful:
+            self._skipped += 1
+        elif not all(math.isfinite(v) for v in losses.values()):
+            self._nan += 1
+        else:
+            self._losses.append(losses)
         if iteration % self.log_interval and iteration != self.train_iters:
             return
-        elapsed = (time.perf_counter() - self._start) / len(self._losses)
+        elapsed = (time.perf_counter() - self._start) / self._iterations
         utilization = mfu(self.flops, elapsed, self.device, self.dp)
-        line = (f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: {consumed:12d} | "
+        line = (f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+                f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: {consumed:12d} | "
                 f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | "
                 f"throughput (tokens/s): {self.tokens_per_iteration / elapsed:.0f} | ")
         if utilization is not None:
             line += f"MFU: {utilization * 100:.1f}% | "
         line += f"learning rate: {lr:.6E} | global batch size: {self.global_batch_size:5d} | "
-        for key in self._losses[-1]:
+        for key in (self._losses[-1] if self._losses else {}):
             line += f"{key}: {sum(d[key] for d in self._losses) / len(self._losses):.6E} | "
         line += f"loss scale: {loss_scale:.1f} | "
         if grad_norm is not None:
             line += f"grad norm: {grad_norm:.3f} | "
-        line += f"number of skipped iterations: {self._skipped:3d} |"
+        line += f"number of skipped iterations: {self._skipped:3d} | number of nan iterations: {self._nan:3d} |"
         print_rank_0(line)
         self.metrics.write({"iteration": iteration, "elapsed_ms_per_iteration": elapsed * 1000,
                             "tokens_per_s": self.tokens_per_iteration / elapsed,
                             **({"mfu": utilization} if utilization else {})})
-        self._losses, self._skipped = [], 0
+        self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
         self.restart_timer()
 
     def validation(self, iteration: int, losses: Dict[str, float]):

@@ -12,11 +12,13 @@ One iteration (train_step)::
     model.zero_grad_buffer(); optimizer.zero_grad()
     for each of this rank's micro-batches:          # all but the last under model.no_sync()
         output, loss_func = forward_step_func(data_iterator, model)
-        loss, reported = loss_func(output)          # loss: mean over the micro-batch's tokens
-        optimizer.scale_loss(loss / num_micro_batches).backward()   # with overlap, buckets reduce here
-    model.finish_grad_sync()                        # main_grad = data-parallel mean
-    reported values: averaged over micro-batches, then over data-parallel ranks (one all-reduce; with
-                     check_for_nan_in_loss a NaN/Inf on any rank stops every rank here, before the update)
+        loss, num_tokens, reported = loss_func(output)   # loss: sum over the unmasked tokens
+        loss = loss / num_tokens / num_micro_batches      # (kept a sum with calculate_per_token_loss)
+        optimizer.scale_loss(loss).backward()       # with overlap, buckets reduce here
+    model.finish_grad_sync()                        # main_grad = data-parallel mean (per-token: sum)
+    reported values: summed over micro-batches and data-parallel ranks (one all-reduce, which also carries
+                     the token count; with check_for_nan_in_loss a NaN/Inf on any rank stops every rank
+                     here, before the update); per-token loss: model.scale_gradients(1 / global tokens)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful: scheduler.step()
 """
@@ -46,50 +48,88 @@ def setup_model_and_optimizer(model_provider: Callable, args, device: torch.devi
     return model, optimizer, scheduler
 
 
-def _average_over_ranks(sums: Dict[str, torch.Tensor], count: int, group, check_finite: bool = False
-                        ) -> Dict[str, float]:
-    """Sum each reported value over the data-parallel ranks and divide by `count`: one all-reduce, which
-    with `check_finite` also carries a flag per rank, so that every rank raises together on a NaN/Inf loss
-    and names the ranks it came from."""
-    if not sums:
-        return {}
-    values = torch.stack(list(sums.values()))
+def _accumulate(sums: Dict[str, torch.Tensor], reported: dict, divisor: int = 1):
+    """Add one micro-batch's reported values: a pair [sum, count] (Megatron's token-weighted form) is summed
+    as it is; a scalar is divided by `divisor` (the mean over micro-batches)."""
+    for key, value in reported.items():
+        value = value if value.numel() == 2 else value / divisor
+        sums[key] = sums.get(key, 0) + value
+
+
+def _reduce_over_ranks(sums: Dict[str, torch.Tensor], group, ranks_divisor: int, extra: Optional[torch.Tensor] = None,
+                       check_finite: bool = False):
+    """One all-reduce over the data-parallel ranks of every reported value (plus `extra`, e.g. a token
+    count, and with `check_finite` a flag per rank). Pairs become sum / count, scalars sum / ranks_divisor.
+    Every rank raises together on a NaN/Inf and names the ranks it came from.
+
+    Returns:
+        ({key: float}, the reduced `extra` or None)
+    """
+    parts = [value.reshape(-1).float() for value in sums.values()] + ([extra.reshape(1).float()] if extra is not None else [])
+    if not parts:
+        return {}, None
+    values = torch.cat(parts)
     flags = torch.zeros(dist.get_world_size(group), dtype=values.dtype, device=values.device)
     if check_finite:
         flags[dist.get_rank(group)] = float(not torch.isfinite(values).all())
     reduced = torch.cat([values, flags])
     collectives.all_reduce(reduced, group)
-    totals, flags = reduced[:len(sums)].tolist(), reduced[len(sums):].tolist()
-    averages = {key: value / count for key, value in zip(sums, totals)}
-    bad_ranks = [r for r, flag in enumerate(flags) if flag]
+    totals = reduced[:len(values)].tolist()
+    bad_ranks = [r for r, flag in enumerate(reduced[len(values):].tolist()) if flag]
+    averages, i = {}, 0
+    for key, value in sums.items():
+        if value.numel() == 2:
+            averages[key], i = totals[i] / max(totals[i + 1], 1.0), i + 2
+        else:
+            averages[key], i = totals[i] / ranks_divisor, i + 1
     if bad_ranks:
-        local = {key: value.item() for key, value in sums.items()}
+        local = {key: value.tolist() for key, value in sums.items()}
         raise RuntimeError(f"check_for_nan_in_loss: the loss is not finite on data-parallel rank(s) {bad_ranks} "
-                           f"(this rank's micro-batch sums: {local}; averaged over all ranks: {averages})")
-    return averages
+                           f"(this rank's micro-batch sums: {local}; over all ranks: {averages})")
+    return averages, (totals[-1] if extra is not None else None)
 
 
 def train_step(forward_step_func: Callable, data_iterator, model, optimizer, scheduler, num_micro_batches: int,
                check_for_nan_in_loss: bool = False):
     """One iteration on this rank's share of the global batch (see the module docstring).
 
+    The loss function returns (loss, reported) with loss a mean, or Megatron's (loss sum, number of tokens,
+    reported). With the latter the loss is divided by the micro-batch's tokens and by the number of
+    micro-batches, unless the model was wrapped with calculate_per_token_loss: then the gradients (summed
+    over ranks) are divided by the number of tokens in the whole global batch, after the reduction.
+
     Returns:
         (reported losses averaged over micro-batches and data-parallel ranks, update_successful, grad_norm)
     """
+    per_token = model.ddp_config.calculate_per_token_loss
     model.zero_grad_buffer()
     optimizer.zero_grad()
     sums: Dict[str, torch.Tensor] = {}
+    tokens = None
     for m in range(num_micro_batches):
         last = m == num_micro_batches - 1
         with contextlib.nullcontext() if last else model.no_sync():  # only the last one communicates
             output, loss_func = forward_step_func(data_iterator, model)
-            loss, reported = loss_func(output)
-            optimizer.scale_loss(loss / num_micro_batches).backward()
-        for key, value in reported.items():
-            sums[key] = sums.get(key, 0) + value / num_micro_batches
+            outputs = loss_func(output)
+            if len(outputs) == 3:
+                loss, num_tokens, reported = outputs
+                tokens = num_tokens if tokens is None else tokens + num_tokens
+                if not per_token:
+                    loss = loss / num_tokens.clamp(min=1) / num_micro_batches
+            else:
+                if per_token:
+                    raise ValueError("calculate_per_token_loss needs a loss function that returns (loss sum, "
+                                     "number of tokens, reported values)")
+                loss, reported = outputs
+                loss = loss / num_micro_batches
+            optimizer.scale_loss(loss).backward()
+        _accumulate(sums, reported, num_micro_batches)
     model.finish_grad_sync()
     group = model.data_parallel_group  # a NaN loss stops every rank here, before the update
-    losses = _average_over_ranks(sums, dist.get_world_size(group), group, check_for_nan_in_loss)
+    losses, total_tokens = _reduce_over_ranks(sums, group, dist.get_world_size(group),
+                                              tokens if per_token else None, check_for_nan_in_loss)
+    if per_token:
+        model.scale_gradients(1.0 / max(total_tokens, 1.0))  # the mean over every token of the global batch
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step()
@@ -98,16 +138,16 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
 
 @torch.no_grad()
 def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batches: int) -> Dict[str, float]:
-    """Mean of the reported losses over `num_micro_batches` micro-batches per rank and over all ranks."""
+    """Mean of the reported losses over `num_micro_batches` micro-batches per rank and over all ranks
+    (token-weighted for reported [sum, count] pairs)."""
     model.eval()
     sums: Dict[str, torch.Tensor] = {}
     for _ in range(num_micro_batches):
         output, loss_func = forward_step_func(data_iterator, model)
-        for key, value in loss_func(output)[1].items():
-            sums[key] = sums.get(key, 0) + value
+        _accumulate(sums, loss_func(output)[-1])
     model.train()
     group = model.data_parallel_group
-    return _average_over_ranks(sums, dist.get_world_size(group) * num_micro_batches, group)
+    return _reduce_over_ranks(sums, group, dist.get_world_size(group) * num_micro_batches)[0]
 
 
 def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -118,8 +158,8 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         train_valid_test_datasets_provider: (args, tokenizer) -> (train, valid or None, test or None),
             datasets indexable by global sample index.
         model_provider: (args) -> the model (an nn.Module in its params dtype; pretrain moves and wraps it).
-        forward_step_func: (data_iterator, model) -> (output, loss_func); loss_func(output) -> (loss,
-            {name: detached value to report}).
+        forward_step_func: (data_iterator, model) -> (output, loss_func); loss_func(output) -> (loss sum,
+            number of tokens, {name: [sum, count] to report}) as in Megatron, or (mean loss, {name: value}).
         flops_per_iteration: (args) -> model FLOPs of one iteration, for MFU (optional).
     Returns:
         {'iteration', 'losses': {iteration: reported losses}, 'valid_losses', 'skipped'}
