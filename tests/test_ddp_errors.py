@@ -238,6 +238,8 @@ def _mismatch_worker(kind):
         model.add_module("extra", torch.nn.Linear(2, 2))
     if kind == "config" and rank == 1:
         config["bucket_size"] = 200
+    if kind == "order" and rank == 1:  # same parameters, registered in another order
+        model._modules = dict(reversed(list(model._modules.items())))
     try:
         DistributedDataParallel(model, DistributedDataParallelConfig(**config))
     except ValueError as e:
@@ -249,7 +251,7 @@ def test_models_or_configs_that_differ_across_ranks_are_rejected_at_wrap_time():
     """Would catch buckets of different layouts being reduced together (silent divergence) or a backend
     size-mismatch abort: every rank gets an error naming the first difference and the rank."""
     expected = {"shape": "fc1.weight: shape (12, 8)", "dtype": "torch.float64", "name": "extra.weight",
-                "config": "bucket_size = 200"}
+                "config": "bucket_size = 200", "order": "head.weight"}
     for kind, needle in expected.items():
         for message in run_distributed(_mismatch_worker, 2, kind):
             assert message is not None and "rank 1:" in message and needle in message, (kind, message)

@@ -148,6 +148,14 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
         (["--num-layers", "0"], "--num-layers"),
         (["--adam-beta1", "1.0"], "--adam-beta1"),
         (["--hidden-dropout", "1.0"], "--hidden-dropout"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--lr", "inf"], "--lr must be a finite number"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+        (["--calculate-per-token-loss", "--ddp-average-in-collective"], "--ddp-average-in-collective"),
+        (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], "mutually exclusive"),
+        (["--exit-on-missing-checkpoint"], "--load"),
+        (["--lr-warmup-fraction", "2"], "--lr-warmup-fraction"),
+        (["--tokenizer-type", "NullTokenizer"], "--vocab-size"),
     ],
 )
 def test_bad_flags_fail_at_start_up(argv, message, capsys):
