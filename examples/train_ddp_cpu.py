@@ -23,9 +23,9 @@ from megatron_lite import (
 from megatron_lite.optimizer import check_optimizer_matches_ddp
 from megatron_lite.training import initialize_distributed
 from megatron_lite.training.arguments import (
-    DDP_FLAGS, OPTIMIZER_FLAGS, add_config_arguments, ddp_config_from_args, flag_error_message,
-    optimizer_config_from_args,
+    DDP_FLAGS, OPTIMIZER_FLAGS, ddp_config_from_args, flag_error_message, optimizer_config_from_args,
 )
+from megatron_lite.training.config_flags import add_config_arguments
 
 VOCAB, CONTEXT, SEQ_LEN, NUM_SEQUENCES = 32, 2, 32, 8192
 

@@ -35,13 +35,18 @@ def _run(argv, world=2):
     return run_distributed(_main, world, argv)
 
 
-def test_resume_scans_for_the_newest_checkpoint_when_the_tracker_is_gone(tmp_path):
-    """Would catch a resumed run that starts from scratch because the tracker file was deleted (and then
-    overwrites the checkpoints it should have loaded)."""
+@pytest.mark.parametrize("tracker", ["deleted", "garbled", "stale"])
+def test_resume_scans_for_the_newest_checkpoint_whatever_the_tracker_says(tmp_path, tracker):
+    """Would catch a resumed run that starts from scratch because the tracker file was deleted or damaged
+    (and then overwrites the checkpoints it should have loaded), or that resumes from an older one."""
     save = str(tmp_path / "ck")
     straight = _run(TINY + ["--train-iters", "6"])[0][1]
     _run(TINY + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--exit-interval", "4"])
-    os.remove(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    path = os.path.join(save, "latest_checkpointed_iteration.txt")
+    if tracker == "deleted":
+        os.remove(path)
+    else:
+        open(path, "w").write("garbage\n" if tracker == "garbled" else "2\n")
     status, resumed = _run(TINY + ["--train-iters", "6", "--save", save, "--load", save])[0]
     assert status == "ok" and sorted(resumed) == [5, 6] and [resumed[5], resumed[6]] == [straight[5], straight[6]]
 

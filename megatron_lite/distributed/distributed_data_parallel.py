@@ -28,6 +28,7 @@ from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .layout import default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from .param_gather import ParamGatherSchedule
 from .replica_check import check_replicas_agree
 
 
@@ -118,15 +119,14 @@ class DistributedDataParallel(torch.nn.Module):
                     functools.partial(self._grad_ready_hook, bucket=bucket, index=index)))
 
         # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
-        self._gather_order: List[Bucket] = self._launch_order[::-1]
-        self._gather_position = {id(b): i for i, b in enumerate(self._gather_order)}
-        self._next_to_gather = len(self._gather_order)  # nothing pending
-        self._stale_buckets = set()  # ids of buckets whose updated params have not arrived yet
+        self.param_gather = ParamGatherSchedule(self._launch_order[::-1], self.param_to_bucket,
+                                                config.overlap_param_gather)
         self._forward_pre_hook_handles = []
         if config.overlap_param_gather:
             for module in self.module.modules():
                 if any(p in self.param_to_bucket for p in module.parameters(recurse=False)):
-                    self._forward_pre_hook_handles.append(module.register_forward_pre_hook(self._param_gather_hook))
+                    self._forward_pre_hook_handles.append(
+                        module.register_forward_pre_hook(self.param_gather.forward_pre_hook))
 
     # ---------------------------------------------------------------- hooks and launching
     def _grad_ready_hook(self, param: torch.nn.Parameter, bucket: Bucket, index: int):
@@ -257,46 +257,15 @@ class DistributedDataParallel(torch.nn.Module):
     def start_param_sync(self, force_sync: bool = False):
         """All-gather every bucket's updated parameter shards (called by the DistributedOptimizer).
 
-        With overlap_param_gather (unless `force_sync`) nothing is sent yet: the buckets are marked stale
-        and the forward pre-hooks dispatch and wait for their gathers as forward reaches them.
+        With overlap_param_gather (unless `force_sync`) nothing is sent yet: the forward pre-hooks dispatch
+        and wait for the gathers as forward reaches the buckets (param_gather.py).
         """
-        if not self.ddp_config.use_distributed_optimizer:
-            return
-        self.finish_param_sync()
-        if self.ddp_config.overlap_param_gather and not force_sync:
-            self._stale_buckets = {id(b) for b in self._gather_order}
-            self._next_to_gather = 0
-            return
-        for bucket in self._gather_order:
-            bucket.start_param_sync(async_op=True)
-        for bucket in self._gather_order:
-            bucket.finish_param_sync()
+        if self.ddp_config.use_distributed_optimizer:
+            self.param_gather.start(force_sync)
 
     def finish_param_sync(self):
         """Complete all pending parameter gathers (before checkpointing, evaluation or the next step)."""
-        self._dispatch_gathers(len(self._gather_order))
-        for bucket in self._gather_order:
-            bucket.finish_param_sync()
-        self._stale_buckets.clear()
-
-    def _dispatch_gathers(self, upto: int):
-        """Dispatch pending gathers in the fixed forward order up to position `upto` (exclusive), so every
-        rank issues the same sequence whatever order its forward touches the buckets in."""
-        while self._next_to_gather < min(upto, len(self._gather_order)):
-            self._gather_order[self._next_to_gather].start_param_sync(async_op=True)
-            self._next_to_gather += 1
-
-    def _param_gather_hook(self, module, args):
-        """Forward pre-hook: wait for the gathers of this module's buckets; prefetch the next bucket."""
-        if not self._stale_buckets:
-            return
-        for param in module.parameters(recurse=False):
-            bucket = self.param_to_bucket.get(param)
-            if bucket is None or id(bucket) not in self._stale_buckets:
-                continue
-            self._dispatch_gathers(self._gather_position[id(bucket)] + 2)  # this bucket and the next
-            bucket.finish_param_sync()
-            self._stale_buckets.discard(id(bucket))
+        self.param_gather.finish()
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""

@@ -8,21 +8,15 @@ into argparse's flag error (exit code 2), with field names rewritten as flags. W
 """
 
 import argparse
-import ast
-import dataclasses
-import inspect
 import math
 import os
-import re
-import textwrap
-import typing
-from typing import Dict, Optional
 
 import torch
 
 from ..distributed import DistributedDataParallelConfig
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
+from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
 from .scheduler import check_schedule
 
 # Megatron's flag for every config field a flag sets: the one mapping from the command line to the configs.
@@ -71,44 +65,7 @@ MEGATRON_DEFAULTS = dict(num_layers=None, hidden_size=None, num_attention_heads=
                          eval_iters=100)
 
 
-# ------------------------------------------------------------------------------------------ config flags
-def field_docs(config_cls) -> Dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal under each field), one line each."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(config_cls))).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")  # argparse's attribute name: Megatron's args.<name>
-
-
-def add_config_arguments(group, config_cls, flags: Dict[str, str], defaults: Optional[dict] = None,
-                         **extra: dict):
-    """One argparse flag per entry of `flags` (field -> flag), typed after the field, with the field's
-    docstring as help. `defaults` overrides the dataclass defaults; `extra[field]` adds argparse kwargs."""
-    docs, hints = field_docs(config_cls), typing.get_type_hints(config_cls)
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    for name, flag in flags.items():
-        kind = hints[name]
-        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
-        default = (defaults or {}).get(name, fields[name].default)
-        default = None if default is dataclasses.MISSING else default
-        kwargs = dict(action="store_true") if kind is bool else dict(type=kind, default=default)
-        kwargs["help"] = docs.get(name, "").replace("%", "%%")
-        group.add_argument(flag, **{**kwargs, **extra.get(name, {})})
-
-
-def config_from_args(config_cls, flags: Dict[str, str], args, **fields):
-    """Build `config_cls` from the parsed flags (fields whose flag this parser lacks keep their default)."""
-    values = {name: getattr(args, _dest(flag)) for name, flag in flags.items() if hasattr(args, _dest(flag))}
-    return config_cls(**{**values, **fields})
-
-
+# ------------------------------------------------------------------------------------------ configs from flags
 def params_dtype_from_args(args) -> torch.dtype:
     return torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
 
@@ -136,8 +93,7 @@ def flag_error_message(error: ValueError) -> str:
     =True requires use_distributed_optimizer=True' -> '--overlap-param-gather requires ...')."""
     table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS}
     table.pop("optimizer")  # also an English word in messages; argparse's choices guard its values
-    names = "|".join(sorted(table, key=len, reverse=True))
-    return re.sub(rf"(?<![-\w])({names})(?![-\w])(=True\b)?", lambda m: table[m.group(1)], str(error))
+    return rewrite_field_names(str(error), table)
 
 
 def check_configs(args):

@@ -149,10 +149,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
     iteration, directory = find_latest(root)
     if iteration is None:
         return None
-    tracker = read_tracker(root)
+    try:
+        tracker = read_tracker(root)
+    except ValueError as e:  # the tracker is only a hint: a damaged one must not hide good checkpoints
+        tracker = str(e)
     if tracker != iteration and dist.get_rank(group) == 0:
-        print(f"> {root}: the tracker names iteration {tracker}, the newest complete checkpoint is {iteration}: "
-              f"loading {iteration}", flush=True)
+        print(f"> {root}: the tracker says {tracker}, the newest complete checkpoint is iteration {iteration}: "
+              f"loading it", flush=True)
     checkpoint_files.verify(directory)
     path = f"{directory}/{CHECKPOINT_FILENAME}"
     try:
