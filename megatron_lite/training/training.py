@@ -190,8 +190,8 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         else:
             iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
             print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)")
-    if args.save:
-        refuse_to_shadow(args.save, loaded)
+    if args.save:  # every rank stops, also where only rank 0 (the writer) can see the directory
+        collectives.run_collectively(refuse_to_shadow, args.save, loaded)
     last_saved = iteration if loaded else None
 
     def save():
