@@ -132,3 +132,15 @@ def compare_to_reference(ddp, ref, exact, rtol=1e-6):
         else:
             scale = expected.float().abs().max().item()
             torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=rtol * scale)
+
+
+def mean_of_rank_grads(reference, inputs):
+    """{name: mean over ranks of d(reference(x).pow(2).mean())/d(param)}, one x per rank (dp=2: exactly the
+    arithmetic of pre-scaling by 1/dp and summing)."""
+    expected = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    for x in inputs:
+        reference.zero_grad()
+        reference(x).pow(2).mean().backward()
+        for n, p in reference.named_parameters():
+            expected[n] += p.grad / len(inputs)
+    return expected

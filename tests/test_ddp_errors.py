@@ -281,6 +281,7 @@ def _shared_checkpoint_worker():
 
     import torch.distributed as dist
 
+    from ddp_testing import mean_of_rank_grads
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -295,12 +296,7 @@ def _shared_checkpoint_worker():
         ddp.zero_grad_buffer()
         ddp(xs[rank]).pow(2).mean().backward()
         ddp.finish_grad_sync()
-        expected = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
-        for r in range(dp):
-            reference.zero_grad()
-            reference(xs[r]).pow(2).mean().backward()
-            for n, p in reference.named_parameters():
-                expected[n] += p.grad / dp
+        expected = mean_of_rank_grads(reference, xs)
         exact.append(all(torch.allclose(p.main_grad, expected[n], rtol=1e-6, atol=1e-7)
                          for n, p in model.named_parameters()))
     return exact, ddp.param_to_bucket[model.shared.weight].expected_counts

@@ -112,6 +112,7 @@ def _order_worker():
 
     import torch.distributed as dist
 
+    from ddp_testing import mean_of_rank_grads
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -129,13 +130,7 @@ def _order_worker():
     finally:
         rec.restore()
     grads = [e[1] for e in rec.events if e[0] == "grad"]
-    # Reference: mean over ranks of each rank's gradient (dp=2: exact).
-    expected = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
-    for r in range(dp):
-        reference.zero_grad()
-        reference(xs[r]).pow(2).mean().backward()
-        for n, p in reference.named_parameters():
-            expected[n] += p.grad / dp
+    expected = mean_of_rank_grads(reference, xs)  # mean over ranks of each rank's gradient (dp=2: exact)
     exact = all(torch.equal(p.main_grad, expected[n]) for n, p in model.named_parameters())
     return dict(grad_order=grads, launches=rec.launches(), exact=exact)
 
