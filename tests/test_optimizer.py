@@ -20,8 +20,10 @@ LR, WD, CLIP, STEPS = 1e-2, 0.1, 0.05, 5
 def _configs():
     for distopt, overlap, bucket_size in itertools.product([False, True], [False, True], [1, 100, None]):
         for gather in ([False, True] if distopt else [False]):
-            yield dict(use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
-                       overlap_param_gather=gather, bucket_size=bucket_size)
+            for strategy in (["optim", "optim_grads"] if distopt else ["no_shard"]):
+                yield dict(use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
+                           overlap_param_gather=gather, bucket_size=bucket_size,
+                           data_parallel_sharding_strategy=strategy)
 
 
 def _equivalence_worker(dtype_name):

@@ -32,6 +32,11 @@ from .param_gather import ParamGatherSchedule
 from .replica_check import check_replicas_agree
 
 
+ZERO2_BUCKETS_IN_FLIGHT = 2
+"""ZeRO-2 with overlap: launched buckets whose full-size gradients may still exist; an older one is waited
+for (and its full gradients freed) when a newer one launches."""
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap `module` for data-parallel training with Megatron's buffer/bucket scheme.
 
@@ -143,6 +148,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
         grad = param.grad
         if grad is not None:
+            bucket.ensure_grad_storage()  # ZeRO-2: the bucket's gradients are freed between iterations
             main_grad = param.main_grad
             # Skip the add when the gradient is already in main_grad: a fused weight-gradient layer added
             # it (grad_added_to_main_grad, as in megatron-core), or .grad still aliases main_grad
@@ -159,6 +165,10 @@ class DistributedDataParallel(torch.nn.Module):
         while self._next_to_launch < len(order) and order[self._next_to_launch].is_ready():
             order[self._next_to_launch].start_grad_sync()
             self._next_to_launch += 1
+            if order[0].shards_grads and self._next_to_launch > ZERO2_BUCKETS_IN_FLIGHT:
+                # ZeRO-2: bound the full-size gradients in flight; the oldest bucket's shard is kept and
+                # its full gradients freed while backward goes on.
+                order[self._next_to_launch - 1 - ZERO2_BUCKETS_IN_FLIGHT].finish_grad_sync()
 
     # ---------------------------------------------------------------- the public protocol
     def forward(self, *args, **kwargs):
@@ -234,7 +244,7 @@ class DistributedDataParallel(torch.nn.Module):
         # Every rank takes part, so all of them raise together instead of leaving peers in a collective.
         if not self.buffers:
             return  # nothing trainable anywhere (same model on every rank): nothing to check
-        device = self.buffers[0].grad_data.device
+        device = self.buffers[0].device
         flags = torch.zeros(self.data_parallel_world_size, dtype=torch.float32, device=device)
         local = [(f"buffer {i} ({buf.grad_dtype}) bucket {b.bucket_id}", name)
                  for i, buf in enumerate(self.buffers) for b in buf.buckets for name in b.nonfinite_params]

@@ -4,6 +4,9 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
+
+
 @dataclass
 class DistributedDataParallelConfig:
     """What `DistributedDataParallel` does with gradients; validated on construction."""
@@ -23,6 +26,12 @@ class DistributedDataParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (ZeRO-1): buckets are padded so that they split
     into equal shards, gradients are reduce-scattered, and parameters live in a contiguous buffer."""
+
+    data_parallel_sharding_strategy: Optional[str] = None
+    """What each data-parallel rank keeps only a shard of (Megatron-FSDP's names): 'no_shard' (plain DDP),
+    'optim' (optimizer state: ZeRO-1, the distributed optimizer), 'optim_grads' (and the reduced
+    gradients: ZeRO-2). None: 'optim' with use_distributed_optimizer, else 'no_shard'. A sharded strategy
+    implies use_distributed_optimizer."""
 
     check_for_nan_in_grad: bool = False
     """Check every bucket for NaN/Inf before communicating it; raise naming rank, bucket and parameter."""
@@ -50,8 +59,20 @@ class DistributedDataParallelConfig:
     treated as having a zero local gradient: buckets still launch in order and the result is exact."""
 
     def __post_init__(self):
+        strategy = self.data_parallel_sharding_strategy
+        if strategy is None:
+            strategy = self.data_parallel_sharding_strategy = "optim" if self.use_distributed_optimizer else "no_shard"
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
+                             f"got {strategy!r}")
+        if strategy == "no_shard" and self.use_distributed_optimizer:
+            raise ValueError("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True "
+                             "(which shards the optimizer state): drop one of them")
+        self.use_distributed_optimizer = strategy != "no_shard"
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "data_parallel_sharding_strategy":
+                continue
             if f.name == "bucket_size":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                     raise TypeError(f"bucket_size must be a positive int or None, got {value!r}")

@@ -61,6 +61,20 @@ class Bucket:
         self.bucket_id = bucket_id
         self.param_to_name = param_to_name or {}
         self.param_gather_handle = None
+        # ZeRO-2 (data_parallel_sharding_strategy='optim_grads'): grad_data has a storage of its own, grown
+        # when the first gradient arrives and freed once its reduce-scatter is done; what persists between
+        # iterations is this rank's reduced shard, grad_shard.
+        self.shards_grads = ddp_config.data_parallel_sharding_strategy == "optim_grads"
+        world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
+        self.shard_size = grad_data.numel() // world if ddp_config.use_distributed_optimizer else 0
+        self.shard_offset = rank * self.shard_size  # of this rank's shard, inside the bucket
+        self.grad_shard = torch.zeros(self.shard_size, dtype=grad_data.dtype, device=grad_data.device) \
+            if self.shards_grads else None
+        self._grad_storage_bytes = grad_data.untyped_storage().nbytes()
+        self._finished = False
+        self._grad_storage_freed = False
+        if self.shards_grads:
+            self._free_grad_storage()
         # Gradient arrivals per parameter in one backward, learned in the first iteration (megatron-core's
         # golden counts): more than one when a weight's gradient is accumulated twice, e.g. by reentrant
         # activation checkpointing of a shared weight. None until learned.
@@ -72,7 +86,34 @@ class Bucket:
         self._counts = [0] * len(self.params_list)  # arrivals on the last micro-batch, by position
         self._num_ready = 0  # parameters whose arrivals reached their expected count
         self.communication_handle = None
+        self._finished = False
         self.nonfinite_params: List[str] = []
+        if self.shards_grads:
+            self.grad_shard.zero_()
+            self._free_grad_storage()  # unreduced leftovers of an interrupted iteration, if any
+
+    # ---------------------------------------------------------------- ZeRO-2 gradient storage
+    @property
+    def reduced_grad_shard(self) -> torch.Tensor:
+        """This rank's shard of the bucket's reduced gradients (after finish_grad_sync): a view into
+        grad_data (ZeRO-1), or the persistent grad_shard (ZeRO-2)."""
+        if self.shards_grads:
+            return self.grad_shard
+        return self.grad_data[self.shard_offset:self.shard_offset + self.shard_size]
+
+    def ensure_grad_storage(self):
+        """ZeRO-2: grow grad_data back (zeroed) before a gradient lands in it; main_grad views stay valid."""
+        if self._grad_storage_freed:
+            self.grad_data.untyped_storage().resize_(self._grad_storage_bytes)
+            self.grad_data.zero_()
+            self._grad_storage_freed = False
+
+    def _free_grad_storage(self):
+        self.grad_data.untyped_storage().resize_(0)
+        self._grad_storage_freed = True
+
+    def grad_storage_allocated(self) -> bool:
+        return not self.shards_grads or not self._grad_storage_freed
 
     @property
     def params_with_grad(self):
@@ -115,6 +156,7 @@ class Bucket:
     def start_grad_sync(self):
         """Scale and launch this bucket's all-reduce (or reduce-scatter); async with overlap_grad_reduce."""
         assert self.communication_handle is None, "bucket communication launched twice"
+        self.ensure_grad_storage()  # ZeRO-2: a bucket none of whose gradients arrived is all zeros
         if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(self.grad_data).all():
             # Record, but still communicate: the other ranks are already in (or on their way to) this
             # collective. DistributedDataParallel.finish_grad_sync raises on every rank afterwards.
@@ -132,10 +174,18 @@ class Bucket:
         )
 
     def finish_grad_sync(self):
-        """Wait for the bucket's collective (launching it first if it has not been)."""
+        """Wait for the bucket's collective (launching it first if it has not been). ZeRO-2: then keep
+        this rank's reduced shard (accumulated into grad_shard) and free the full-size gradients."""
+        if self._finished:
+            return
         if self.communication_handle is None:
             self.start_grad_sync()
         self.communication_handle.wait()
+        self._finished = True
+        if self.shards_grads:
+            with torch.no_grad():
+                self.grad_shard.add_(self.grad_data[self.shard_offset:self.shard_offset + self.shard_size])
+            self._free_grad_storage()
 
     @torch.no_grad()
     def start_param_sync(self, async_op: bool):
@@ -201,7 +251,13 @@ class ParamAndGradBuffer:
         self.numel_unpadded = layout.numel_unpadded
 
         # Padding stays zero forever: main_grad views never cover it and the collectives only sum zeros.
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        # ZeRO-2: no contiguous grad_data; each bucket's gradients have a storage of their own, freed
+        # between iterations (see Bucket).
+        self.device = device
+        self.shards_grads = ddp_config.data_parallel_sharding_strategy == "optim_grads"
+        self.grad_data = None if self.shards_grads else torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        bucket_grads = [torch.zeros(b.end - b.start, dtype=grad_dtype, device=device) if self.shards_grads
+                        else self.grad_data[b.start:b.end] for b in layout.buckets]
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
@@ -213,7 +269,8 @@ class ParamAndGradBuffer:
                 view = self.param_data[start:end].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view(param.shape)
+            bucket_start = layout.buckets[bucket_id].start
+            param.main_grad = bucket_grads[bucket_id][start - bucket_start:end - bucket_start].view(param.shape)
 
         self.buckets = []
         for bucket_id, b in enumerate(layout.buckets):
@@ -222,7 +279,7 @@ class ParamAndGradBuffer:
                     ddp_config=ddp_config,
                     params=[self.params[i] for i in b.param_indices],
                     param_data=None if self.param_data is None else self.param_data[b.start:b.end],
-                    grad_data=self.grad_data[b.start:b.end],
+                    grad_data=bucket_grads[bucket_id],
                     offset=b.start,
                     numel_unpadded=b.numel_unpadded,
                     data_parallel_group=data_parallel_group,
@@ -234,11 +291,16 @@ class ParamAndGradBuffer:
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
 
     def scale_gradients(self, scaling_factor: float):
-        """Multiply all gradients in the buffer by `scaling_factor` (in place)."""
-        self.grad_data.mul_(scaling_factor)
+        """Multiply all gradients in the buffer by `scaling_factor` (in place; ZeRO-2: the reduced shards)."""
+        if self.shards_grads:
+            for bucket in self.buckets:
+                bucket.grad_shard.mul_(scaling_factor)
+        else:
+            self.grad_data.mul_(scaling_factor)
 
     def reset(self):
         """Zero the gradients and forget the buckets' progress; start of an iteration."""
-        self.grad_data.zero_()
+        if self.grad_data is not None:
+            self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.reset()

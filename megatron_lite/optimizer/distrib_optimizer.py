@@ -33,6 +33,13 @@ class ShardRange:
     buffer_end: int
     param_start: int  # the same range in the flattened parameter
     param_end: int
+    bucket: object  # Bucket
+    shard_start: int  # the same range in the bucket's reduced_grad_shard
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's reduced gradient of the range (after finish_grad_sync)."""
+        return self.bucket.reduced_grad_shard[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
 
 
 def shard_ranges(model_chunks) -> List[ShardRange]:
@@ -48,7 +55,7 @@ def shard_ranges(model_chunks) -> List[ShardRange]:
                     start, end, _ = buffer.param_index_map[param]
                     lo, hi = max(start, lo_shard), min(end, hi_shard)
                     if lo < hi:
-                        ranges.append(ShardRange(param, buffer, lo, hi, lo - start, hi - start))
+                        ranges.append(ShardRange(param, buffer, lo, hi, lo - start, hi - start, bucket, lo - lo_shard))
     return ranges
 
 
@@ -86,7 +93,7 @@ class DistributedOptimizer(MegatronOptimizer):
         grads = []
         for i, s in enumerate(self.shards):
             main = self.main_of[i]
-            main.grad = s.buffer.grad_data[s.buffer_start:s.buffer_end].float()  # a view if fp32 already
+            main.grad = s.grad.float()  # a view if fp32 already
             grads.append(main.grad)
         return grads
 
@@ -102,7 +109,7 @@ class DistributedOptimizer(MegatronOptimizer):
         flats = {}
         for chunk in self.model_chunks:
             for buffer in chunk.buffers:
-                flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
+                flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
         for i, s in enumerate(self.shards):
             value = values_of_shard(i)
             if value is not None:

@@ -14,6 +14,7 @@ import os
 import torch
 
 from ..distributed import DistributedDataParallelConfig
+from ..distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
 from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
@@ -24,6 +25,7 @@ DDP_FLAGS = {
     "overlap_grad_reduce": "--overlap-grad-reduce",
     "overlap_param_gather": "--overlap-param-gather",
     "use_distributed_optimizer": "--use-distributed-optimizer",  # sets OptimizerConfig's field too
+    "data_parallel_sharding_strategy": "--data-parallel-sharding-strategy",
     "bucket_size": "--ddp-bucket-size",
     "average_in_collective": "--ddp-average-in-collective",
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",  # or --bf16
@@ -77,8 +79,9 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
+    # A sharded --data-parallel-sharding-strategy implies the distributed optimizer, in both configs.
     return config_from_args(OptimizerConfig, OPTIMIZER_FLAGS, args, params_dtype=params_dtype_from_args(args),
-                            use_distributed_optimizer=args.use_distributed_optimizer)
+                            use_distributed_optimizer=ddp_config_from_args(args).use_distributed_optimizer)
 
 
 def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
@@ -156,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], help="shape of the decay after warmup")
 
     g = p.add_argument_group("data parallelism (DistributedDataParallelConfig)")
-    add_config_arguments(g, DistributedDataParallelConfig, DDP_FLAGS, check_for_nan_in_grad=dict(
+    add_config_arguments(g, DistributedDataParallelConfig, DDP_FLAGS,
+                         data_parallel_sharding_strategy=dict(choices=SHARDING_STRATEGIES),
+                         check_for_nan_in_grad=dict(
         action=argparse.BooleanOptionalAction, default=None,
         help=field_docs(DistributedDataParallelConfig)["check_for_nan_in_grad"] + " The loss is checked too; all "
              "ranks stop together (default: on, except with --fp16 dynamic loss scaling, whose overflows produce "
