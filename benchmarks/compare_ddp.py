@@ -2,7 +2,8 @@
 
 Every system trains the same GPTModel (same initial weights; the same synthetic global batch per step,
 each rank its own slice; AdamW with the same hyperparameters and weight-decay groups; no clipping):
-ml-ddp, ml-ddp+distopt (megatron_lite), torch-ddp, torch-ddp+zero (ZeroRedundancyOptimizer), fsdp2
+ml-ddp, ml-ddp+distopt, ml-zero2, ml-zero3 (megatron_lite), torch-ddp, torch-ddp+zero
+(ZeroRedundancyOptimizer), fsdp2
 (compare_ddp_systems.py builds them). Timing alternates (timing.py): after --warmup-steps rounds, each of
 --repeats rounds runs --steps steps of every system in a rotated order (by default 30 rounds of 1 step, so
 each system's samples span the whole run); each step starts after a barrier and counts as its slowest
@@ -88,7 +89,8 @@ def measure(systems, args, rank, world, device):
             peak_bytes_per_rank=[m[2] for m in mem], comm_bytes_per_rank_per_step=sum(c[2] for c in calls),
             message_bytes_per_step=sum(c[1] for c in calls), comm_method=method,
             collectives="; ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))))
-    K, t_torch = min(args.compare_steps, losses.shape[1]), rows[2]["median_step_ms"]  # rows[2]: torch-ddp
+    K = min(args.compare_steps, losses.shape[1])
+    t_torch = next(row["median_step_ms"] for row in rows if row["system"] == "torch-ddp")
     for k, row in enumerate(rows):
         row["ratio_to_torch_ddp"] = row["median_step_ms"] / t_torch
         row["loss_max_abs_diff_vs_ml_ddp"] = (losses[k, :K] - losses[0, :K]).abs().max().item()

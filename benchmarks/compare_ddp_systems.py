@@ -1,7 +1,9 @@
 """The five systems benchmarks/compare_ddp.py compares, built from one GPT with the same weights.
 
   ml-ddp          megatron_lite DDP (overlap_grad_reduce, --bucket-size) + FP32Optimizer
-  ml-ddp+distopt  the same with the distributed optimizer and overlap_param_gather
+  ml-ddp+distopt  the same with the distributed optimizer and overlap_param_gather (ZeRO-1)
+  ml-zero2        the same with data_parallel_sharding_strategy='optim_grads' (ZeRO-2)
+  ml-zero3        'optim_grads_params' (ZeRO-3, one unit per transformer layer)
   torch-ddp       torch DDP (bucket_cap_mb 25, gradient_as_bucket_view) + AdamW
   torch-ddp+zero  torch DDP + ZeroRedundancyOptimizer(AdamW, parameters_as_bucket_view)
   fsdp2           fully_shard on every transformer layer, then on the root + AdamW
@@ -60,10 +62,12 @@ def adamw(args, device):
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay, **kernel)
 
 
-def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp"):
+def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp", strategy=None):
+    distopt = distopt or strategy not in (None, "no_shard")
     ddp = DistributedDataParallel(make_model(args, device), DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, bucket_size=args.bucket_size, use_distributed_optimizer=distopt,
-        overlap_param_gather=distopt), data_parallel_group=group)
+        overlap_param_gather=distopt and strategy != "optim_grads_params", data_parallel_sharding_strategy=strategy),
+        data_parallel_group=group)
     opt = get_megatron_optimizer(OptimizerConfig(  # clip_grad=0: no clipping (the norm is still computed)
         lr=args.lr, weight_decay=args.weight_decay, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         clip_grad=0.0, use_distributed_optimizer=distopt), [ddp])
@@ -79,7 +83,10 @@ def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp
 
     params = list(ddp.module.parameters())
     main = [p for g in opt.param_groups for p in g["params"]]  # distopt: views into the param buffer
-    return System(name, step, lambda: (params + main, [p.main_grad for p in params], tensors_of(opt.optimizer)),
+    buckets = [b for buffer in ddp.buffers for b in buffer.buckets]
+    shards = [b.param_shard for b in buckets if b.param_shard is not None]  # ZeRO-3's persistent params
+    grads = [p.main_grad for p in params] + [b.grad_shard for b in buckets if b.grad_shard is not None]
+    return System(name, step, lambda: (params + shards + main, grads, tensors_of(opt.optimizer)),
                   count_megatron_lite, flush=ddp.finish_param_sync)
 
 
@@ -127,4 +134,6 @@ def build_fsdp2(args, device):
 
 def build_all(args, device):
     return [build_ml(args, device), build_ml(args, device, distopt=True, name="ml-ddp+distopt"),
+            build_ml(args, device, strategy="optim_grads", name="ml-zero2"),
+            build_ml(args, device, strategy="optim_grads_params", name="ml-zero3"),
             build_torch(args, device), build_torch(args, device, zero=True), build_fsdp2(args, device)]

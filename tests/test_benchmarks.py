@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = {"ml-ddp", "ml-ddp+distopt", "torch-ddp", "torch-ddp+zero", "fsdp2"}
+SYSTEMS = {"ml-ddp", "ml-ddp+distopt", "ml-zero2", "ml-zero3", "torch-ddp", "torch-ddp+zero", "fsdp2"}
 
 
 def test_compare_ddp_tiny_writes_all_systems_and_losses_agree(tmp_path):

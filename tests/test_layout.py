@@ -154,3 +154,18 @@ def test_layout_rejects_bad_arguments():
         compute_buffer_layout([1], bucket_size=0, data_parallel_world_size=1, use_distributed_optimizer=False)
     with pytest.raises(ValueError, match="data_parallel_world_size"):
         compute_buffer_layout([1], bucket_size=None, data_parallel_world_size=0, use_distributed_optimizer=False)
+
+
+def test_buckets_never_span_units():
+    """ZeRO-3 gathers whole buckets per unit: would catch a bucket holding parameters of two units (the
+    unit's forward would gather, and its release free, another unit's parameters)."""
+    from megatron_lite.distributed.layout import compute_buffer_layout
+
+    numels, units = [10, 20, 30, 40, 50, 60], [0, 0, 1, 1, 0, 2]  # unit 0 appears in two runs
+    layout = compute_buffer_layout(numels, bucket_size=None, data_parallel_world_size=2,
+                                   use_distributed_optimizer=True, unit_ids=units)
+    groups = [[units[i] for i in b.param_indices] for b in layout.buckets]
+    assert groups == [[2], [0], [1, 1], [0, 0]]
+    assert all(b.end % 128 == 0 for b in layout.buckets)
+    for b in layout.buckets:  # every parameter inside its own bucket
+        assert all(b.start <= layout.param_ranges[i][0] < layout.param_ranges[i][1] <= b.end for i in b.param_indices)

@@ -20,10 +20,13 @@ LR, WD, CLIP, STEPS = 1e-2, 0.1, 0.05, 5
 def _configs():
     for distopt, overlap, bucket_size in itertools.product([False, True], [False, True], [1, 100, None]):
         for gather in ([False, True] if distopt else [False]):
-            for strategy in (["optim", "optim_grads"] if distopt else ["no_shard"]):
+            for strategy in (["optim", "optim_grads", "optim_grads_params"] if distopt else ["no_shard"]):
+                if strategy == "optim_grads_params" and not overlap:
+                    continue  # ZeRO-3 needs overlap_grad_reduce
+                extra = dict(fsdp_unit_modules=("Linear", "LayerNorm")) if strategy == "optim_grads_params" else {}
                 yield dict(use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                            overlap_param_gather=gather, bucket_size=bucket_size,
-                           data_parallel_sharding_strategy=strategy)
+                           data_parallel_sharding_strategy=strategy, **extra)
 
 
 def _equivalence_worker(dtype_name):
@@ -44,6 +47,8 @@ def _equivalence_worker(dtype_name):
         )
         results = megatron_steps(ddp, opt, rank, dp, STEPS, dtype=dtype)
         ddp.finish_param_sync()
+        with ddp.full_parameters():  # ZeRO-3: outside forward/backward each rank holds only shards
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
         assert all(ok for ok, _ in results)
         norms = [n for _, n in results]
         assert all(n > CLIP for n in ref_norms), "clipping must be active in this test"
@@ -52,7 +57,7 @@ def _equivalence_worker(dtype_name):
             failures.append((cfg, "grad norms not bit-exact", norms, ref_norms))
         elif not all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms)):
             failures.append((cfg, "grad norms differ", norms, ref_norms))
-        for (name, p), q in zip(model.named_parameters(), master.parameters()):
+        for (name, p), q in zip(params.items(), master.parameters()):
             if dtype == torch.float32:
                 if exact and not torch.equal(p.detach(), q.detach()):
                     failures.append((cfg, name, "not bit-exact"))

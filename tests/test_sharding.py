@@ -85,22 +85,27 @@ def _main(argv):
 
 
 def test_strategies_train_alike_and_checkpoints_move_between_them(tmp_path):
-    """The tiny GPT under every strategy (2 ranks, overlap, gradient accumulation): ZeRO-2 equals ZeRO-1
-    bit for bit (the same reduced gradients reach the same sharded optimizer), plain DDP agrees to
-    rounding. A ZeRO-2 checkpoint resumes as plain DDP on 1 rank. Would catch a strategy that drops,
-    double-counts or mis-scales gradients, or a checkpoint tied to its strategy."""
+    """The tiny GPT (tied embeddings, 2 transformer layers as ZeRO-3 units) under every strategy (2 ranks,
+    overlap, gradient accumulation): ZeRO-2 and ZeRO-3 equal ZeRO-1 bit for bit (the same reduced
+    gradients reach the same sharded optimizer), plain DDP agrees to rounding. Checkpoints move between
+    strategies and DP sizes. Would catch a strategy that drops, double-counts or mis-scales gradients, a
+    stale or half-gathered parameter, or a checkpoint tied to its strategy."""
     losses = {s: run_distributed(_main, 2, TINY + ["--data-parallel-sharding-strategy", s])[0]
-              for s in ("no_shard", "optim", "optim_grads")}
-    assert losses["optim_grads"] == losses["optim"]
+              for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
+    assert losses["optim_grads"] == losses["optim"] == losses["optim_grads_params"]
     for i in range(1, 7):
         assert abs(losses["no_shard"][i] - losses["optim"][i]) <= 1e-5 * losses["optim"][i], i
     save = str(tmp_path / "ck")
-    run_distributed(_main, 2, TINY + ["--data-parallel-sharding-strategy", "optim_grads", "--save", save,
-                                      "--exit-interval", "3"])
-    resumed = run_distributed(_main, 1, TINY + ["--data-parallel-sharding-strategy", "no_shard", "--load", save])[0]
-    assert sorted(resumed) == [4, 5, 6]
-    for i in (4, 5, 6):
-        assert abs(resumed[i] - losses["optim_grads"][i]) <= 1e-4 * losses["optim_grads"][i], i
+    for saved_as, resumed_as, world in [("optim_grads", "no_shard", 1), ("optim_grads_params", "optim_grads", 2),
+                                        ("no_shard", "optim_grads_params", 2)]:
+        save = str(tmp_path / f"{saved_as}-{resumed_as}")
+        run_distributed(_main, 2, TINY + ["--data-parallel-sharding-strategy", saved_as, "--save", save,
+                                          "--exit-interval", "3"])
+        resumed = run_distributed(_main, world, TINY + ["--data-parallel-sharding-strategy", resumed_as,
+                                                        "--load", save])[0]
+        assert sorted(resumed) == [4, 5, 6]
+        for i in (4, 5, 6):
+            assert abs(resumed[i] - losses["optim"][i]) <= 1e-4 * losses["optim"][i], (saved_as, resumed_as, i)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -112,3 +117,74 @@ def test_sharding_strategy_validation(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         DistributedDataParallelConfig(**kwargs)
+
+
+class Stack(torch.nn.Module):
+    """Six Linear+tanh layers in a ModuleList (ZeRO-3's default units) between a root input and head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def _zero3_worker():
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import get_megatron_optimizer
+
+    rank = dist.get_rank()
+    results = {}
+    for strategy in ("optim", "optim_grads_params"):
+        model = Stack()
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+            data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
+        gathered = []
+        if strategy == "optim_grads_params":
+            units = ddp.param_units
+            root = set(map(id, units.root))
+
+            def record(*_):
+                gathered.append(sum(b.params_gathered for b in units.all_buckets() if id(b) not in root))
+            for layer in model.layers:
+                layer.register_forward_pre_hook(lambda m, a: record())
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(record)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            if step == 2:
+                gathered.clear()  # the first iterations learn the gradient arrivals; look at the third
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            ddp.finish_grad_sync()
+            opt.step()
+        ddp.finish_param_sync()
+        released = None
+        if strategy == "optim_grads_params":
+            released = (all(not b.params_gathered for b in ddp.param_units.all_buckets())
+                        and all(torch.isnan(p).all() for p in model.parameters()))
+        results[strategy] = dict(state={k: v.clone() for k, v in ddp.state_dict().items()}, released=released,
+                                 max_gathered=max(gathered, default=None),
+                                 units=len(ddp.param_units.units) if ddp.param_units else None)
+    same = all(torch.equal(results["optim"]["state"][k], v) for k, v in results["optim_grads_params"]["state"].items())
+    return same, results["optim_grads_params"]
+
+
+def test_zero3_gathers_a_few_units_at_a_time_and_matches_zero1():
+    """Would catch a unit left gathered after its forward or backward (peak memory = the whole model), a
+    prefetch that gathers everything, a stale or half-written parameter (state differs from ZeRO-1's), or
+    a released parameter that still holds (or silently reads as) real data."""
+    for same, zero3 in run_distributed(_zero3_worker, 2):
+        assert same and zero3["released"] and zero3["units"] == 6
+        assert zero3["max_gathered"] <= 3, zero3["max_gathered"]  # the unit in use, the prefetched, one releasing

@@ -29,6 +29,7 @@ from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .layout import default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .param_gather import ParamGatherSchedule
+from .param_units import ParamUnits, find_units, unit_of_params
 from .replica_check import check_replicas_agree
 
 
@@ -93,10 +94,13 @@ class DistributedDataParallel(torch.nn.Module):
         # Pre-scale by 1/dp and sum = the mean over ranks; a per-token loss is summed (scaled after the reduction).
         averaged = config.average_in_collective or config.calculate_per_token_loss
         scaling = 1.0 if averaged else 1.0 / self.data_parallel_world_size
+        self.zero3 = config.data_parallel_sharding_strategy == "optim_grads_params"
+        units = find_units(module, config.fsdp_unit_modules) if self.zero3 else []
+        unit_of = unit_of_params(module, units) if self.zero3 else None
         self.buffers: List[ParamAndGradBuffer] = [
             ParamAndGradBuffer(
                 config, param_dtype, grad_dtype, params, data_parallel_group,
-                self.bucket_size, self.param_to_name, scaling,
+                self.bucket_size, self.param_to_name, scaling, unit_of,
             )
             for (param_dtype, grad_dtype), params in dtype_to_params.items()
         ]
@@ -122,6 +126,13 @@ class DistributedDataParallel(torch.nn.Module):
             for index, param in enumerate(bucket.params_list):
                 self._grad_hook_handles.append(param.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_ready_hook, bucket=bucket, index=index)))
+
+        self.param_units = None
+        if self.zero3:
+            buckets_of_unit: Dict[int, List[Bucket]] = {}
+            for bucket in all_buckets:
+                buckets_of_unit.setdefault(unit_of[bucket.params_list[0]], []).append(bucket)
+            self.param_units = ParamUnits(units, buckets_of_unit, data_parallel_group)
 
         # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
         self.param_gather = ParamGatherSchedule(self._launch_order[::-1], self.param_to_bucket,
@@ -158,6 +169,8 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad = None
         if report_ready and bucket.mark_ready(index):
             self._launch_ready_buckets()
+        if self.zero3 and bucket.count_backward_arrival(index):
+            bucket.release_params()  # its backward is done: the full parameters are not needed any more
 
     def _launch_ready_buckets(self):
         """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""
@@ -172,6 +185,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---------------------------------------------------------------- the public protocol
     def forward(self, *args, **kwargs):
+        if self.zero3:
+            self.param_units.begin_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -210,6 +225,8 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.finish_grad_sync()
         self._grads_finalized = True
         self._unsynchronized_grads = False
+        if self.zero3:
+            self.param_units.release_all()  # what the first iteration (or an unused parameter) kept
         if unused_error:
             raise ValueError(unused_error)
         if self._overlap:
@@ -270,12 +287,34 @@ class DistributedDataParallel(torch.nn.Module):
         With overlap_param_gather (unless `force_sync`) nothing is sent yet: the forward pre-hooks dispatch
         and wait for the gathers as forward reaches the buckets (param_gather.py).
         """
-        if self.ddp_config.use_distributed_optimizer:
+        if self.zero3:
+            self.param_units.release_all()  # stale full parameters: units gather the new shards on demand
+        elif self.ddp_config.use_distributed_optimizer:
             self.param_gather.start(force_sync)
 
     def finish_param_sync(self):
         """Complete all pending parameter gathers (before checkpointing, evaluation or the next step)."""
-        self.param_gather.finish()
+        if self.zero3:
+            self.param_units.wait_all()
+        else:
+            self.param_gather.finish()
+
+    @contextlib.contextmanager
+    def full_parameters(self, write_back: bool = False):
+        """ZeRO-3: every parameter gathered inside the context (released after it; with `write_back`, what
+        was written into them is kept as the new shards). Other strategies: nothing to do."""
+        if not self.zero3:
+            yield
+            return
+        self.param_units.gather_all()
+        try:
+            yield
+            if write_back:
+                with torch.no_grad():
+                    for bucket in self.param_units.all_buckets():
+                        bucket.param_shard.copy_(bucket.own_params_in_full())
+        finally:
+            self.param_units.release_all()
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
@@ -315,14 +354,19 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self):
         """Copy every parameter from data-parallel rank 0 to the other ranks."""
-        for param in self.module.parameters():
-            collectives.broadcast(param.data, group=self.data_parallel_group)
+        with self.full_parameters(write_back=True):
+            for param in self.module.parameters():
+                collectives.broadcast(param.data, group=self.data_parallel_group)
 
     # A Megatron checkpoint holds the bare module's keys, without a `module.` prefix.
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()  # never save parameters whose all-gather is still pending
-        return self.module.state_dict(*args, **kwargs)
+        with self.full_parameters():
+            state = self.module.state_dict(*args, **kwargs)
+            # ZeRO-3: the gathered storage is released after the context, so the state keeps copies.
+            return {k: v.clone() for k, v in state.items()} if self.zero3 else state
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         self.finish_param_sync()  # a pending gather must not overwrite the loaded values later
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+        with self.full_parameters(write_back=True):
+            return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

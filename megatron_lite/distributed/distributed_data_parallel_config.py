@@ -1,10 +1,10 @@
 """Configuration of the data-parallel wrapper (field names and meanings follow megatron.core)."""
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Tuple
 
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass
@@ -30,8 +30,15 @@ class DistributedDataParallelConfig:
     data_parallel_sharding_strategy: Optional[str] = None
     """What each data-parallel rank keeps only a shard of (Megatron-FSDP's names): 'no_shard' (plain DDP),
     'optim' (optimizer state: ZeRO-1, the distributed optimizer), 'optim_grads' (and the reduced
-    gradients: ZeRO-2). None: 'optim' with use_distributed_optimizer, else 'no_shard'. A sharded strategy
-    implies use_distributed_optimizer."""
+    gradients: ZeRO-2), 'optim_grads_params' (and the parameters, gathered per unit just before its
+    forward and its backward: ZeRO-3; needs overlap_grad_reduce). None: 'optim' with
+    use_distributed_optimizer, else 'no_shard'. A sharded strategy implies use_distributed_optimizer."""
+
+    fsdp_unit_modules: Optional[Tuple[str, ...]] = None
+    """ZeRO-3's units of gathering: class names of the modules whose parameters are gathered and released
+    together (Megatron-FSDP's fsdp_unit_modules, e.g. ('TransformerLayer',)). None: every child of an
+    nn.ModuleList. Parameters outside any unit form the root unit, gathered for the whole forward and
+    backward."""
 
     check_for_nan_in_grad: bool = False
     """Check every bucket for NaN/Inf before communicating it; raise naming rank, bucket and parameter."""
@@ -69,9 +76,18 @@ class DistributedDataParallelConfig:
             raise ValueError("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True "
                              "(which shards the optimizer state): drop one of them")
         self.use_distributed_optimizer = strategy != "no_shard"
+        if strategy == "optim_grads_params" and not self.overlap_grad_reduce:
+            raise ValueError("data_parallel_sharding_strategy='optim_grads_params' needs overlap_grad_reduce=True: "
+                             "a unit's gradients are reduced, and its parameters released, as soon as its "
+                             "backward is done")
+        if self.fsdp_unit_modules is not None:
+            if isinstance(self.fsdp_unit_modules, str) or not all(isinstance(n, str) for n in self.fsdp_unit_modules):
+                raise TypeError(f"fsdp_unit_modules must be a sequence of module class names, got "
+                                f"{self.fsdp_unit_modules!r}")
+            self.fsdp_unit_modules = tuple(self.fsdp_unit_modules)
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "data_parallel_sharding_strategy":
+            if f.name in ("data_parallel_sharding_strategy", "fsdp_unit_modules"):
                 continue
             if f.name == "bucket_size":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -13,7 +13,8 @@ Rules (megatron.core's, so the same model and config give the same offsets):
   * with it, each parameter starts at a multiple of 64 elements and each bucket end is padded to a
     multiple of lcm(dp, 128) (lcm(dp, 128, 2^16) with `pad_buckets_for_high_nccl_busbw`), so every bucket
     splits into `dp` equal shards;
-  * with it, a parameter marked `shared_embedding` gets a bucket of its own.
+  * with it, a parameter marked `shared_embedding` gets a bucket of its own;
+  * with `unit_ids` (ZeRO-3's units of gathering), a bucket never spans two units.
 Nothing here touches tensors, so the rules are unit-tested exhaustively without processes.
 """
 
@@ -78,6 +79,7 @@ def compute_buffer_layout(
     use_distributed_optimizer: bool,
     pad_buckets_for_high_nccl_busbw: bool = False,
     shared_embedding: Optional[Sequence[bool]] = None,
+    unit_ids: Optional[Sequence[int]] = None,
 ) -> BufferLayout:
     """Lay out parameters (given in registration order) in one buffer and cut it into buckets.
 
@@ -88,6 +90,8 @@ def compute_buffer_layout(
         use_distributed_optimizer: enables the padding rules and shared-embedding buckets.
         pad_buckets_for_high_nccl_busbw: pad bucket ends to lcm(dp, 128, 2^16).
         shared_embedding: per parameter, whether it is marked `shared_embedding`.
+        unit_ids: per parameter, the unit of gathering it belongs to (ZeRO-3): a bucket never holds
+            parameters of two units (it closes before the first parameter of another unit).
     Returns:
         A BufferLayout; `param_ranges[i]` belongs to `param_numels[i]`.
     """
@@ -115,7 +119,11 @@ def compute_buffer_layout(
         return end
 
     next_start = 0
+    if unit_ids is not None and len(unit_ids) != len(param_numels):
+        raise ValueError("unit_ids must have one entry per parameter")
     for index in reversed(range(len(param_numels))):
+        if unit_ids is not None and bucket_params and unit_ids[index] != unit_ids[bucket_params[-1]]:
+            next_start = close_bucket(next_start)  # another unit: a bucket of its own
         start = _round_up(next_start, PARAM_START_ALIGNMENT) if padded else next_start
         needs_own_bucket = padded and bool(shared_embedding[index])
         if needs_own_bucket and bucket_params:

@@ -11,6 +11,7 @@ distributed optimizer `param.data` is a view into `param_data` as well, so the o
 rank's shard of updated parameters straight into the buffer and all-gather it.
 """
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -64,7 +65,9 @@ class Bucket:
         # ZeRO-2 (data_parallel_sharding_strategy='optim_grads'): grad_data has a storage of its own, grown
         # when the first gradient arrives and freed once its reduce-scatter is done; what persists between
         # iterations is this rank's reduced shard, grad_shard.
-        self.shards_grads = ddp_config.data_parallel_sharding_strategy == "optim_grads"
+        strategy = ddp_config.data_parallel_sharding_strategy
+        self.shards_grads = strategy in ("optim_grads", "optim_grads_params")
+        self.shards_params = strategy == "optim_grads_params"
         world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
         self.shard_size = grad_data.numel() // world if ddp_config.use_distributed_optimizer else 0
         self.shard_offset = rank * self.shard_size  # of this rank's shard, inside the bucket
@@ -75,6 +78,22 @@ class Bucket:
         self._grad_storage_freed = False
         if self.shards_grads:
             self._free_grad_storage()
+        # ZeRO-3: param_data, too, has a storage of its own, holding the full parameters only between
+        # gather_params() and release_params(); param_shard is this rank's part, which the optimizer updates.
+        self.param_shard = None
+        self._param_storage_bytes = 0 if param_data is None else param_data.untyped_storage().nbytes()
+        self.params_gathered = True
+        self._pass_counts = [0] * len(params)  # arrivals in the current backward pass (ZeRO-3 release)
+        if self.shards_params:
+            base = param_data.data_ptr()
+            size = param_data.element_size()
+            # Where each parameter lives in param_data, to point it there again after every gather.
+            self._param_views = [((p.data_ptr() - base) // size, tuple(p.shape)) for p in params]
+            # A released parameter keeps its shape but holds no memory: NaN everywhere (one element,
+            # expanded), so a forward on it produces NaN (caught by the NaN check) and a write fails.
+            self._released = torch.full((), float("nan"), dtype=param_data.dtype, device=param_data.device)
+            self.param_shard = param_data[self.shard_offset:self.shard_offset + self.shard_size].clone()
+            self.release_params()
         # Gradient arrivals per parameter in one backward, learned in the first iteration (megatron-core's
         # golden counts): more than one when a weight's gradient is accumulated twice, e.g. by reentrant
         # activation checkpointing of a shared weight. None until learned.
@@ -187,6 +206,57 @@ class Bucket:
                 self.grad_shard.add_(self.grad_data[self.shard_offset:self.shard_offset + self.shard_size])
             self._free_grad_storage()
 
+    # ---------------------------------------------------------------- ZeRO-3 parameter storage
+    @property
+    def own_params(self) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters, the distributed optimizer's to update: a view into
+        param_data (ZeRO-1/2), or the persistent param_shard (ZeRO-3)."""
+        if self.shards_params:
+            return self.param_shard
+        return self.param_data[self.shard_offset:self.shard_offset + self.shard_size]
+
+    @torch.no_grad()
+    def gather_params(self, group, async_op: bool = True):
+        """ZeRO-3: grow param_data back and all-gather every rank's param_shard into it (no-op when
+        gathered or in flight). Autograd may hold these parameters for backward: the in-place writes must
+        not bump their version counter (the values are the ones the forward used)."""
+        if self.params_gathered or self.param_gather_handle is not None:
+            return
+        with torch.autograd._unsafe_preserve_version_counter(self.param_data):
+            self.param_data.untyped_storage().resize_(self._param_storage_bytes)
+            self.param_data[self.shard_offset:self.shard_offset + self.shard_size].copy_(self.param_shard)
+            self.param_gather_handle = collectives.all_gather(self.param_data, group=group, async_op=async_op)
+
+    def own_params_in_full(self) -> torch.Tensor:
+        """This rank's part of the gathered param_data (ZeRO-3, while gathered)."""
+        return self.param_data[self.shard_offset:self.shard_offset + self.shard_size]
+
+    def wait_params(self):
+        """ZeRO-3: wait for this bucket's gather; afterwards every param.data is its view into param_data.
+        (Autograd's saved references to the parameters see the same values the forward used.)"""
+        if self.params_gathered:
+            return
+        self.finish_param_sync()
+        for param, (start, shape) in zip(self.params_list, self._param_views):
+            param.data = self.param_data[start:start + math.prod(shape)].view(shape)
+        self.params_gathered = True
+
+    def release_params(self):
+        """ZeRO-3: free the full parameters; each param.data becomes a shape-keeping NaN placeholder."""
+        self.finish_param_sync()
+        for param, (_, shape) in zip(self.params_list, self._param_views):
+            param.data = self._released.expand(shape)
+        self.param_data.untyped_storage().resize_(0)
+        self.params_gathered = False
+        self._pass_counts = [0] * len(self._pass_counts)
+
+    def count_backward_arrival(self, index: int) -> bool:
+        """ZeRO-3: count one arrival of params_list[index]'s gradient in this backward pass; returns
+        whether every parameter of the bucket got all its expected gradients (its backward is done)."""
+        self._pass_counts[index] += 1
+        return self.expected_counts is not None and all(
+            c >= e for c, e in zip(self._pass_counts, self.expected_counts))
+
     @torch.no_grad()
     def start_param_sync(self, async_op: bool):
         """All-gather param_data: every rank's shard r comes from rank r (distributed optimizer)."""
@@ -212,6 +282,7 @@ class ParamAndGradBuffer:
         bucket_size: elements per bucket, or None for one bucket.
         param_to_name: names used in error messages.
         gradient_scaling_factor: applied to each bucket before its collective.
+        unit_of: ZeRO-3: each parameter's unit of gathering (a bucket never spans two units).
     """
 
     def __init__(
@@ -224,6 +295,7 @@ class ParamAndGradBuffer:
         bucket_size: Optional[int],
         param_to_name: Dict[torch.nn.Parameter, str],
         gradient_scaling_factor: float,
+        unit_of: Optional[Dict[torch.nn.Parameter, int]] = None,
     ):
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
@@ -246,6 +318,7 @@ class ParamAndGradBuffer:
             use_distributed_optimizer=ddp_config.use_distributed_optimizer,
             pad_buckets_for_high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
             shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
+            unit_ids=None if unit_of is None else [unit_of[p] for p in self.params],
         )
         self.numel = layout.numel
         self.numel_unpadded = layout.numel_unpadded
@@ -254,22 +327,28 @@ class ParamAndGradBuffer:
         # ZeRO-2: no contiguous grad_data; each bucket's gradients have a storage of their own, freed
         # between iterations (see Bucket).
         self.device = device
-        self.shards_grads = ddp_config.data_parallel_sharding_strategy == "optim_grads"
+        strategy = ddp_config.data_parallel_sharding_strategy
+        self.shards_grads = strategy in ("optim_grads", "optim_grads_params")
+        shards_params = strategy == "optim_grads_params"
         self.grad_data = None if self.shards_grads else torch.zeros(self.numel, dtype=grad_dtype, device=device)
         bucket_grads = [torch.zeros(b.end - b.start, dtype=grad_dtype, device=device) if self.shards_grads
                         else self.grad_data[b.start:b.end] for b in layout.buckets]
         self.param_data = None
-        if ddp_config.use_distributed_optimizer:
+        if ddp_config.use_distributed_optimizer and not shards_params:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        bucket_params = [None] * len(layout.buckets)
+        if ddp_config.use_distributed_optimizer:
+            bucket_params = [torch.zeros(b.end - b.start, dtype=param_dtype, device=device) if shards_params
+                             else self.param_data[b.start:b.end] for b in layout.buckets]
 
         self.param_index_map = {}
         for param, (start, end, bucket_id) in zip(self.params, layout.param_ranges):
             self.param_index_map[param] = (start, end, bucket_id)
-            if self.param_data is not None:
-                view = self.param_data[start:end].view(param.shape)
+            bucket_start = layout.buckets[bucket_id].start
+            if bucket_params[bucket_id] is not None:
+                view = bucket_params[bucket_id][start - bucket_start:end - bucket_start].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-            bucket_start = layout.buckets[bucket_id].start
             param.main_grad = bucket_grads[bucket_id][start - bucket_start:end - bucket_start].view(param.shape)
 
         self.buckets = []
@@ -278,7 +357,7 @@ class ParamAndGradBuffer:
                 Bucket(
                     ddp_config=ddp_config,
                     params=[self.params[i] for i in b.param_indices],
-                    param_data=None if self.param_data is None else self.param_data[b.start:b.end],
+                    param_data=bucket_params[bucket_id],
                     grad_data=bucket_grads[bucket_id],
                     offset=b.start,
                     numel_unpadded=b.numel_unpadded,

@@ -37,6 +37,11 @@ class ShardRange:
     shard_start: int  # the same range in the bucket's reduced_grad_shard
 
     @property
+    def params(self) -> torch.Tensor:
+        """This rank's part of the model parameters of the range (what the optimizer updates)."""
+        return self.bucket.own_params[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
+
+    @property
     def grad(self) -> torch.Tensor:
         """This rank's reduced gradient of the range (after finish_grad_sync)."""
         return self.bucket.reduced_grad_shard[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
@@ -78,7 +83,7 @@ class DistributedOptimizer(MegatronOptimizer):
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in model_param_groups]
         self.main_of: Dict[int, torch.Tensor] = {}  # index into self.shards -> main shard
         for i, s in enumerate(self.shards):
-            main = main_param(s.buffer.param_data[s.buffer_start:s.buffer_end])  # fp32: the buffer slice itself
+            main = main_param(s.params)  # fp32: the model's own storage
             self.main_of[i] = main
             groups[group_of[s.model_param]]["params"].append(main)
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
@@ -99,7 +104,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _copy_main_params_to_model_params(self):
         for i, s in enumerate(self.shards):
-            copy_main_to_model(self.main_of[i], s.buffer.param_data[s.buffer_start:s.buffer_end])
+            copy_main_to_model(self.main_of[i], s.params)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 

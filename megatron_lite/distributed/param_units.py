@@ -1,0 +1,152 @@
+"""ZeRO-3 (data_parallel_sharding_strategy='optim_grads_params'): parameters gathered per unit, just in time.
+
+Each rank keeps only its shard of every bucket's parameters (Bucket.param_shard). A unit is a module whose
+parameters are gathered and released together (a transformer layer, say); its buckets never hold another
+unit's parameters (layout.py). Per iteration::
+
+    forward:   root gathered | unit 0: gather (unit 1's already in flight), forward, release | unit 1 ...
+    backward:  ... unit 1: gather (unit 0's in flight), backward, gradients reduce-scattered, release
+               | unit 0 ... | finish_grad_sync: everything released
+
+Gathers are dispatched in one fixed order per phase (units in registration order for forward, the
+reverse for backward), up to one unit ahead of the one needed: a prefetch that every rank issues in the
+same sequence, whatever order its autograd happens to reach the units in. They run on a process group of
+their own, so their order never interleaves with the gradient reduce-scatters'. A unit is gathered again
+before its backward by a hook on its forward outputs, and released once all its parameters received
+their expected number of gradients (learned in the first iteration, see Bucket.expected_counts; in that
+first iteration units stay gathered until finish_grad_sync). Parameters outside every unit form the root
+unit (embeddings, final norm, a tied output layer): gathered at the start of the forward and released with
+the others.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .param_and_grad_buffer import Bucket
+
+
+def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
+    """The outermost submodules whose class name is in `class_names` (None: the children of every
+    nn.ModuleList), in registration order."""
+    units, prefixes = [], []
+    for name, sub in module.named_modules():
+        if any(name.startswith(p) for p in prefixes):
+            continue  # inside a unit already
+        parent_is_list = False
+        if class_names is None and "." in name:
+            parent = module.get_submodule(name.rsplit(".", 1)[0])
+            parent_is_list = isinstance(parent, torch.nn.ModuleList)
+        elif class_names is None and name:
+            parent_is_list = isinstance(module, torch.nn.ModuleList)
+        if name and (type(sub).__name__ in class_names if class_names is not None else parent_is_list):
+            units.append(sub)
+            prefixes.append(name + ".")
+    return units
+
+
+def unit_of_params(module: torch.nn.Module, units: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, int]:
+    """Parameter -> unit index; len(units) for the root unit (also for a parameter two units share)."""
+    owner: Dict[torch.nn.Parameter, int] = {}
+    for index, unit in enumerate(units):
+        for p in unit.parameters():
+            owner[p] = index if p not in owner else len(units)
+    return {p: owner.get(p, len(units)) for p in module.parameters()}
+
+
+class ParamUnits:
+    """Gathers and releases the units' parameters around their forward and backward (see module docstring).
+
+    Args:
+        units: the unit modules, in forward (registration) order.
+        buckets_of_unit: per unit index (and len(units) for the root), its buckets.
+        group: the data-parallel group; gathers run on a group of their own with the same ranks.
+    """
+
+    def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group):
+        self.units = units
+        self.buckets = buckets_of_unit
+        self.root = buckets_of_unit.get(len(units), [])
+        # A group of their own: the order of gathers never mixes with the order of gradient collectives.
+        if group is None or group is dist.group.WORLD:
+            self.group = dist.new_group(list(range(dist.get_world_size())))
+        else:
+            self.group = group  # a sub-group: a second one would need every rank's cooperation to create
+        self._next = {"forward": 0, "backward": 0}
+        self._handles = []
+        for index, unit in enumerate(units):
+            self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
+            self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
+
+    # ---------------------------------------------------------------- gathering in a fixed order
+    def _order(self, phase: str) -> List[int]:
+        forward = list(range(len(self.units)))
+        return forward if phase == "forward" else forward[::-1]
+
+    def _dispatch(self, phase: str, upto: int):
+        order = self._order(phase)
+        while self._next[phase] < min(upto, len(order)):
+            for bucket in self.buckets.get(order[self._next[phase]], []):
+                bucket.gather_params(self.group)
+            self._next[phase] += 1
+
+    def _need(self, phase: str, index: int):
+        """Unit `index` must be gathered now: dispatch up to one unit past it in this phase's order."""
+        position = self._order(phase).index(index)
+        self._dispatch(phase, position + 2)
+        for bucket in self.buckets.get(index, []):
+            bucket.gather_params(self.group)  # no-op once dispatched; a unit used twice is gathered again
+            bucket.wait_params()
+
+    def begin_forward(self):
+        """Start of a forward (DistributedDataParallel.forward): a new forward and backward sequence."""
+        self._next = {"forward": 0, "backward": 0}
+        for bucket in self.root:
+            bucket.gather_params(self.group, async_op=False)
+            bucket.wait_params()
+
+    def _pre_forward_hook(self, index):
+        def hook(module, args):
+            self._need("forward", index)
+        return hook
+
+    def _post_forward_hook(self, index):
+        def hook(module, args, output):
+            for bucket in self.buckets.get(index, []):
+                bucket.release_params()
+            if torch.is_grad_enabled():  # gather again just before this unit's backward
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(lambda grad: self._need("backward", index))
+            return output
+        return hook
+
+    # ---------------------------------------------------------------- releasing
+    def all_buckets(self) -> List[Bucket]:
+        return [b for buckets in self.buckets.values() for b in buckets]
+
+    def release_all(self):
+        for bucket in self.all_buckets():
+            bucket.release_params()
+
+    def gather_all(self):
+        """Every unit gathered, synchronously, in the fixed order (for state_dict and the like)."""
+        for index in sorted(self.buckets):
+            for bucket in self.buckets[index]:
+                bucket.gather_params(self.group, async_op=False)
+                bucket.wait_params()
+
+    def wait_all(self):
+        for bucket in self.all_buckets():
+            bucket.finish_param_sync()
+
+
+def _tensors(output) -> List[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
