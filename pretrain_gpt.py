@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from megatron_lite.data import build_gpt_datasets, ensure_builtin_dataset  # noqa: E402
 from megatron_lite.distributed import collectives  # noqa: E402
 from megatron_lite.models import GPTModel, num_floating_point_operations  # noqa: E402
-from megatron_lite.training import gpt_config_from_args, parse_args, pretrain, print_rank_0  # noqa: E402
+from megatron_lite.training import gpt_config_from_args, parse_args, pretrain, print_rank_0, shutdown  # noqa: E402
 
 
 def model_provider(args) -> GPTModel:
@@ -84,13 +84,8 @@ def main(argv=None, world_size=None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    finally:
+    except BaseException:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    # After a clean run, exit without the interpreter's finalization: there gloo's worker threads abort
-    # the process now and then (SIGABRT, "terminate called without an active exception"; about 1 run in 8
-    # on 2 CPU ranks with torch 2.13), which would turn a finished run into a failed one. Everything is
-    # written and closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    shutdown()  # a clean run: exit without the interpreter's finalization (see shutdown's docstring)

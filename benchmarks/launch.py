@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_lite.training import initialize_distributed
+from megatron_lite.training import initialize_distributed, shutdown
 
 
 def world_size(default: int) -> int:
@@ -23,7 +23,7 @@ def world_size(default: int) -> int:
 
 
 def _rank(rank: int, benchmark: Callable, args, world: int, init_method: Optional[str], cpu: bool,
-          threads_per_rank: Optional[int]):
+          threads_per_rank: Optional[int], own_process: bool = True):
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cuda = not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     if not cuda:  # ranks on one machine share its cores: more threads per rank only oversubscribe
@@ -32,8 +32,12 @@ def _rank(rank: int, benchmark: Callable, args, world: int, init_method: Optiona
                                     init_method=init_method)
     try:
         benchmark(args, rank, world, device)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    if own_process:
+        shutdown()  # exit without the interpreter's finalization, where gloo may abort a finished run
+    dist.destroy_process_group()
 
 
 def launch(benchmark: Callable, args, world: int, cpu: bool = False, threads_per_rank: Optional[int] = None):
@@ -47,7 +51,7 @@ def launch(benchmark: Callable, args, world: int, cpu: bool = False, threads_per
     if "RANK" in os.environ:  # torchrun: this process is one rank (env:// rendezvous)
         _rank(int(os.environ["RANK"]), benchmark, args, int(os.environ["WORLD_SIZE"]), None, cpu, threads_per_rank)
     elif world == 1:  # no other process needed: a world of one in this process
-        _rank(0, benchmark, args, 1, None, cpu, threads_per_rank)
+        _rank(0, benchmark, args, 1, None, cpu, threads_per_rank, own_process=False)
     else:
         with tempfile.TemporaryDirectory(prefix="mlite_bench_") as tmp:  # file:// rendezvous: no port races
             mp.spawn(_rank, args=(benchmark, args, world, f"file://{os.path.join(tmp, 'rendezvous')}", cpu,

@@ -21,7 +21,7 @@ from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
 from megatron_lite.optimizer import check_optimizer_matches_ddp
-from megatron_lite.training import initialize_distributed
+from megatron_lite.training import initialize_distributed, shutdown
 from megatron_lite.training.arguments import (
     DDP_FLAGS, OPTIMIZER_FLAGS, ddp_config_from_args, flag_error_message, optimizer_config_from_args,
 )
@@ -184,9 +184,7 @@ def main():
               f"{total_skipped} of {args.train_iters} iterations skipped")
         print(f"> parameters identical on all {dp} rank(s): max |param - rank 0's param| = {max_diff.item():.3e} "
               f"({'OK' if max_diff.item() == 0 else 'MISMATCH'})", flush=True)
-    dist.destroy_process_group()
-    if max_diff.item() != 0:
-        raise SystemExit(1)
+    shutdown(0 if max_diff.item() == 0 else 1)  # exit without the interpreter's finalization (gloo may abort it)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_shards_cover_every_element_once_and_state_is_one_over_dp(dp):
         assert sum(r["state_numel"] for r in results) == total
 
 
-def _overflow_worker(distopt):
+def _overflow_worker(strategy):
     import torch.distributed as dist
 
     from ddp_testing import loss_fn, make_batches
@@ -134,36 +134,46 @@ def _overflow_worker(distopt):
     from optim_testing import build
 
     rank, dp = dist.get_rank(), dist.get_world_size()
+    distopt = strategy != "no_shard"
     model, ddp, opt = build(
-        dict(use_distributed_optimizer=distopt, grad_reduce_in_fp32=True),
+        dict(data_parallel_sharding_strategy=strategy, grad_reduce_in_fp32=True,
+             overlap_grad_reduce=strategy == "optim_grads_params"),
         dict(lr=LR, fp16=True, params_dtype=torch.float16, use_distributed_optimizer=distopt,
              initial_loss_scale=2.0**8, min_loss_scale=2.0**6, hysteresis=2, loss_scale_window=2),
         dtype=torch.float16,
     )
+
+    def params():
+        with ddp.full_parameters():
+            return [p.detach().clone() for p in model.parameters()]
+
     log = []
     x, y = make_batches(dp, 1, dtype=torch.float16)[rank][0]
     for step in range(8):
-        before = [p.detach().clone() for p in model.parameters()]
+        before = params()
         ddp.zero_grad_buffer()
         opt.zero_grad()
         opt.scale_loss(loss_fn(ddp, x, y)).backward()
         ddp.finish_grad_sync()
         if step in (1, 2, 3, 4) and rank == dp - 1:
             # Overflow on the last rank only, after the reduction, in a gradient it owns.
-            index = shard_ranges([ddp])[0].buffer_start if distopt else 0
-            ddp.buffers[0].grad_data[index] = float("inf")
+            with torch.no_grad():
+                if distopt:
+                    shard_ranges([ddp])[0].grad[0] = float("inf")
+                else:
+                    ddp.buffers[0].grad_data[0] = float("inf")
         scale = opt.get_loss_scale().item()
         ok, norm, _ = opt.step()
-        unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, params()))
         log.append((ok, norm is None, unchanged, scale))
     return log
 
 
-@pytest.mark.parametrize("distopt", [False, True], ids=["full", "distributed"])
-def test_fp16_overflow_on_one_rank_skips_everywhere(distopt):
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_fp16_overflow_on_one_rank_skips_everywhere(strategy):
     """Would catch ranks taking different skip decisions (divergent params / collective mismatch), an
     update applied despite inf, and loss-scale arithmetic off by a step."""
-    logs = run_distributed(_overflow_worker, 2, distopt)
+    logs = run_distributed(_overflow_worker, 2, strategy)
     assert logs[0] == logs[1]
     oks = [entry[0] for entry in logs[0]]
     assert oks == [True, False, False, False, False, True, True, True]

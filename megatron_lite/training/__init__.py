@@ -12,13 +12,13 @@ from .arguments import (
     build_parser, ddp_config_from_args, gpt_config_from_args, optimizer_config_from_args, parse_args, validate_args,
 )
 from .checkpointing import load_checkpoint, save_checkpoint
-from .initialize import initialize_distributed, initialize_megatron
+from .initialize import initialize_distributed, initialize_megatron, shutdown
 from .metrics import print_rank_0
 from .scheduler import OptimizerParamScheduler
 from .training import evaluate, pretrain, setup_model_and_optimizer, train_step
 
 __all__ = [
     "build_parser", "parse_args", "validate_args", "ddp_config_from_args", "optimizer_config_from_args",
-    "gpt_config_from_args", "initialize_distributed", "initialize_megatron", "pretrain", "setup_model_and_optimizer",
+    "gpt_config_from_args", "initialize_distributed", "initialize_megatron", "shutdown", "pretrain", "setup_model_and_optimizer",
     "train_step", "evaluate", "print_rank_0", "save_checkpoint", "load_checkpoint", "OptimizerParamScheduler",
 ]
