@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .grad_checks import raise_if_any_rank_found_nonfinite, unused_parameters_message
 from .layout import default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .param_gather import ParamGatherSchedule
@@ -217,7 +218,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.ddp_config.overlap_grad_reduce:
             pending = self._launch_order[self._next_to_launch:]
             if pending and not self.ddp_config.find_unused_parameters:
-                unused_error = self._unused_parameters_message(pending)
+                unused_error = unused_parameters_message(self._launch_order, pending, self.param_to_name)
         # Communicate even when about to raise: a peer that saw every gradient is already waiting in
         # these collectives and must not hang.
         self.start_grad_sync()
@@ -235,50 +236,7 @@ class DistributedDataParallel(torch.nn.Module):
                     bucket.learn_expected_counts()
         self._check_requires_grad_unchanged()
         if self.ddp_config.check_for_nan_in_grad:
-            self._raise_if_any_rank_found_nonfinite()
-
-    def _unused_parameters_message(self, pending: List[Bucket]) -> Optional[str]:
-        if not any(b.params_with_grad for b in self._launch_order):
-            return (
-                "finish_grad_sync() found no gradient registered for communication: the last "
-                "micro-batch's backward must run outside no_sync()"
-            )
-        missing = [  # fewer arrivals than the first iteration saw (at least one)
-            self.param_to_name[p] for b in pending for i, p in enumerate(b.params_list)
-            if b._counts[i] < max(1, b.expected_counts[i] if b.expected_counts else 1)
-        ]
-        if not missing:
-            return None  # the first iteration: buckets wait for finish_grad_sync, all gradients arrived
-        shown = ", ".join(missing[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")
-        return (
-            f"{len(missing)} parameter(s) received no gradient in this iteration: {shown}. With "
-            f"overlap_grad_reduce their buckets can never be communicated. Either make every trainable "
-            f"parameter take part in the loss, freeze the unused ones (requires_grad=False) before "
-            f"wrapping, or set DistributedDataParallelConfig(find_unused_parameters=True)."
-        )
-
-    def _raise_if_any_rank_found_nonfinite(self):
-        # Every rank takes part, so all of them raise together instead of leaving peers in a collective.
-        if not self.buffers:
-            return  # nothing trainable anywhere (same model on every rank): nothing to check
-        device = self.buffers[0].device
-        flags = torch.zeros(self.data_parallel_world_size, dtype=torch.float32, device=device)
-        local = [(f"buffer {i} ({buf.grad_dtype}) bucket {b.bucket_id}", name)
-                 for i, buf in enumerate(self.buffers) for b in buf.buckets for name in b.nonfinite_params]
-        flags[self.data_parallel_rank] = float(bool(local))
-        collectives.all_reduce(flags, self.data_parallel_group)
-        bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
-        if not bad_ranks:
-            return
-        global_rank = dist.get_rank()
-        if local:
-            where = "; ".join(f"{bucket}: {name}" for bucket, name in local)
-            detail = f"rank {global_rank} found NaN/Inf in its local gradients before communication: {where}"
-        else:
-            detail = f"rank {global_rank}'s local gradients were finite"
-        raise RuntimeError(
-            f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {bad_ranks}; {detail}"
-        )
+            raise_if_any_rank_found_nonfinite(self.buffers, self.data_parallel_group)
 
     # ---------------------------------------------------------------- parameter all-gather
     def start_param_sync(self, force_sync: bool = False):

@@ -1,0 +1,272 @@
+"""A bucket: a contiguous run of parameters whose gradients one collective reduces, and, with the
+distributed optimizer, whose parameters one collective gathers.
+
+Per iteration a bucket counts its parameters' gradient arrivals, launches its all-reduce or
+reduce-scatter when complete (in the fixed order DistributedDataParallel keeps), and is waited for in
+finish_grad_sync. With ZeRO-2/3 it also owns the lifecycle of its full-size storages: gradients grown on
+the first arrival and freed after the reduction (the rank's reduced shard persists), parameters gathered
+before use and released after it (the rank's parameter shard persists).
+"""
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+
+
+class Bucket:
+    """A contiguous run of parameters whose gradients are communicated by one collective.
+
+    Args:
+        ddp_config: the wrapper's configuration.
+        params: the bucket's parameters, in buffer order.
+        param_data: the bucket's slice of the parameter buffer (None without the distributed optimizer).
+        grad_data: the bucket's slice of the gradient buffer.
+        offset: index of the bucket's first element in the whole buffer.
+        numel_unpadded: elements up to the end of the last parameter.
+        data_parallel_group: the group to reduce over.
+        gradient_scaling_factor: applied to grad_data before the collective (1/dp unless averaging in it).
+        bucket_id: index of the bucket in its buffer (used in error messages).
+        param_to_name: parameter names for error messages.
+    """
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        params: List[torch.nn.Parameter],
+        param_data: Optional[torch.Tensor],
+        grad_data: torch.Tensor,
+        offset: int,
+        numel_unpadded: int,
+        data_parallel_group,
+        gradient_scaling_factor: float,
+        bucket_id: int = 0,
+        param_to_name: Optional[Dict[torch.nn.Parameter, str]] = None,
+    ):
+        self.ddp_config = ddp_config
+        self.params_list = params
+        self.param_data = param_data
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.data_parallel_group = data_parallel_group
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+        self.param_to_name = param_to_name or {}
+        self.param_gather_handle = None
+        # ZeRO-2 (data_parallel_sharding_strategy='optim_grads'): grad_data has a storage of its own, grown
+        # when the first gradient arrives and freed once its reduce-scatter is done; what persists between
+        # iterations is this rank's reduced shard, grad_shard.
+        strategy = ddp_config.data_parallel_sharding_strategy
+        self.shards_grads = strategy in ("optim_grads", "optim_grads_params")
+        self.shards_params = strategy == "optim_grads_params"
+        world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
+        self.shard_size = grad_data.numel() // world if ddp_config.use_distributed_optimizer else 0
+        self.shard_offset = rank * self.shard_size  # of this rank's shard, inside the bucket
+        self.grad_shard = torch.zeros(self.shard_size, dtype=grad_data.dtype, device=grad_data.device) \
+            if self.shards_grads else None
+        self._grad_storage_bytes = grad_data.untyped_storage().nbytes()
+        self._finished = False
+        self._grad_storage_freed = False
+        if self.shards_grads:
+            self._free_grad_storage()
+        # ZeRO-3: param_data, too, has a storage of its own, holding the full parameters only between
+        # gather_params() and release_params(); param_shard is this rank's part, which the optimizer updates.
+        self.param_shard = None
+        self._param_storage_bytes = 0 if param_data is None else param_data.untyped_storage().nbytes()
+        self.params_gathered = True
+        self._pass_counts = [0] * len(params)  # arrivals in the current backward pass (ZeRO-3 release)
+        if self.shards_params:
+            base = param_data.data_ptr()
+            size = param_data.element_size()
+            # Where each parameter lives in param_data, to point it there again after every gather.
+            self._param_views = [((p.data_ptr() - base) // size, tuple(p.shape)) for p in params]
+            # A released parameter keeps its shape but holds no memory: NaN everywhere (one element,
+            # expanded), so a forward on it produces NaN (caught by the NaN check) and a write fails.
+            self._released = torch.full((), float("nan"), dtype=param_data.dtype, device=param_data.device)
+            self.param_shard = param_data[self.shard_offset:self.shard_offset + self.shard_size].clone()
+            self.release_params()
+        # Gradient arrivals per parameter in one backward, learned in the first iteration (megatron-core's
+        # golden counts): more than one when a weight's gradient is accumulated twice, e.g. by reentrant
+        # activation checkpointing of a shared weight. None until learned.
+        self.expected_counts: Optional[List[int]] = None
+        self.reset()
+
+    def reset(self):
+        """Forget this iteration's progress (called by zero_grad_buffer)."""
+        self._counts = [0] * len(self.params_list)  # arrivals on the last micro-batch, by position
+        self._num_ready = 0  # parameters whose arrivals reached their expected count
+        self.communication_handle = None
+        self._finished = False
+        self.nonfinite_params: List[str] = []
+        if self.shards_grads:
+            self.grad_shard.zero_()
+            self._free_grad_storage()  # unreduced leftovers of an interrupted iteration, if any
+
+    # ---------------------------------------------------------------- ZeRO-2 gradient storage
+    @property
+    def reduced_grad_shard(self) -> torch.Tensor:
+        """This rank's shard of the bucket's reduced gradients (after finish_grad_sync): a view into
+        grad_data (ZeRO-1), or the persistent grad_shard (ZeRO-2)."""
+        if self.shards_grads:
+            return self.grad_shard
+        return self.grad_data[self.shard_offset:self.shard_offset + self.shard_size]
+
+    def ensure_grad_storage(self):
+        """ZeRO-2: grow grad_data back (zeroed) before a gradient lands in it; main_grad views stay valid."""
+        if self._grad_storage_freed:
+            self.grad_data.untyped_storage().resize_(self._grad_storage_bytes)
+            self.grad_data.zero_()
+            self._grad_storage_freed = False
+
+    def _free_grad_storage(self):
+        self.grad_data.untyped_storage().resize_(0)
+        self._grad_storage_freed = True
+
+    def grad_storage_allocated(self) -> bool:
+        return not self.shards_grads or not self._grad_storage_freed
+
+    @property
+    def params_with_grad(self):
+        """The parameters whose gradient has arrived (on the last micro-batch) in this iteration."""
+        return {p for p, count in zip(self.params_list, self._counts) if count}
+
+    def params_short_of_gradients(self) -> List[torch.nn.Parameter]:
+        """Parameters with fewer arrivals than expected (at least one) on this iteration's last micro-batch."""
+        expected = self.expected_counts or [1] * len(self._counts)
+        return [p for p, c, e in zip(self.params_list, self._counts, expected) if c < max(1, e)]
+
+    def name(self, param) -> str:
+        return self.param_to_name.get(param, f"<unnamed parameter of shape {tuple(param.shape)}>")
+
+    def check_accepts_grad(self, index: int):
+        """Raise if the bucket was already launched (params_list[index]'s grad would miss the collective)."""
+        if self.communication_handle is not None:
+            expected = "?" if self.expected_counts is None else self.expected_counts[index]
+            raise RuntimeError(
+                f"parameter {self.name(self.params_list[index])} received a second gradient after its bucket "
+                f"{self.bucket_id} was launched (arrival {self._counts[index] + 1} in this backward; the first "
+                f"iteration saw {expected}). Run backward once per micro-batch, wrap all but the last "
+                f"micro-batch in no_sync(), and call zero_grad_buffer() before each iteration."
+            )
+
+    def mark_ready(self, index: int) -> bool:
+        """Count an arrival of params_list[index]'s gradient (after check_accepts_grad(index)); returns
+        whether the bucket is complete. By position, not by parameter: this is the hot path. Until the
+        expected counts are learned no bucket completes here (the first iteration launches them all in
+        finish_grad_sync); a parameter expected 0 times never completes its bucket either."""
+        count = self._counts[index] = self._counts[index] + 1
+        if self.expected_counts is None or count != self.expected_counts[index]:
+            return False
+        self._num_ready += 1
+        return self._num_ready == len(self._counts)
+
+    def learn_expected_counts(self):
+        """Take this iteration's arrivals as the number to expect per backward from now on."""
+        self.expected_counts = list(self._counts)
+
+    def is_ready(self) -> bool:
+        return self._num_ready == len(self._counts)
+
+    @torch.no_grad()
+    def start_grad_sync(self):
+        """Scale and launch this bucket's all-reduce (or reduce-scatter); async with overlap_grad_reduce."""
+        assert self.communication_handle is None, "bucket communication launched twice"
+        self.ensure_grad_storage()  # ZeRO-2: a bucket none of whose gradients arrived is all zeros
+        if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(self.grad_data).all():
+            # Record, but still communicate: the other ranks are already in (or on their way to) this
+            # collective. DistributedDataParallel.finish_grad_sync raises on every rank afterwards.
+            self.nonfinite_params = [
+                self.name(p) for p in self.params_list if not torch.isfinite(p.main_grad).all()
+            ]
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
+        collective = collectives.reduce_scatter if self.ddp_config.use_distributed_optimizer else collectives.all_reduce
+        self.communication_handle = collective(
+            self.grad_data,
+            group=self.data_parallel_group,
+            op=collectives.reduce_op(self.ddp_config.average_in_collective),
+            async_op=self.ddp_config.overlap_grad_reduce,
+        )
+
+    def finish_grad_sync(self):
+        """Wait for the bucket's collective (launching it first if it has not been). ZeRO-2: then keep
+        this rank's reduced shard (accumulated into grad_shard) and free the full-size gradients."""
+        if self._finished:
+            return
+        if self.communication_handle is None:
+            self.start_grad_sync()
+        self.communication_handle.wait()
+        self._finished = True
+        if self.shards_grads:
+            with torch.no_grad():
+                self.grad_shard.add_(self.grad_data[self.shard_offset:self.shard_offset + self.shard_size])
+            self._free_grad_storage()
+
+    # ---------------------------------------------------------------- ZeRO-3 parameter storage
+    @property
+    def own_params(self) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters, the distributed optimizer's to update: a view into
+        param_data (ZeRO-1/2), or the persistent param_shard (ZeRO-3)."""
+        if self.shards_params:
+            return self.param_shard
+        return self.param_data[self.shard_offset:self.shard_offset + self.shard_size]
+
+    @torch.no_grad()
+    def gather_params(self, group, async_op: bool = True):
+        """ZeRO-3: grow param_data back and all-gather every rank's param_shard into it (no-op when
+        gathered or in flight). Autograd may hold these parameters for backward: the in-place writes must
+        not bump their version counter (the values are the ones the forward used)."""
+        if self.params_gathered or self.param_gather_handle is not None:
+            return
+        with torch.autograd._unsafe_preserve_version_counter(self.param_data):
+            self.param_data.untyped_storage().resize_(self._param_storage_bytes)
+            self.param_data[self.shard_offset:self.shard_offset + self.shard_size].copy_(self.param_shard)
+            self.param_gather_handle = collectives.all_gather(self.param_data, group=group, async_op=async_op)
+
+    def own_params_in_full(self) -> torch.Tensor:
+        """This rank's part of the gathered param_data (ZeRO-3, while gathered)."""
+        return self.param_data[self.shard_offset:self.shard_offset + self.shard_size]
+
+    def wait_params(self):
+        """ZeRO-3: wait for this bucket's gather; afterwards every param.data is its view into param_data.
+        (Autograd's saved references to the parameters see the same values the forward used.)"""
+        if self.params_gathered:
+            return
+        self.finish_param_sync()
+        for param, (start, shape) in zip(self.params_list, self._param_views):
+            param.data = self.param_data[start:start + math.prod(shape)].view(shape)
+        self.params_gathered = True
+
+    def release_params(self):
+        """ZeRO-3: free the full parameters; each param.data becomes a shape-keeping NaN placeholder."""
+        self.finish_param_sync()
+        for param, (_, shape) in zip(self.params_list, self._param_views):
+            param.data = self._released.expand(shape)
+        self.param_data.untyped_storage().resize_(0)
+        self.params_gathered = False
+        self._pass_counts = [0] * len(self._pass_counts)
+
+    def count_backward_arrival(self, index: int) -> bool:
+        """ZeRO-3: count one arrival of params_list[index]'s gradient in this backward pass; returns
+        whether every parameter of the bucket got all its expected gradients (its backward is done)."""
+        self._pass_counts[index] += 1
+        return self.expected_counts is not None and all(
+            c >= e for c, e in zip(self._pass_counts, self.expected_counts))
+
+    @torch.no_grad()
+    def start_param_sync(self, async_op: bool):
+        """All-gather param_data: every rank's shard r comes from rank r (distributed optimizer)."""
+        assert self.param_data is not None and self.param_gather_handle is None
+        self.param_gather_handle = collectives.all_gather(self.param_data, group=self.data_parallel_group,
+                                                          async_op=async_op)
+
+    def finish_param_sync(self):
+        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None

@@ -1,0 +1,52 @@
+"""finish_grad_sync()'s two verdicts on a finished iteration: parameters that got no gradient, and NaN/Inf
+gradients on any rank. Both are raised on every rank that can know, after the collectives ran (a peer
+waiting in them must never hang)."""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .bucket import Bucket
+
+
+def unused_parameters_message(launch_order: List[Bucket], pending: List[Bucket],
+                              param_to_name: Dict[torch.nn.Parameter, str]) -> Optional[str]:
+    """With overlap_grad_reduce: why `pending` buckets were never launched from the hooks, or None when
+    that is expected (the first iteration launches every bucket in finish_grad_sync)."""
+    if not any(b.params_with_grad for b in launch_order):
+        return ("finish_grad_sync() found no gradient registered for communication: the last micro-batch's "
+                "backward must run outside no_sync()")
+    missing = [param_to_name[p] for b in pending for p in b.params_short_of_gradients()]
+    if not missing:
+        return None
+    shown = ", ".join(missing[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")
+    return (
+        f"{len(missing)} parameter(s) received no gradient in this iteration: {shown}. With "
+        f"overlap_grad_reduce their buckets can never be communicated. Either make every trainable "
+        f"parameter take part in the loss, freeze the unused ones (requires_grad=False) before "
+        f"wrapping, or set DistributedDataParallelConfig(find_unused_parameters=True)."
+    )
+
+
+def raise_if_any_rank_found_nonfinite(buffers, group):
+    """One small all-reduce of a flag per rank (every rank takes part), then every rank raises together,
+    naming the bad ranks and, on them, the bucket and parameter of each NaN/Inf local gradient."""
+    if not buffers:
+        return  # nothing trainable anywhere (same model on every rank): nothing to check
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=buffers[0].device)
+    local = [(f"buffer {i} ({buf.grad_dtype}) bucket {b.bucket_id}", name)
+             for i, buf in enumerate(buffers) for b in buf.buckets for name in b.nonfinite_params]
+    flags[dist.get_rank(group)] = float(bool(local))
+    collectives.all_reduce(flags, group)
+    bad_ranks = [r for r, f in enumerate(flags.tolist()) if f]
+    if not bad_ranks:
+        return
+    global_rank = dist.get_rank()
+    if local:
+        where = "; ".join(f"{bucket}: {name}" for bucket, name in local)
+        detail = f"rank {global_rank} found NaN/Inf in its local gradients before communication: {where}"
+    else:
+        detail = f"rank {global_rank}'s local gradients were finite"
+    raise RuntimeError(f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {bad_ranks}; {detail}")
