@@ -24,25 +24,25 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .param_and_grad_buffer import Bucket
+from .bucket import Bucket
 
 
 def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
     """The outermost submodules whose class name is in `class_names` (None: the children of every
-    nn.ModuleList), in registration order."""
-    units, prefixes = [], []
-    for name, sub in module.named_modules():
-        if any(name.startswith(p) for p in prefixes):
-            continue  # inside a unit already
-        parent_is_list = False
-        if class_names is None and "." in name:
-            parent = module.get_submodule(name.rsplit(".", 1)[0])
-            parent_is_list = isinstance(parent, torch.nn.ModuleList)
-        elif class_names is None and name:
-            parent_is_list = isinstance(module, torch.nn.ModuleList)
-        if name and (type(sub).__name__ in class_names if class_names is not None else parent_is_list):
-            units.append(sub)
-            prefixes.append(name + ".")
+    nn.ModuleList), in registration order, each once."""
+    units: List[torch.nn.Module] = []
+
+    def visit(parent: torch.nn.Module):
+        for child in parent.children():
+            if any(child is unit for unit in units):
+                continue
+            if (type(child).__name__ in class_names if class_names is not None
+                    else isinstance(parent, torch.nn.ModuleList)):
+                units.append(child)  # not descended into: nested matches belong to this unit
+            else:
+                visit(child)
+
+    visit(module)
     return units
 
 
