@@ -15,7 +15,7 @@ With overlap_param_gather the all-gathers are dispatched by DDP's forward pre-ho
 """
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -47,12 +47,14 @@ class ShardRange:
         return self.bucket.reduced_grad_shard[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
 
 
-def shard_ranges(model_chunks) -> List[ShardRange]:
-    """This rank's owned ranges of every parameter, in buffer order."""
+def shard_ranges(model_chunks, rank: Optional[int] = None) -> List[ShardRange]:
+    """The owned ranges of every parameter of this rank (or of data-parallel rank `rank`: the layout is
+    known everywhere), in buffer order."""
     ranges = []
     for chunk in model_chunks:
         for buffer in chunk.buffers:
-            dp, rank = buffer.data_parallel_world_size, buffer.data_parallel_rank
+            dp = buffer.data_parallel_world_size
+            rank = buffer.data_parallel_rank if rank is None else rank
             for bucket in buffer.buckets:
                 size = bucket.grad_data.numel() // dp
                 lo_shard, hi_shard = bucket.offset + rank * size, bucket.offset + (rank + 1) * size
@@ -109,6 +111,15 @@ class DistributedOptimizer(MegatronOptimizer):
             chunk.start_param_sync()
 
     # ------------------------------------------------------------------ checkpointing
+    def local_chunks(self, rank: Optional[int] = None):
+        """(parameter name, start, end, main tensor) of this rank's part of every parameter, flattened; with
+        `rank`, that rank's ranges (main None) -- what a sharded checkpoint describes for every rank."""
+        if rank is None:
+            return [(self.param_to_name[s.model_param], s.param_start, s.param_end, self.main_of[i])
+                    for i, s in enumerate(self.shards)]
+        return [(self.param_to_name[s.model_param], s.param_start, s.param_end, None)
+                for s in shard_ranges(self.model_chunks, rank)]
+
     def _gather_full(self, values_of_shard) -> Dict[object, torch.Tensor]:
         """For every buffer, a full fp32 flat tensor assembled from every rank's shards of some value."""
         flats = {}

@@ -152,26 +152,47 @@ class MegatronOptimizer:
     @torch.no_grad()
     def state_dict(self):
         """DP-size- and layout-independent state: hyperparameters, per-name fp32 tensors, loss scaler."""
+        return {**self.common_state_dict(), "state": self._full_main_state()}
+
+    def common_state_dict(self) -> dict:
+        """What every rank shares: kind, param-group hyperparameters, loss scaler (no tensors of params)."""
         groups = [{k: v for k, v in g.items() if k not in _NOT_SAVED_GROUP_KEYS} for g in self.optimizer.param_groups]
-        return {
-            "optimizer": self.config.optimizer,
-            "param_groups": groups,
-            "state": self._full_main_state(),
-            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-        }
+        return {"optimizer": self.config.optimizer, "param_groups": groups,
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+
+    def local_chunks(self, rank: Optional[int] = None):
+        """(parameter name, start, end, main tensor) of the part of every parameter (flattened) this rank
+        steps (with `rank`: the ranges of that data-parallel rank, main None)."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, hyperparameters: str = "check"):
         """Restore the state; the hyperparameters stored with it meet this run's per `hyperparameters`
         ('check', 'override' or 'checkpoint', see pick_hyperparameter). The learning rate is the
         scheduler's business."""
+        missing = set(self.param_to_name.values()) - set(state_dict["state"])
+        if missing:
+            raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
+        self.load_common_state_dict(state_dict, hyperparameters)
+        self._load_full_main_state(state_dict["state"])
+
+    @torch.no_grad()
+    def load_chunks(self, values, step: int):
+        """Set this rank's main params and optimizer state from `values[(name, start)]` = {'param', state
+        keys...} (the rank's own flattened ranges, see local_chunks), then write them into the model."""
+        for name, start, _, main in self.local_chunks():
+            entry = values[(name, start)]
+            main.data.copy_(entry["param"].view_as(main))
+            tensors = {k: entry[k].view_as(main) for k in STATE_KEYS[self.config.optimizer] if k in entry}
+            self._set_state_of(main, step, tensors)
+        self._copy_main_params_to_model_params()
+
+    def load_common_state_dict(self, state_dict, hyperparameters: str = "check"):
+        """The kind check, group-level state with its hyperparameters (see load_state_dict), loss scaler."""
         if state_dict.get("optimizer") != self.config.optimizer:
             raise ValueError(
                 f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is {self.config.optimizer!r}"
             )
-        missing = set(self.param_to_name.values()) - set(state_dict["state"])
-        if missing:
-            raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
         # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
         saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
         for group in self.optimizer.param_groups:
@@ -186,7 +207,6 @@ class MegatronOptimizer:
                     value = tuple(saved[key]) if isinstance(saved[key], (list, tuple)) else saved[key]
                     group[key] = pick_hyperparameter(f"optimizer {key} (wd_mult {group.get('wd_mult')})",
                                                      current, value, hyperparameters)
-        self._load_full_main_state(state_dict["state"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -229,6 +249,11 @@ class _FullParamOptimizer(MegatronOptimizer):
     def _copy_main_params_to_model_params(self):
         for model_param, main in self.main_for.items():
             copy_main_to_model(main, model_param.data)
+
+    def local_chunks(self, rank: Optional[int] = None):
+        # Every rank steps every parameter, whole.
+        return [(self.param_to_name[p], 0, p.numel(), None if rank is not None else main)
+                for p, main in self.main_for.items()]
 
     def _full_main_state(self):
         out = {}

@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", help="JSONL metrics (default: TENSORBOARD_DIR or SAVE /metrics.jsonl)")
     g.add_argument("--save", help="checkpoint directory")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                   help="torch: the optimizer state gathered and one file written by rank 0; torch_dist: every "
+                        "rank writes only what it owns through torch.distributed.checkpoint (reshardable the "
+                        "same way). Loading reads either")
     g.add_argument("--load", help="resume from the newest complete checkpoint in this directory (if any)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error when the directory holds no checkpoint, instead of "

@@ -72,24 +72,32 @@ def _digest(path: str) -> str:
     return sha.hexdigest()
 
 
-def publish(root: str, iteration: int, write_files: Callable[[str], None]):
-    """Write a checkpoint directory atomically: `write_files(tmp_dir)` writes the files, then the manifest,
-    the rename into place and, last, the tracker. Refuses to replace an existing checkpoint."""
+def new_directory(root: str, iteration: int) -> str:
+    """The temporary directory a checkpoint of `iteration` is written into (after removing what a crashed
+    save left behind; one writer per directory). Refuses to replace an existing checkpoint."""
     os.makedirs(root, exist_ok=True)
     final = checkpoint_dir(root, iteration)
     if os.path.exists(final):
         raise FileExistsError(f"{final} exists already: a checkpoint is never overwritten")
-    for name in os.listdir(root):  # a crashed save's leftovers (one writer per directory: rank 0)
+    for name in os.listdir(root):
         if name.startswith(".tmp_"):
             path = os.path.join(root, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
+    os.chmod(tmp_dir, 0o777 & ~_umask())
+    return tmp_dir
+
+
+def finish_directory(root: str, iteration: int, tmp_dir: str):
+    """Seal a written temporary directory: the manifest, the rename into place and, last, the tracker."""
+    final = checkpoint_dir(root, iteration)
     try:
-        os.chmod(tmp_dir, 0o777 & ~_umask())
-        write_files(tmp_dir)
-        files = {name: {"size": os.path.getsize(os.path.join(tmp_dir, name)),
-                        "sha256": _digest(os.path.join(tmp_dir, name))} for name in sorted(os.listdir(tmp_dir))}
-        manifest = json.dumps({"iteration": iteration, "files": files}, indent=1).encode()
+        files = {}
+        for dirpath, _, names in os.walk(tmp_dir):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                files[os.path.relpath(path, tmp_dir)] = {"size": os.path.getsize(path), "sha256": _digest(path)}
+        manifest = json.dumps({"iteration": iteration, "files": dict(sorted(files.items()))}, indent=1).encode()
         write_atomically(os.path.join(tmp_dir, MANIFEST_FILENAME), lambda f: f.write(manifest))
         os.rename(tmp_dir, final)
         _fsync_dir(root)
@@ -98,6 +106,18 @@ def publish(root: str, iteration: int, write_files: Callable[[str], None]):
         raise
     # Only now does the tracker move: a crash above leaves it (and the scan) at the previous checkpoint.
     write_atomically(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(f"{iteration}\n".encode()))
+
+
+def publish(root: str, iteration: int, write_files: Callable[[str], None]):
+    """Write a checkpoint directory atomically from one process: `write_files(tmp_dir)` writes the files,
+    then finish_directory seals it."""
+    tmp_dir = new_directory(root, iteration)
+    try:
+        write_files(tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    finish_directory(root, iteration, tmp_dir)
 
 
 def verify(directory: str) -> Dict[str, dict]:

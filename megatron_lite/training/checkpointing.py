@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import checkpoint_files
+from . import checkpoint_files, dist_checkpoint
 from .checkpoint_files import find_latest, read_tracker
 
 _serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
 
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
-CHECKPOINT_VERSION = 2  # 2: a manifest with checksums
+CHECKPOINT_VERSION = 2  # 2: a manifest with checksums (and the torch_dist format)
 # The run's arguments stored in a checkpoint and compared on load (Megatron's check_checkpoint_args).
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
                      "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings")
@@ -57,8 +57,8 @@ def set_rng_state(state: dict):
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_train_samples: int,
-                    args: Optional[dict] = None, group=None):
-    """Save on all ranks (the optimizer state is gathered collectively); rank 0 writes.
+                    args: Optional[dict] = None, group=None, ckpt_format: str = "torch"):
+    """Save on all ranks.
 
     Args:
         root: the --save directory.
@@ -67,7 +67,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         optimizer, scheduler: the MegatronOptimizer and OptimizerParamScheduler.
         consumed_train_samples: data position.
         args: plain-data description of the run (stored for reference and architecture checks).
+        ckpt_format: 'torch' (the optimizer state gathered, one file written by rank 0) or 'torch_dist'
+            (every rank writes what it owns through torch.distributed.checkpoint, dist_checkpoint.py).
     """
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
+    if ckpt_format == "torch_dist":
+        return _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group)
     model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     optimizer_state = optimizer.state_dict()
     rng_states = collectives.all_gather_object(get_rng_state(), group)
@@ -92,6 +98,26 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         raise error
     if status is not None:
         raise RuntimeError(f"saving checkpoint {iteration} failed on rank 0: {status}")
+
+
+def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group):
+    rank = dist.get_rank(group)
+    common = {
+        "checkpoint_version": CHECKPOINT_VERSION, "format": "torch_dist", "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples, "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": collectives.all_gather_object(get_rng_state(), group), "args": args or {},
+        "optimizer": optimizer.common_state_dict(), "optimizer_step": dist_checkpoint.agreed_step(optimizer),
+        "shapes": {name: list(p.shape) for p, name in optimizer.param_to_name.items()},
+    }
+
+    def check_and_prepare():  # every rank checks what it will write; rank 0 makes the directory
+        _refuse_nonfinite(iteration, {"model": dist_checkpoint.local_tensors(model, optimizer)})
+        return checkpoint_files.new_directory(root, iteration) if rank == 0 else None
+    tmp_dir = collectives.broadcast_object(collectives.run_collectively(check_and_prepare, group=group), group)
+    collectives.run_collectively(dist_checkpoint.save_torch_dist, tmp_dir, model, optimizer, common, group,
+                                 group=group)
+    collectives.run_collectively(lambda: checkpoint_files.finish_directory(root, iteration, tmp_dir)
+                                 if rank == 0 else None, group=group)
 
 
 def _refuse_nonfinite(iteration: int, states: dict):
@@ -157,7 +183,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
         print(f"> {root}: the tracker says {tracker}, the newest complete checkpoint is iteration {iteration}: "
               f"loading it", flush=True)
     checkpoint_files.verify(directory)
-    path = f"{directory}/{CHECKPOINT_FILENAME}"
+    torch_dist = dist_checkpoint.is_torch_dist(directory)
+    path = f"{directory}/{dist_checkpoint.COMMON_FILENAME if torch_dist else CHECKPOINT_FILENAME}"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -166,8 +193,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
         saved = state["args"].get(key)
         if saved is not None and saved != value:
             raise ValueError(f"checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
+    if torch_dist:
+        dist_checkpoint.load_torch_dist(directory, model, optimizer, state, hyperparameters, group)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
     scheduler.load_state_dict(state["opt_param_scheduler"], hyperparameters=hyperparameters)
     rng_states = state["rng_state"]
     rank = dist.get_rank(group)

@@ -195,7 +195,8 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
     last_saved = iteration if loaded else None
 
     def save():
-        save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args=checkpoint_args(args))
+        save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args=checkpoint_args(args),
+                        ckpt_format=args.ckpt_format)
         print_rank_0(f"> saved checkpoint at iteration {iteration} to {args.save}")
 
     train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp)
