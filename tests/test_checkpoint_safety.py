@@ -35,13 +35,15 @@ def _run(argv, world=2):
     return run_distributed(_main, world, argv)
 
 
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 @pytest.mark.parametrize("tracker", ["deleted", "garbled", "stale"])
-def test_resume_scans_for_the_newest_checkpoint_whatever_the_tracker_says(tmp_path, tracker):
+def test_resume_scans_for_the_newest_checkpoint_whatever_the_tracker_says(tmp_path, tracker, ckpt_format):
     """Would catch a resumed run that starts from scratch because the tracker file was deleted or damaged
     (and then overwrites the checkpoints it should have loaded), or that resumes from an older one."""
     save = str(tmp_path / "ck")
     straight = _run(TINY + ["--train-iters", "6"])[0][1]
-    _run(TINY + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--exit-interval", "4"])
+    _run(TINY + ["--train-iters", "6", "--save", save, "--save-interval", "2", "--exit-interval", "4",
+                 "--ckpt-format", ckpt_format])
     path = os.path.join(save, "latest_checkpointed_iteration.txt")
     if tracker == "deleted":
         os.remove(path)
@@ -67,13 +69,15 @@ def test_exit_on_missing_checkpoint(tmp_path):
         assert status == "error" and "no checkpoint" in message
 
 
+@pytest.mark.parametrize("ckpt_format, victim", [("torch", "model_optim_rng.pt"), ("torch_dist", "__0_0.distcp"),
+                                                   ("torch_dist", "common.pt")])
 @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "empty"])
-def test_corrupt_checkpoint_file_is_an_error_naming_it(tmp_path, damage):
+def test_corrupt_checkpoint_file_is_an_error_naming_it(tmp_path, damage, ckpt_format, victim):
     """Would catch a checkpoint loaded with silently wrong weights (a flipped byte in a tensor is still a
     valid pickle) or a confusing unpickling error instead of the file's name."""
     save = str(tmp_path / "ck")
-    _run(TINY + ["--save", save], world=1)
-    path = os.path.join(save, "iter_0000004", "model_optim_rng.pt")
+    _run(TINY + ["--save", save, "--ckpt-format", ckpt_format], world=1)
+    path = os.path.join(save, "iter_0000004", victim)
     data = bytearray(open(path, "rb").read())
     if damage == "flip a byte":
         data[len(data) // 2] ^= 0x01
@@ -141,3 +145,71 @@ def test_rank0_failing_to_build_data_stops_every_rank_at_once():
     """Would catch the other ranks waiting at a barrier until the process-group timeout."""
     for message, seconds in run_distributed(_rank0_data_failure_worker, 2):
         assert message is not None and "disk full" in message and seconds < 20
+
+
+def _failing_dist_save_worker(root):
+    import torch.distributed as dist
+
+    from megatron_lite.training import checkpointing, dist_checkpoint
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
+    sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
+    checkpointing.save_checkpoint(root, 1, ddp, opt, sched, 8, ckpt_format="torch_dist")
+    real = dist_checkpoint.dcp.save
+
+    def crashing(state, checkpoint_id, process_group=None):
+        real(state, checkpoint_id=checkpoint_id, process_group=process_group)
+        if dist.get_rank() == 1:
+            raise OSError("disk full (simulated)")
+
+    dist_checkpoint.dcp.save = crashing
+    try:
+        checkpointing.save_checkpoint(root, 2, ddp, opt, sched, 16, ckpt_format="torch_dist")
+    except (OSError, RuntimeError) as e:
+        message = str(e)
+    finally:
+        dist_checkpoint.dcp.save = real
+    loaded = checkpointing.load_checkpoint(root, ddp, opt, sched)
+    return message, loaded["iteration"], sorted(n for n in os.listdir(root) if not n.startswith(".tmp_"))
+
+
+def test_torch_dist_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_path):
+    """Would catch a failure on a non-writing rank that leaves the others (or rank 0's tracker) believing the
+    save succeeded: every rank must raise and the previous checkpoint must stay the newest."""
+    for message, iteration, listing in run_distributed(_failing_dist_save_worker, 2, str(tmp_path)):
+        assert "disk full" in message and iteration == 1
+        assert listing == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+def _sizes_worker(root):
+    import torch
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import get_megatron_optimizer
+    from megatron_lite.training import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, fsdp_unit_modules=("Linear",)))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+    sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(2, 256)).pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    opt.step()  # the Adam moments exist from here on
+    checkpointing.save_checkpoint(root, 1, ddp, opt, sched, 8, ckpt_format="torch_dist")
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_torch_dist_ranks_write_only_what_they_own(tmp_path):
+    """ZeRO-3 on 2 ranks: each rank's file holds about half of the model and optimizer state (fp32 params,
+    main params and two moments: 16 bytes per parameter in all). Would catch a rank writing everything
+    (gathered state) or duplicated tensors."""
+    numel = run_distributed(_sizes_worker, 2, str(tmp_path))[0]
+    directory = tmp_path / "iter_0000001"
+    sizes = [os.path.getsize(directory / f"__{r}_0.distcp") for r in range(2)]
+    assert all(0.35 * 16 * numel < size < 0.65 * 16 * numel for size in sizes), (sizes, numel)

@@ -68,7 +68,7 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     """The DCP state dict of this rank (see the module docstring). With `fill` = 'zeros' the tensors are
     empty placeholders for loading, shaped for the current layout."""
     world = dist.get_world_size(optimizer.data_parallel_group)
-    sharded = optimizer.sharded and world > 1
+    sharded = optimizer.sharded
     ranges = _ranges_of_every_rank(optimizer, world) if sharded else {}
     shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}
     dtypes = {name: p.dtype for p, name in optimizer.param_to_name.items()}
@@ -157,9 +157,11 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparamet
     """Read this rank's part of every tensor for the current layout (any DP size and strategy) and load
     it into the model and the optimizer."""
     state = _tensors(model, optimizer, fill="zeros")
-    missing = [k for k in state if k.startswith("model.") and k[6:] not in common["shapes"]]
+    available = set(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
+    missing = [k for k in state if k.startswith("model.") and k not in available]
     if missing:
         raise ValueError(f"checkpoint {directory} has no {missing[0]}: it was saved from another model")
+    state = {k: v for k, v in state.items() if k in available}  # moments exist only after a first step
     dcp.load(state, checkpoint_id=directory, process_group=group)
     shapes = common["shapes"]
 
