@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch: the optimizer state gathered and one file written by rank 0; torch_dist: every "
                         "rank writes only what it owns through torch.distributed.checkpoint (reshardable the "
                         "same way). Loading reads either")
+    g.add_argument("--async-save", action="store_true",
+                   help="with --ckpt-format torch_dist: write checkpoints in the background while training goes "
+                        "on (the next save and the end of training wait for it; a checkpoint exists only once "
+                        "complete)")
     g.add_argument("--load", help="resume from the newest complete checkpoint in this directory (if any)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error when the directory holds no checkpoint, instead of "
@@ -285,6 +289,8 @@ def validate_args(args, world_size: int):
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
                          "exclusive")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ValueError("--async-save needs --ckpt-format torch_dist")
     if args.exit_on_missing_checkpoint and not args.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load")
     if args.exit_interval is not None and args.exit_interval <= 0:

@@ -57,7 +57,7 @@ def set_rng_state(state: dict):
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_train_samples: int,
-                    args: Optional[dict] = None, group=None, ckpt_format: str = "torch"):
+                    args: Optional[dict] = None, group=None, ckpt_format: str = "torch", async_group=None):
     """Save on all ranks.
 
     Args:
@@ -69,11 +69,18 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         args: plain-data description of the run (stored for reference and architecture checks).
         ckpt_format: 'torch' (the optimizer state gathered, one file written by rank 0) or 'torch_dist'
             (every rank writes what it owns through torch.distributed.checkpoint, dist_checkpoint.py).
+        async_group: torch_dist only: write in the background, with this process group of its own.
+    Returns:
+        None when the checkpoint is complete on return; for an asynchronous save a PendingSave, whose
+        wait() (every rank) completes the write and seals the checkpoint.
     """
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
     if ckpt_format == "torch_dist":
-        return _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group)
+        return _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group,
+                                async_group)
+    if async_group is not None:
+        raise ValueError("an asynchronous save needs ckpt_format='torch_dist'")
     model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     optimizer_state = optimizer.state_dict()
     rng_states = collectives.all_gather_object(get_rng_state(), group)
@@ -100,7 +107,22 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         raise RuntimeError(f"saving checkpoint {iteration} failed on rank 0: {status}")
 
 
-def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group):
+class PendingSave:
+    """An asynchronous torch_dist save in flight: wait() (every rank, before the next save and at the end)
+    completes the background write, agrees on its success and seals the directory (manifest, rename,
+    tracker). Until then the checkpoint does not exist: a crash leaves only a temporary directory."""
+
+    def __init__(self, future, root: str, iteration: int, tmp_dir: str, group):
+        self.future, self.root, self.iteration, self.tmp_dir, self.group = future, root, iteration, tmp_dir, group
+
+    def wait(self):
+        collectives.run_collectively(self.future.result, group=self.group)
+        collectives.run_collectively(lambda: checkpoint_files.finish_directory(self.root, self.iteration, self.tmp_dir)
+                                     if dist.get_rank(self.group) == 0 else None, group=self.group)
+
+
+def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group,
+                     async_group):
     rank = dist.get_rank(group)
     common = {
         "checkpoint_version": CHECKPOINT_VERSION, "format": "torch_dist", "iteration": iteration,
@@ -114,10 +136,13 @@ def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_trai
         _refuse_nonfinite(iteration, {"model": dist_checkpoint.local_tensors(model, optimizer)})
         return checkpoint_files.new_directory(root, iteration) if rank == 0 else None
     tmp_dir = collectives.broadcast_object(collectives.run_collectively(check_and_prepare, group=group), group)
-    collectives.run_collectively(dist_checkpoint.save_torch_dist, tmp_dir, model, optimizer, common, group,
-                                 group=group)
+    future = collectives.run_collectively(dist_checkpoint.save_torch_dist, tmp_dir, model, optimizer, common,
+                                          group, async_group, group=group)
+    if future is not None:
+        return PendingSave(future, root, iteration, tmp_dir, group)
     collectives.run_collectively(lambda: checkpoint_files.finish_directory(root, iteration, tmp_dir)
                                  if rank == 0 else None, group=group)
+    return None
 
 
 def _refuse_nonfinite(iteration: int, states: dict):

@@ -17,6 +17,7 @@ one data-parallel size and sharding strategy loads at any other. Plain data goes
 `torch.load(weights_only=True)`.
 """
 
+import concurrent.futures
 import os
 from typing import Dict, List, Tuple
 
@@ -134,14 +135,34 @@ def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:
     return out
 
 
-def save_torch_dist(directory: str, model, optimizer, common: dict, group=None):
-    """Every rank: its tensors into `directory` through DCP; rank 0: the plain data (common.pt)."""
+def save_torch_dist(directory: str, model, optimizer, common: dict, group=None, async_group=None):
+    """Every rank: its tensors into `directory` through DCP; rank 0: the plain data (common.pt).
+
+    With `async_group` (a process group of its own, so that the background writer's collectives never
+    interleave with training's) the tensors are copied to host memory now and written by a background
+    thread: returns the future of that write (None when synchronous)."""
     with torch.no_grad():
         model.finish_param_sync()
         state = _tensors(model, optimizer)
     if dist.get_rank(group) == 0:
         torch.save(common, os.path.join(directory, COMMON_FILENAME))
-    dcp.save(state, checkpoint_id=directory, process_group=group)
+    if async_group is None:
+        dcp.save(state, checkpoint_id=directory, process_group=group)
+        return None
+    # DCP's own async_save cannot stage ShardedTensors: stage (copy) here, write in a thread, as it would.
+    staged = {k: _copy(v) for k, v in state.items()}
+    writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron_lite_ckpt")
+    future = writer.submit(dcp.save, staged, checkpoint_id=directory, process_group=async_group)
+    writer.shutdown(wait=False)  # the thread ends with the write; the future stays valid
+    return future
+
+
+def _copy(value):
+    """A host copy that training may not modify while the background thread writes it."""
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(s.tensor.detach().to("cpu", copy=True), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
+    return value.detach().to("cpu", copy=True)
 
 
 def is_torch_dist(directory: str) -> bool:

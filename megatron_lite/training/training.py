@@ -194,10 +194,26 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         collectives.run_collectively(refuse_to_shadow, args.save, loaded)
     last_saved = iteration if loaded else None
 
+    # --async-save: DCP writes in a background thread, with a process group of its own (its collectives
+    # must not interleave with training's); the next save, or the end of training, waits for it.
+    async_group = dist.new_group(backend="gloo") if args.async_save else None
+    pending = []  # the asynchronous save in flight, if any
+
+    def wait_for_pending_save():
+        for saving in pending:
+            saving.wait()
+            print_rank_0(f"> checkpoint at iteration {saving.iteration} complete in {args.save}")
+        pending.clear()
+
     def save():
-        save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed, args=checkpoint_args(args),
-                        ckpt_format=args.ckpt_format)
-        print_rank_0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+        wait_for_pending_save()
+        saving = save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed,
+                                 args=checkpoint_args(args), ckpt_format=args.ckpt_format, async_group=async_group)
+        if saving is None:
+            print_rank_0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+        else:
+            pending.append(saving)
+            print_rank_0(f"> saving checkpoint at iteration {iteration} to {args.save} in the background")
 
     train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp)
     log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
@@ -227,5 +243,6 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
             break
     if args.save and last_saved != iteration:
         save()
+    wait_for_pending_save()
     log.close()
     return {"iteration": iteration, "losses": losses, "valid_losses": valid_losses, "skipped": skipped}
