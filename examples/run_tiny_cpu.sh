@@ -40,12 +40,12 @@ run --save "$RUN_DIR/straight"
 echo "=== 4. compare"
 python - "$RUN_DIR" <<'EOF'
 import json, os, sys
-import torch
+sys.path.insert(0, "tools")
+from checkpoint_convert import read  # either checkpoint format, in the `torch` format's layout
 
 run_dir = sys.argv[1]
 def final(name):
-    path = os.path.join(run_dir, name, "iter_0000060", "model_optim_rng.pt")
-    return torch.load(path, weights_only=True)
+    return read(os.path.join(run_dir, name, "iter_0000060"))
 def losses(name):  # metrics.jsonl is appended to, so the resumed run's file holds both halves
     records = [json.loads(line) for line in open(os.path.join(run_dir, name, "metrics.jsonl"))]
     return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}

@@ -98,7 +98,8 @@ def test_stale_temporary_directories_are_removed_and_files_are_group_readable(tm
     umask = os.umask(0)
     os.umask(umask)
     directory = os.path.join(save, "iter_0000004")
-    for path, mode in [(directory, 0o777), (os.path.join(directory, "model_optim_rng.pt"), 0o666),
+    for path, mode in [(directory, 0o777), (os.path.join(directory, "common.pt"), 0o666),
+                       (os.path.join(directory, "__0_0.distcp"), 0o666),
                        (os.path.join(directory, "manifest.json"), 0o666)]:
         assert stat.S_IMODE(os.stat(path).st_mode) == mode & ~umask, path
 

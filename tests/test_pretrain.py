@@ -34,10 +34,13 @@ def _pretrain_worker(argv):
 
 
 def _model_state(save_dir):
+    """The newest checkpoint's state in the `torch` format's layout, whichever format wrote it."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import checkpoint_convert
+
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
         iteration = int(f.read())
-    path = os.path.join(save_dir, f"iter_{iteration:07d}", "model_optim_rng.pt")
-    return iteration, torch.load(path, weights_only=True)
+    return iteration, checkpoint_convert.read(os.path.join(save_dir, f"iter_{iteration:07d}"))
 
 
 def test_loss_falls_on_real_text_with_overlap_and_distributed_optimizer(data_cache, tmp_path):
@@ -199,7 +202,8 @@ def test_cli_under_torchrun_and_flag_error(tmp_path):
     assert out.returncode == 0, report
     assert "iteration        4/       4 | consumed samples:" in out.stdout, report
     assert "lm loss:" in out.stdout and "validation loss at iteration 4" in out.stdout, report
-    assert os.path.exists(tmp_path / "ck" / "iter_0000004" / "model_optim_rng.pt")
+    assert os.path.exists(tmp_path / "ck" / "iter_0000004" / "manifest.json")  # complete (torch_dist, the default)
+    assert os.path.exists(tmp_path / "ck" / "iter_0000004" / "common.pt")
     bad = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--fp16", "--bf16"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert bad.returncode == 2 and "mutually exclusive" in bad.stderr, bad.stderr[-3000:]

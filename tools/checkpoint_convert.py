@@ -15,6 +15,7 @@ sharding strategy. The exported weights are the model's state_dict (full tensors
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -33,7 +34,9 @@ def read(directory: str) -> dict:
     common = dist_checkpoint.read_common(directory)
     metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()}
-    dcp.load(tensors, checkpoint_id=directory, no_dist=True)
+    with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=directory, no_dist=True)
     shapes = {name: torch.Size(shape) for name, shape in common["shapes"].items()}
     model, state = {}, {}
     for key, tensor in tensors.items():
@@ -67,7 +70,9 @@ def write(root: str, payload: dict, ckpt_format: str):
 
     def write_files(directory):
         torch.save(common, os.path.join(directory, dist_checkpoint.COMMON_FILENAME))
-        dcp.save(tensors, checkpoint_id=directory, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, checkpoint_id=directory, no_dist=True)
     checkpoint_files.publish(root, iteration, write_files)
 
 

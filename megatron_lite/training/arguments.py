@@ -195,10 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", help="JSONL metrics (default: TENSORBOARD_DIR or SAVE /metrics.jsonl)")
     g.add_argument("--save", help="checkpoint directory")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
-    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch",
-                   help="torch: the optimizer state gathered and one file written by rank 0; torch_dist: every "
-                        "rank writes only what it owns through torch.distributed.checkpoint (reshardable the "
-                        "same way). Loading reads either")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
+                   help="torch_dist: every rank writes only what it owns through torch.distributed.checkpoint; "
+                        "torch: the optimizer state gathered and one file written by rank 0 (small runs). Both "
+                        "reshard across DP sizes and strategies; loading reads either")
     g.add_argument("--async-save", action="store_true",
                    help="with --ckpt-format torch_dist: write checkpoints in the background while training goes "
                         "on (the next save and the end of training wait for it; a checkpoint exists only once "
