@@ -32,11 +32,11 @@ def read(directory: str) -> dict:
         return torch.load(os.path.join(directory, checkpointing.CHECKPOINT_FILENAME), map_location="cpu",
                           weights_only=True)
     common = dist_checkpoint.read_common(directory)
-    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    metadata = dist_checkpoint.SafeReader(directory).read_metadata().state_dict_metadata
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()}
     with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=directory, no_dist=True)
+        dcp.load(tensors, storage_reader=dist_checkpoint.SafeReader(directory), no_dist=True)
     shapes = {name: torch.Size(shape) for name, shape in common["shapes"].items()}
     model, state = {}, {}
     for key, tensor in tensors.items():

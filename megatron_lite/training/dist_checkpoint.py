@@ -19,6 +19,7 @@ one data-parallel size and sharding strategy loads at any other. Plain data goes
 
 import concurrent.futures
 import os
+import pickle
 from typing import Dict, List, Tuple
 
 import torch
@@ -31,6 +32,43 @@ from ..distributed import collectives
 from ..optimizer.optimizer import STATE_KEYS
 
 COMMON_FILENAME = "common.pt"
+# What DCP's .metadata (a pickle) may contain: its own metadata classes and torch's plain value types.
+_SAFE_TORCH_TYPES = (torch.Size, torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata without running arbitrary code: only DCP's metadata classes, torch's
+    Size / dtype / layout / memory_format and plain builtin containers are allowed (the weights_only idea)."""
+
+    def find_class(self, module, name):
+        if module.startswith("torch.distributed.checkpoint."):
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, _SAFE_TORCH_TYPES) or value is torch.Size:
+                return value
+        if (module, name) in (("torch.serialization", "_get_layout"),  # a layout's name -> the layout
+                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):  # the checkpoint id
+            return super().find_class(module, name)
+        if module in ("builtins", "collections") and name in ("set", "frozenset", "OrderedDict", "slice"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata unpickled by _MetadataUnpickler (tensor data is raw storage)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = os.path.join(self.path, ".metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            raise ValueError(f"checkpoint metadata {path} cannot be read safely: {e}") from e
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor]],
@@ -178,12 +216,12 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparamet
     """Read this rank's part of every tensor for the current layout (any DP size and strategy) and load
     it into the model and the optimizer."""
     state = _tensors(model, optimizer, fill="zeros")
-    available = set(dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
+    available = set(SafeReader(directory).read_metadata().state_dict_metadata)
     missing = [k for k in state if k.startswith("model.") and k not in available]
     if missing:
         raise ValueError(f"checkpoint {directory} has no {missing[0]}: it was saved from another model")
     state = {k: v for k, v in state.items() if k in available}  # moments exist only after a first step
-    dcp.load(state, checkpoint_id=directory, process_group=group)
+    dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
     shapes = common["shapes"]
 
     def local_pieces(value) -> Dict[int, torch.Tensor]:
