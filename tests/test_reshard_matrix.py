@@ -53,3 +53,19 @@ def test_torch_dist_loads_at_every_other_size_and_strategy(saved, source):
         assert sorted(resumed) == [3, 4], (source, dp, strategy)
         for i in (3, 4):
             assert abs(resumed[i] - straight[i]) <= 1e-5 * straight[i], (source, dp, strategy, i)
+
+
+@pytest.mark.parametrize("saved_with, loaded_with", [(["--bf16"], []), ([], ["--bf16"])], ids=["bf16-to-fp32", "fp32-to-bf16"])
+def test_torch_dist_moves_between_bf16_and_fp32(saved, tmp_path, saved_with, loaded_with):
+    """fp32 main params and moments are what the checkpoint keeps, so a bf16 run resumes as fp32 and back
+    (ZeRO-3 on both sides: the model's shards change dtype). Would catch model tensors loaded without a
+    cast, or fp32 state rounded through the model's dtype."""
+    straight, _ = saved
+    save = str(tmp_path / "ck")
+    run_distributed(_main, 2, TINY + saved_with + ["--data-parallel-sharding-strategy", "optim_grads_params", "--save",
+                                                   save, "--exit-interval", "2"])
+    resumed = run_distributed(_main, 2, TINY + loaded_with + ["--data-parallel-sharding-strategy",
+                                                              "optim_grads_params", "--load", save])[0]
+    assert sorted(resumed) == [3, 4]
+    for i in (3, 4):
+        assert abs(resumed[i] - straight[i]) <= 1e-2 * straight[i], (i, resumed[i], straight[i])
