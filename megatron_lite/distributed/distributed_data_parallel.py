@@ -19,6 +19,7 @@ autograd visits parameters in a rank-dependent order.
 
 import contextlib
 import functools
+import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -118,7 +119,9 @@ class DistributedDataParallel(torch.nn.Module):
         )
         self._next_to_launch = 0
         self._grads_finalized = False
-        self._unsynchronized_grads = False  # a backward ran since zero_grad_buffer / finish_grad_sync
+        # Whether a backward ran since zero_grad_buffer / finish_grad_sync. Set from the grad hook, so kept on
+        # a plain object: nn.Module.__setattr__ costs microseconds, per parameter and step.
+        self._grads = types.SimpleNamespace(unsynchronized=False)
         self._overlap = config.overlap_grad_reduce
         self.is_last_microbatch = True
 
@@ -154,7 +157,7 @@ class DistributedDataParallel(torch.nn.Module):
                 f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
                 f"zero_grad_buffer() at the start of every iteration"
             )
-        self._unsynchronized_grads = True
+        self._grads.unsynchronized = True
         report_ready = self._overlap and self.is_last_microbatch
         if report_ready:
             bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
@@ -225,7 +228,7 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self._launch_order:
             bucket.finish_grad_sync()
         self._grads_finalized = True
-        self._unsynchronized_grads = False
+        self._grads.unsynchronized = False
         if self.zero3:
             self.param_units.release_all()  # what the first iteration (or an unused parameter) kept
         if unused_error:
@@ -284,12 +287,12 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.reset()
         self._next_to_launch = 0
         self._grads_finalized = False
-        self._unsynchronized_grads = False
+        self._grads.unsynchronized = False
 
     def check_ready_for_step(self):
         """Raise unless every gradient of this iteration's backward passes was synchronized (called by the
         optimizer's step(): stepping on unreduced gradients silently makes the replicas diverge)."""
-        if self._unsynchronized_grads:
+        if self._grads.unsynchronized:
             raise RuntimeError(
                 "optimizer.step() after a backward pass whose gradients were not synchronized: call "
                 "model.finish_grad_sync() after the last micro-batch's backward and before optimizer.step()"
