@@ -260,22 +260,10 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             self.param_gather.finish()
 
-    @contextlib.contextmanager
     def full_parameters(self, write_back: bool = False):
         """ZeRO-3: every parameter gathered inside the context (released after it; with `write_back`, what
         was written into them is kept as the new shards). Other strategies: nothing to do."""
-        if not self.zero3:
-            yield
-            return
-        self.param_units.gather_all()
-        try:
-            yield
-            if write_back:
-                with torch.no_grad():
-                    for bucket in self.param_units.all_buckets():
-                        bucket.param_shard.copy_(bucket.own_params_in_full())
-        finally:
-            self.param_units.release_all()
+        return self.param_units.full_parameters(write_back) if self.zero3 else contextlib.nullcontext()
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""

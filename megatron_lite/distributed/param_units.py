@@ -19,6 +19,7 @@ unit (embeddings, final norm, a tied output layer): gathered at the start of the
 the others.
 """
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -140,6 +141,20 @@ class ParamUnits:
     def wait_all(self):
         for bucket in self.all_buckets():
             bucket.finish_param_sync()
+
+    @contextlib.contextmanager
+    def full_parameters(self, write_back: bool = False):
+        """Every unit gathered inside the context, released after it; with `write_back` what was written
+        into the parameters becomes the new shards."""
+        self.gather_all()
+        try:
+            yield
+            if write_back:
+                with torch.no_grad():
+                    for bucket in self.all_buckets():
+                        bucket.param_shard.copy_(bucket.own_params_in_full())
+        finally:
+            self.release_all()
 
 
 def _tensors(output) -> List[torch.Tensor]:
