@@ -37,7 +37,7 @@ def _reference(per_token):
     return {n: p.grad for n, p in model.named_parameters()}, (sums / counts).item()
 
 
-def _worker(per_token, distributed):
+def _worker(per_token, strategy):
     import torch.distributed as dist
 
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
@@ -48,9 +48,10 @@ def _worker(per_token, distributed):
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    distributed = strategy != "no_shard"
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size=40, calculate_per_token_loss=per_token,
-        use_distributed_optimizer=distributed))
+        data_parallel_sharding_strategy=strategy))
     opt = get_megatron_optimizer(OptimizerConfig(lr=0.0, clip_grad=0.0, use_distributed_optimizer=distributed), [ddp])
     sched = OptimizerParamScheduler(opt, 0.0, 0.0, 0, 1, "constant")
     batches = iter([_data(rank, m) for m in range(MICRO_BATCHES)])
@@ -65,14 +66,14 @@ def _worker(per_token, distributed):
 
     losses, ok, _ = train_step(forward_step, batches, ddp, opt, sched, MICRO_BATCHES, check_for_nan_in_loss=True)
     expected, expected_loss = _reference(per_token)
-    if distributed:  # only this rank's shard of main_grad is reduced: compare through the buffer layout
-        from ddp_testing import own_shard_mask
+    if distributed:  # only this rank's shard is reduced (and kept, with ZeRO-2/3): compare bucket by bucket
         buffer = ddp.buffers[0]
-        mine = own_shard_mask(buffer, rank)
         flat = torch.zeros(buffer.numel)
         for p, (start, end, _) in buffer.param_index_map.items():
             flat[start:end] = expected[ddp.param_to_name[p]].reshape(-1)
-        close = torch.allclose(buffer.grad_data[mine], flat[mine], rtol=1e-5, atol=1e-7)
+        close = all(torch.allclose(b.reduced_grad_shard,
+                                   flat[b.offset + b.shard_offset:b.offset + b.shard_offset + b.shard_size],
+                                   rtol=1e-5, atol=1e-7) for b in buffer.buckets)
     else:
         close = all(torch.allclose(p.main_grad, expected[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())
     return ok, close, abs(losses["lm loss"] - expected_loss) <= 1e-6 * abs(expected_loss)
@@ -83,6 +84,6 @@ def test_loss_sum_and_token_count_match_a_single_process_reference():
     would weigh as much as the others), gradients pre-scaled by 1/dp and then divided again, a token count
     not summed over ranks, or a reported loss that is not sum / count over the global batch."""
     for per_token in (False, True):
-        for distributed in (False, True):
-            for ok, close, loss_ok in run_distributed(_worker, DP, per_token, distributed):
-                assert ok and close and loss_ok, (per_token, distributed, close, loss_ok)
+        for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+            for ok, close, loss_ok in run_distributed(_worker, DP, per_token, strategy):
+                assert ok and close and loss_ok, (per_token, strategy, close, loss_ok)
