@@ -188,3 +188,45 @@ def test_zero3_gathers_a_few_units_at_a_time_and_matches_zero1():
     for same, zero3 in run_distributed(_zero3_worker, 2):
         assert same and zero3["released"] and zero3["units"] == 6
         assert zero3["max_gathered"] <= 3, zero3["max_gathered"]  # the unit in use, the prefetched, one releasing
+
+
+def _zero3_order_worker():
+    import copy
+
+    import torch.distributed as dist
+
+    from ddp_testing import mean_of_rank_grads
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+    from test_ddp_overlap import TwoBranches
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TwoBranches()
+    model.a_first = rank == 0  # forward (so backward, so the units' gathers) in a rank-dependent order
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, bucket_size=1,
+        fsdp_unit_modules=("Linear",)))
+    exact = []
+    for iteration in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * iteration + r)) for r in range(dp)]
+        ddp.zero_grad_buffer()
+        ddp(xs[rank]).pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        expected = mean_of_rank_grads(reference, xs)
+        buffer = ddp.buffers[0]
+        flat = torch.zeros(buffer.numel)
+        for p, (start, end, _) in buffer.param_index_map.items():
+            flat[start:end] = expected[ddp.param_to_name[p]].reshape(-1)
+        exact.append(all(torch.allclose(b.reduced_grad_shard,
+                                        flat[b.offset + b.shard_offset:b.offset + b.shard_offset + b.shard_size],
+                                        rtol=1e-6, atol=1e-7) for b in buffer.buckets))
+    return exact
+
+
+def test_zero3_units_reached_in_a_rank_dependent_order():
+    """Each rank's forward visits the two units in another order: would catch gathers issued in the order
+    a rank happens to need them (mismatched collectives: wrong parameters or a hang) instead of the fixed
+    order, on a group of their own."""
+    for exact in run_distributed(_zero3_order_worker, 2):
+        assert exact == [True, True, True]
