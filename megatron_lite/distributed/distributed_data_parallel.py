@@ -117,11 +117,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._launch_order: List[Bucket] = sorted(
             all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
         )
-        self._next_to_launch = 0
-        self._grads_finalized = False
-        # Whether a backward ran since zero_grad_buffer / finish_grad_sync. Set from the grad hook, so kept on
-        # a plain object: nn.Module.__setattr__ costs microseconds, per parameter and step.
-        self._grads = types.SimpleNamespace(unsynchronized=False)
+        # This iteration's gradient-sync progress: the next bucket to launch (in launch order), whether
+        # finish_grad_sync ran, whether a backward ran since zero_grad_buffer / finish_grad_sync. Updated
+        # from the grad hooks, so kept on a plain object: nn.Module.__setattr__ costs microseconds.
+        self._grads = types.SimpleNamespace(next_to_launch=0, finalized=False, unsynchronized=False)
         self._overlap = config.overlap_grad_reduce
         self.is_last_microbatch = True
 
@@ -152,7 +151,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _grad_ready_hook(self, param: torch.nn.Parameter, bucket: Bucket, index: int):
         """Runs after autograd accumulated `param.grad` (= bucket.params_list[index]): move it into
         main_grad and, on the last micro-batch with overlap, mark it ready and maybe launch buckets."""
-        if self._grads_finalized:
+        if self._grads.finalized:
             raise RuntimeError(
                 f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
                 f"zero_grad_buffer() at the start of every iteration"
@@ -179,13 +178,13 @@ class DistributedDataParallel(torch.nn.Module):
     def _launch_ready_buckets(self):
         """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""
         order = self._launch_order
-        while self._next_to_launch < len(order) and order[self._next_to_launch].is_ready():
-            order[self._next_to_launch].start_grad_sync()
-            self._next_to_launch += 1
-            if order[0].shards_grads and self._next_to_launch > ZERO2_BUCKETS_IN_FLIGHT:
+        while self._grads.next_to_launch < len(order) and order[self._grads.next_to_launch].is_ready():
+            order[self._grads.next_to_launch].start_grad_sync()
+            self._grads.next_to_launch += 1
+            if order[0].shards_grads and self._grads.next_to_launch > ZERO2_BUCKETS_IN_FLIGHT:
                 # ZeRO-2: bound the full-size gradients in flight; the oldest bucket's shard is kept and
                 # its full gradients freed while backward goes on.
-                order[self._next_to_launch - 1 - ZERO2_BUCKETS_IN_FLIGHT].finish_grad_sync()
+                order[self._grads.next_to_launch - 1 - ZERO2_BUCKETS_IN_FLIGHT].finish_grad_sync()
 
     # ---------------------------------------------------------------- the public protocol
     def forward(self, *args, **kwargs):
@@ -204,9 +203,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self):
         """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce)."""
-        for bucket in self._launch_order[self._next_to_launch:]:
+        for bucket in self._launch_order[self._grads.next_to_launch:]:
             bucket.start_grad_sync()
-        self._next_to_launch = len(self._launch_order)
+        self._grads.next_to_launch = len(self._launch_order)
 
     def finish_grad_sync(self):
         """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean.
@@ -215,11 +214,11 @@ class DistributedDataParallel(torch.nn.Module):
         gradient in this iteration: an error naming them, unless `find_unused_parameters` is set, in
         which case their (zero) contribution is communicated now.
         """
-        if self._grads_finalized:
+        if self._grads.finalized:
             return
         unused_error = None
         if self.ddp_config.overlap_grad_reduce:
-            pending = self._launch_order[self._next_to_launch:]
+            pending = self._launch_order[self._grads.next_to_launch:]
             if pending and not self.ddp_config.find_unused_parameters:
                 unused_error = unused_parameters_message(self._launch_order, pending, self.param_to_name)
         # Communicate even when about to raise: a peer that saw every gradient is already waiting in
@@ -227,7 +226,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.start_grad_sync()
         for bucket in self._launch_order:
             bucket.finish_grad_sync()
-        self._grads_finalized = True
+        self._grads.finalized = True
         self._grads.unsynchronized = False
         if self.zero3:
             self.param_units.release_all()  # what the first iteration (or an unused parameter) kept
@@ -273,8 +272,8 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad_added_to_main_grad = False
         for buffer in self.buffers:
             buffer.reset()
-        self._next_to_launch = 0
-        self._grads_finalized = False
+        self._grads.next_to_launch = 0
+        self._grads.finalized = False
         self._grads.unsynchronized = False
 
     def check_ready_for_step(self):
