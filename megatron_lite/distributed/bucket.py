@@ -88,13 +88,17 @@ class Bucket:
             # A released parameter keeps its shape but holds no memory: NaN everywhere (one element,
             # expanded), so a forward on it produces NaN (caught by the NaN check) and a write fails.
             self._released = torch.full((), float("nan"), dtype=param_data.dtype, device=param_data.device)
-            self.param_shard = param_data[self.shard_offset:self.shard_offset + self.shard_size].clone()
+            self.param_shard = self.my_shard_of(param_data).clone()
             self.release_params()
         # Gradient arrivals per parameter in one backward, learned in the first iteration (megatron-core's
         # golden counts): more than one when a weight's gradient is accumulated twice, e.g. by reentrant
         # activation checkpointing of a shared weight. None until learned.
         self.expected_counts: Optional[List[int]] = None
         self.reset()
+
+    def my_shard_of(self, data: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a bucket-sized tensor (grad_data or param_data): a view."""
+        return data[self.shard_offset:self.shard_offset + self.shard_size]
 
     def reset(self):
         """Forget this iteration's progress (called by zero_grad_buffer)."""
@@ -114,7 +118,7 @@ class Bucket:
         grad_data (ZeRO-1), or the persistent grad_shard (ZeRO-2)."""
         if self.shards_grads:
             return self.grad_shard
-        return self.grad_data[self.shard_offset:self.shard_offset + self.shard_size]
+        return self.my_shard_of(self.grad_data)
 
     def ensure_grad_storage(self):
         """ZeRO-2: grow grad_data back (zeroed) before a gradient lands in it; main_grad views stay valid."""
@@ -204,7 +208,7 @@ class Bucket:
         self._finished = True
         if self.shards_grads:
             with torch.no_grad():
-                self.grad_shard.add_(self.grad_data[self.shard_offset:self.shard_offset + self.shard_size])
+                self.grad_shard.add_(self.my_shard_of(self.grad_data))
             self._free_grad_storage()
 
     # ---------------------------------------------------------------- ZeRO-3 parameter storage
@@ -214,7 +218,7 @@ class Bucket:
         param_data (ZeRO-1/2), or the persistent param_shard (ZeRO-3)."""
         if self.shards_params:
             return self.param_shard
-        return self.param_data[self.shard_offset:self.shard_offset + self.shard_size]
+        return self.my_shard_of(self.param_data)
 
     @torch.no_grad()
     def gather_params(self, group, async_op: bool = True):
@@ -225,12 +229,8 @@ class Bucket:
             return
         with torch.autograd._unsafe_preserve_version_counter(self.param_data):
             self.param_data.untyped_storage().resize_(self._param_storage_bytes)
-            self.param_data[self.shard_offset:self.shard_offset + self.shard_size].copy_(self.param_shard)
+            self.my_shard_of(self.param_data).copy_(self.param_shard)
             self.param_gather_handle = collectives.all_gather(self.param_data, group=group, async_op=async_op)
-
-    def own_params_in_full(self) -> torch.Tensor:
-        """This rank's part of the gathered param_data (ZeRO-3, while gathered)."""
-        return self.param_data[self.shard_offset:self.shard_offset + self.shard_size]
 
     def wait_params(self):
         """ZeRO-3: wait for this bucket's gather; afterwards every param.data is its view into param_data.

@@ -152,7 +152,7 @@ class ParamUnits:
             if write_back:
                 with torch.no_grad():
                     for bucket in self.all_buckets():
-                        bucket.param_shard.copy_(bucket.own_params_in_full())
+                        bucket.param_shard.copy_(bucket.my_shard_of(bucket.param_data))
         finally:
             self.release_all()
 
