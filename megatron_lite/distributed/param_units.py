@@ -74,6 +74,8 @@ class ParamUnits:
             self.group = dist.new_group(list(range(dist.get_world_size())))
         else:
             self.group = group  # a sub-group: a second one would need every rank's cooperation to create
+        forward = list(range(len(units)))
+        self._orders = {"forward": forward, "backward": forward[::-1]}
         self._next = {"forward": 0, "backward": 0}
         self._handles = []
         for index, unit in enumerate(units):
@@ -81,12 +83,12 @@ class ParamUnits:
             self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
 
     # ---------------------------------------------------------------- gathering in a fixed order
-    def _order(self, phase: str) -> List[int]:
-        forward = list(range(len(self.units)))
-        return forward if phase == "forward" else forward[::-1]
+    def _position(self, phase: str, index: int) -> int:
+        """Unit `index`'s place in the phase's order: registration order forward, the reverse backward."""
+        return index if phase == "forward" else len(self.units) - 1 - index
 
     def _dispatch(self, phase: str, upto: int):
-        order = self._order(phase)
+        order = self._orders[phase]
         while self._next[phase] < min(upto, len(order)):
             for bucket in self.buckets.get(order[self._next[phase]], []):
                 bucket.gather_params(self.group)
@@ -94,8 +96,7 @@ class ParamUnits:
 
     def _need(self, phase: str, index: int):
         """Unit `index` must be gathered now: dispatch up to one unit past it in this phase's order."""
-        position = self._order(phase).index(index)
-        self._dispatch(phase, position + 2)
+        self._dispatch(phase, self._position(phase, index) + 2)
         for bucket in self.buckets.get(index, []):
             bucket.gather_params(self.group)  # no-op once dispatched; a unit used twice is gathered again
             bucket.wait_params()
