@@ -149,15 +149,13 @@ class DistributedOptimizer(MegatronOptimizer):
 
         flats = {key: self._gather_full(value(key)) for key in keys}
         # Every shard is stepped together, so one step count (agreed over ranks) serves all params.
-        local_steps = [self._state_of(m).get("step") for m in self.main_of.values()]
-        step = torch.tensor(max([int(s.item()) for s in local_steps if s is not None] + [0]), device=self.device)
-        collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
+        step = self.agreed_step()
         out = {}
         for chunk in self.model_chunks:
             for buffer in chunk.buffers:
                 for param, (start, end, _) in buffer.param_index_map.items():
                     entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu() for k in keys}
-                    entry["step"] = int(step.item())
+                    entry["step"] = step
                     out[self.param_to_name[param]] = entry
         return out
 

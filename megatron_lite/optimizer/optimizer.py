@@ -213,6 +213,15 @@ class MegatronOptimizer:
     def _state_of(self, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self.optimizer.state.get(main_param, {})
 
+    def agreed_step(self) -> int:
+        """The optimizer's step count, the largest over the data-parallel ranks (every main tensor is
+        stepped together; a rank that owns no state yet counts 0). Collective."""
+        steps = [int(self._state_of(main)["step"].item()) for _, _, _, main in self.local_chunks()
+                 if "step" in self._state_of(main)]
+        step = torch.tensor(max(steps + [0]), device=self.device)
+        collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
+        return int(step.item())
+
     def _set_state_of(self, main_param: torch.Tensor, step, tensors: Dict[str, torch.Tensor]):
         if not tensors:
             return

@@ -154,15 +154,6 @@ def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in model.module.state_dict().items() if k not in trainable}
 
 
-def agreed_step(optimizer) -> int:
-    """The optimizer's step count (every shard is stepped together; the largest over ranks)."""
-    steps = [int(optimizer._state_of(main)["step"].item()) for _, _, _, main in optimizer.local_chunks()
-             if "step" in optimizer._state_of(main)]
-    step = torch.tensor(max(steps + [0]), device=optimizer.device)
-    collectives.all_reduce(step, optimizer.data_parallel_group, op=collectives.MAX)
-    return int(step.item())
-
-
 def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:
     """This rank's tensors to be written, by key (for checks such as finiteness)."""
     out = {}
