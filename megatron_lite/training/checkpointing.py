@@ -117,8 +117,7 @@ class PendingSave:
 
     def wait(self):
         collectives.run_collectively(self.future.result, group=self.group)
-        collectives.run_collectively(lambda: checkpoint_files.finish_directory(self.root, self.iteration, self.tmp_dir)
-                                     if dist.get_rank(self.group) == 0 else None, group=self.group)
+        _seal(self.root, self.iteration, self.tmp_dir, self.group)
 
 
 def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group,
@@ -140,9 +139,15 @@ def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_trai
                                           group, async_group, group=group)
     if future is not None:
         return PendingSave(future, root, iteration, tmp_dir, group)
-    collectives.run_collectively(lambda: checkpoint_files.finish_directory(root, iteration, tmp_dir)
-                                 if rank == 0 else None, group=group)
+    _seal(root, iteration, tmp_dir, group)
     return None
+
+
+def _seal(root: str, iteration: int, tmp_dir: str, group):
+    """Every rank, once all wrote their part: rank 0 turns tmp_dir into checkpoint `iteration` (manifest,
+    rename, tracker); a failure there is raised on every rank."""
+    collectives.run_collectively(lambda: checkpoint_files.finish_directory(root, iteration, tmp_dir)
+                                 if dist.get_rank(group) == 0 else None, group=group)
 
 
 def _refuse_nonfinite(iteration: int, states: dict):
