@@ -223,7 +223,7 @@ def test_config_flags_are_generated_from_the_configs():
     from megatron_lite.models import GPTConfig
     from megatron_lite.training import arguments as a
 
-    values = {"--ddp-bucket-size": "12345", "--data-parallel-sharding-strategy": "optim_grads", "--lr": "0.25", "--min-lr": "0.125", "--weight-decay": "0.5",
+    values = {"--ddp-bucket-size": "12345", "--num-distributed-optimizer-instances": "1", "--data-parallel-sharding-strategy": "optim_grads", "--lr": "0.25", "--min-lr": "0.125", "--weight-decay": "0.5",
               "--clip-grad": "2.5", "--adam-beta1": "0.5", "--adam-beta2": "0.75", "--adam-eps": "0.001",
               "--sgd-momentum": "0.25", "--initial-loss-scale": "64", "--min-loss-scale": "2",
               "--loss-scale-window": "7", "--hysteresis": "3", "--loss-scale": "8", "--optimizer": "sgd",

@@ -32,6 +32,8 @@ class Bucket:
         gradient_scaling_factor: applied to grad_data before the collective (1/dp unless averaging in it).
         bucket_id: index of the bucket in its buffer (used in error messages).
         param_to_name: parameter names for error messages.
+        inter_instance_group: the same shard's holders in the other distributed-optimizer instances: the
+            reduce-scattered shard is all-reduced over it. None with one instance.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class Bucket:
         gradient_scaling_factor: float,
         bucket_id: int = 0,
         param_to_name: Optional[Dict[torch.nn.Parameter, str]] = None,
+        inter_instance_group=None,
     ):
         self.ddp_config = ddp_config
         self.params_list = params
@@ -57,6 +60,7 @@ class Bucket:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
         self.param_to_name = param_to_name or {}
+        self.inter_instance_group = inter_instance_group
         self.param_gather_handle = None
         # ZeRO-2 (data_parallel_sharding_strategy='optim_grads'): grad_data has a storage of its own, grown
         # when the first gradient arrives and freed once its reduce-scatter is done; what persists between
@@ -205,6 +209,12 @@ class Bucket:
         if self.communication_handle is None:
             self.start_grad_sync()
         self.communication_handle.wait()
+        if self.inter_instance_group is not None:
+            # Second level: the instance's reduced shard, summed with the other instances' (one collective
+            # over R ranks; every replica ends with bitwise the same values). Here, not in
+            # start_grad_sync: it needs the reduce-scatter's result, and gloo orders nothing across groups.
+            collectives.all_reduce(self.my_shard_of(self.grad_data), self.inter_instance_group,
+                                   op=collectives.reduce_op(self.ddp_config.average_in_collective))
         self._finished = True
         if self.shards_grads:
             with torch.no_grad():

@@ -52,7 +52,7 @@ _observers: List[Callable[[str, torch.Tensor, int], None]] = []
 def observe(callback: Callable[[str, torch.Tensor, int], None]):
     """Within the context, call `callback(name, full_tensor, group_size)` for every tensor collective
     issued, before it is issued. `name` is what actually runs ('all_reduce', 'reduce_scatter',
-    'all_gather', 'broadcast'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
+    'all_gather', 'broadcast', 'send'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
     all-gather's output). Collectives skipped on one-rank groups are not reported."""
     _observers.append(callback)
     try:
@@ -123,6 +123,48 @@ def broadcast(tensor: torch.Tensor, group=None, src_group_rank: int = 0, async_o
     _notify("broadcast", tensor, world_size)
     src = dist.get_global_rank(group or dist.group.WORLD, src_group_rank)
     return _handle(dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+
+
+def send(tensor: torch.Tensor, dst: int, group=None):
+    """Point to point: send `tensor` to the group's rank `dst` (blocking). gloo moves host memory only."""
+    _notify("send", tensor, 2)
+    dist.send(tensor.cpu() if backend(group) == "gloo" else tensor, group_dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None):
+    """Point to point: receive into `tensor` from the group's rank `src` (blocking)."""
+    staged = tensor.cpu() if backend(group) == "gloo" else tensor
+    dist.recv(staged, group_src=src, group=group)
+    if staged is not tensor:
+        tensor.copy_(staged)
+
+
+# ------------------------------------------------------------------------------------------ groups
+_instance_groups = {}
+
+
+def instance_groups(group, num_instances: int):
+    """Split the ranks of `group` into `num_instances` distributed-optimizer instances, megatron-core's
+    layout: instance i is the contiguous block of group ranks [i*m, (i+1)*m), m = size / num_instances;
+    the ranks at the same position j of every instance form an inter-instance group (j, j+m, ...).
+
+    Returns (intra-instance group, inter-instance group) of this rank; (group, None) for one instance.
+    Created once per (group, num_instances) by the member ranks only."""
+    if num_instances == 1:
+        return group, None
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size % num_instances:
+        raise ValueError(f"num_distributed_optimizer_instances={num_instances} does not divide the data-parallel "
+                         f"size {size}: each instance needs the same number of ranks")
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    key = (dist.group.WORLD, tuple(ranks), num_instances)  # a new default group (tests) starts afresh
+    if key not in _instance_groups:
+        m = size // num_instances
+        instance, position = divmod(rank, m)
+        intra = dist.new_group(ranks[instance * m:(instance + 1) * m], use_local_synchronization=True)
+        inter = dist.new_group(ranks[position::m], use_local_synchronization=True)
+        _instance_groups[key] = (intra, inter)
+    return _instance_groups[key]
 
 
 # ------------------------------------------------------------------------------------------ objects

@@ -71,6 +71,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = dist.get_world_size(data_parallel_group)
         self.data_parallel_rank = dist.get_rank(data_parallel_group)
+        # Distributed-optimizer instances: the buffers shard (reduce-scatter, all-gather) over the ranks of
+        # this rank's instance; the shards are all-reduced with the same position of the other instances.
+        self.intra_instance_group, self.inter_instance_group = collectives.instance_groups(
+            data_parallel_group, config.num_distributed_optimizer_instances)
 
         # Megatron's rule: default size with overlap, a single bucket without (nothing to overlap).
         bucket_size = config.bucket_size
@@ -101,8 +105,8 @@ class DistributedDataParallel(torch.nn.Module):
         unit_of = unit_of_params(module, units) if self.zero3 else None
         self.buffers: List[ParamAndGradBuffer] = [
             ParamAndGradBuffer(
-                config, param_dtype, grad_dtype, params, data_parallel_group,
-                self.bucket_size, self.param_to_name, scaling, unit_of,
+                config, param_dtype, grad_dtype, params, self.intra_instance_group,
+                self.bucket_size, self.param_to_name, scaling, unit_of, self.inter_instance_group,
             )
             for (param_dtype, grad_dtype), params in dtype_to_params.items()
         ]
@@ -135,7 +139,7 @@ class DistributedDataParallel(torch.nn.Module):
             buckets_of_unit: Dict[int, List[Bucket]] = {}
             for bucket in all_buckets:
                 buckets_of_unit.setdefault(unit_of[bucket.params_list[0]], []).append(bucket)
-            self.param_units = ParamUnits(units, buckets_of_unit, data_parallel_group)
+            self.param_units = ParamUnits(units, buckets_of_unit, self.intra_instance_group)
 
         # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
         self.param_gather = ParamGatherSchedule(self._launch_order[::-1], self.param_to_bucket,

@@ -40,6 +40,14 @@ class DistributedDataParallelConfig:
     nn.ModuleList. Parameters outside any unit form the root unit, gathered for the whole forward and
     backward."""
 
+    num_distributed_optimizer_instances: int = 1
+    """Split the data-parallel ranks into this many instances of the distributed optimizer (contiguous
+    blocks of dp/R ranks, as megatron-core). Gradients are reduce-scattered inside an instance and the
+    shards all-reduced across instances; each instance shards the optimizer state and gathers the
+    parameters among its own ranks, so every shard is held by R ranks (a replica survives the loss of a
+    rank: docs/fault_tolerance.md). 1: one instance over all ranks. Needs a sharded strategy and dp
+    divisible by R."""
+
     check_for_nan_in_grad: bool = False
     """Check every bucket for NaN/Inf before communicating it; raise naming rank, bucket and parameter."""
 
@@ -89,7 +97,12 @@ class DistributedDataParallelConfig:
             value = getattr(self, f.name)
             if f.name in ("data_parallel_sharding_strategy", "fsdp_unit_modules"):
                 continue
-            if f.name == "bucket_size":
+            if f.name == "num_distributed_optimizer_instances":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"num_distributed_optimizer_instances must be a positive int, got {value!r}")
+                if value < 1:
+                    raise ValueError(f"num_distributed_optimizer_instances must be >= 1, got {value}")
+            elif f.name == "bucket_size":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                     raise TypeError(f"bucket_size must be a positive int or None, got {value!r}")
                 if value is not None and value <= 0:
@@ -103,6 +116,11 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "overlap_param_gather=True requires use_distributed_optimizer=True: only the distributed "
                 "optimizer all-gathers parameters"
+            )
+        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+            raise ValueError(
+                "num_distributed_optimizer_instances > 1 requires use_distributed_optimizer=True (a sharded "
+                "data_parallel_sharding_strategy): without sharding every rank already holds all the state"
             )
         if self.pad_buckets_for_high_nccl_busbw and not self.use_distributed_optimizer:
             raise ValueError(

@@ -32,11 +32,14 @@ class ParamAndGradBuffer:
         ddp_config: the wrapper's configuration.
         param_dtype, grad_dtype: dtypes of the parameters and of main_grad / grad_data.
         params: the parameters, in registration order (laid out in reverse).
-        data_parallel_group: the group gradients are reduced over.
+        data_parallel_group: the group the buckets are reduced (and, sharded, split and gathered) over: the
+            whole data-parallel group, or this rank's distributed-optimizer instance.
         bucket_size: elements per bucket, or None for one bucket.
         param_to_name: names used in error messages.
         gradient_scaling_factor: applied to each bucket before its collective.
         unit_of: ZeRO-3: each parameter's unit of gathering (a bucket never spans two units).
+        inter_instance_group: with several distributed-optimizer instances, the ranks holding the same
+            shards in the other instances (each reduced shard is all-reduced over it); else None.
     """
 
     def __init__(
@@ -50,12 +53,14 @@ class ParamAndGradBuffer:
         param_to_name: Dict[torch.nn.Parameter, str],
         gradient_scaling_factor: float,
         unit_of: Optional[Dict[torch.nn.Parameter, int]] = None,
+        inter_instance_group=None,
     ):
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.params = list(params)
         self.data_parallel_group = data_parallel_group
+        self.inter_instance_group = inter_instance_group
         self.data_parallel_world_size = dist.get_world_size(data_parallel_group)
         self.data_parallel_rank = dist.get_rank(data_parallel_group)
 
@@ -119,6 +124,7 @@ class ParamAndGradBuffer:
                     gradient_scaling_factor=gradient_scaling_factor,
                     bucket_id=bucket_id,
                     param_to_name=param_to_name,
+                    inter_instance_group=inter_instance_group,
                 )
             )
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}

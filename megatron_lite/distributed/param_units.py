@@ -62,7 +62,7 @@ class ParamUnits:
     Args:
         units: the unit modules, in forward (registration) order.
         buckets_of_unit: per unit index (and len(units) for the root), its buckets.
-        group: the data-parallel group; gathers run on a group of their own with the same ranks.
+        group: the group the parameters are sharded over; gathers run on a group of their own with the same ranks.
     """
 
     def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group):
@@ -70,10 +70,8 @@ class ParamUnits:
         self.buckets = buckets_of_unit
         self.root = buckets_of_unit.get(len(units), [])
         # A group of their own: the order of gathers never mixes with the order of gradient collectives.
-        if group is None or group is dist.group.WORLD:
-            self.group = dist.new_group(list(range(dist.get_world_size())))
-        else:
-            self.group = group  # a sub-group: a second one would need every rank's cooperation to create
+        self.group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD),
+                                    use_local_synchronization=True)
         forward = list(range(len(units)))
         self._orders = {"forward": forward, "backward": forward[::-1]}
         self._next = {"forward": 0, "backward": 0}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import collectives
 from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, main_param
@@ -109,6 +110,70 @@ class DistributedOptimizer(MegatronOptimizer):
             copy_main_to_model(self.main_of[i], s.params)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
+
+    # ------------------------------------------------------------------ replicas (fault tolerance)
+    def holds_same_shards(self, rank: int) -> bool:
+        """Whether data-parallel rank `rank` holds the same shards as this rank (a replica in another
+        distributed-optimizer instance, or this rank itself)."""
+        per_instance = dist.get_world_size(self.grad_stats_group)
+        return rank % per_instance == dist.get_rank(self.data_parallel_group) % per_instance
+
+    def _flat_shard_state(self) -> torch.Tensor:
+        """[step, main params..., then each optimizer-state tensor...] of this rank's shards, one fp32 tensor
+        (state never created yet travels as zeros with step 0)."""
+        mains = [self.main_of[i] for i in range(len(self.shards))]
+        step = max([int(self._state_of(m)["step"]) for m in mains if "step" in self._state_of(m)] + [0])
+        parts = [torch.tensor([float(step)], device=self.device)] + [m.detach().reshape(-1) for m in mains]
+        for key in STATE_KEYS[self.config.optimizer]:
+            parts += [self._state_of(m).get(key, torch.zeros_like(m)).reshape(-1) for m in mains]
+        return torch.cat([p.float() for p in parts])
+
+    @torch.no_grad()
+    def send_shard_state(self, dst: int):
+        """Send this rank's main params, optimizer moments and step to data-parallel rank `dst`, which
+        must hold the same shards (a replica) and call recv_shard_state(src=this rank). Point to point:
+        no other rank takes part."""
+        if not self.holds_same_shards(dst):
+            raise ValueError(f"send_shard_state(dst={dst}): rank {dst} holds other shards than rank "
+                             f"{dist.get_rank(self.data_parallel_group)}; send to a replica (same position in "
+                             f"another distributed-optimizer instance)")
+        collectives.send(self._flat_shard_state(), dst, self.data_parallel_group)
+
+    @torch.no_grad()
+    def recv_shard_state(self, src: int):
+        """Replace this rank's main params, optimizer moments and step by those of replica `src` (which
+        calls send_shard_state(dst=this rank)) and write the params into the model's shard. What arrives
+        is validated first (finite; second moments >= 0): a damaged replica raises ValueError and leaves
+        this rank's state untouched."""
+        if not self.holds_same_shards(src):
+            raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
+                             f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
+        flat = torch.empty_like(self._flat_shard_state())
+        collectives.recv(flat, src, self.data_parallel_group)
+        keys = STATE_KEYS[self.config.optimizer]
+        step, values = int(flat[0].item()), self._split(flat)
+        if not torch.isfinite(flat).all() or any((t < 0).any() for t in values.get("exp_avg_sq", [])):
+            raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
+                             f"second moments); refusing to restore it")
+        for i, main in enumerate(self.main_of.values()):
+            main.copy_(values["param"][i])
+            if step:
+                self._set_state_of(main, step, {k: values[k][i] for k in keys})
+            else:
+                self.optimizer.state.pop(main, None)
+        for i, s in enumerate(self.shards):
+            copy_main_to_model(self.main_of[i], s.params)
+
+    def _split(self, flat: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
+        """The inverse of _flat_shard_state: per key ('param', state keys) the tensors of every shard."""
+        mains = [self.main_of[i] for i in range(len(self.shards))]
+        out, offset = {}, 1
+        for key in ("param", *STATE_KEYS[self.config.optimizer]):
+            out[key] = []
+            for m in mains:
+                out[key].append(flat[offset:offset + m.numel()].view_as(m))
+                offset += m.numel()
+        return out
 
     # ------------------------------------------------------------------ checkpointing
     def local_chunks(self, rank: Optional[int] = None):

@@ -65,6 +65,10 @@ class MegatronOptimizer:
         self.model_chunks = model_chunks
         self.grad_scaler = grad_scaler
         self.data_parallel_group = model_chunks[0].data_parallel_group
+        # Where each gradient element lives exactly once: the data-parallel group, or with several
+        # distributed-optimizer instances this rank's instance (the others hold replicas of the same
+        # shards, which must not be counted twice in the norm, the zero count or the overflow check).
+        self.grad_stats_group = model_chunks[0].intra_instance_group
         self.param_to_name = qualified_param_names(model_chunks)
         self.device = next(iter(self.param_to_name)).device if self.param_to_name else torch.device("cpu")
         self._loss_scale = None  # (scale, tensor) cache for get_loss_scale
@@ -107,12 +111,12 @@ class MegatronOptimizer:
                 for p in self._main_params():
                     p.grad = None
                 return False, None, None
-        grad_norm = get_grad_norm_fp32(main_grads, self.data_parallel_group, self.sharded, self.device)
+        grad_norm = get_grad_norm_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
         if self.config.clip_grad > 0.0:
             clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
-            num_zeros = count_zeros_fp32(main_grads, self.data_parallel_group, self.sharded, self.device)
+            num_zeros = count_zeros_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         for p in self._main_params():
@@ -125,7 +129,7 @@ class MegatronOptimizer:
             inv_scale = torch.tensor(1.0 / self.grad_scaler.scale, dtype=torch.float32, device=self.device)
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
         # Every rank must make the same skip decision (an overflow may sit in one rank's shard only).
-        collectives.all_reduce(found_inf, self.data_parallel_group, op=collectives.MAX)
+        collectives.all_reduce(found_inf, self.grad_stats_group, op=collectives.MAX)
         return bool(found_inf.item() > 0)
 
     # ------------------------------------------------------------------ subclass hooks

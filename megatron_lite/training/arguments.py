@@ -31,6 +31,7 @@ DDP_FLAGS = {
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",  # or --bf16
     "check_for_nan_in_grad": "--check-for-nan-in-loss-and-grad",
     "calculate_per_token_loss": "--calculate-per-token-loss",
+    "num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
 }
 OPTIMIZER_FLAGS = {  # params_dtype follows from --fp16 / --bf16
     "optimizer": "--optimizer", "lr": "--lr", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
@@ -279,6 +280,10 @@ def validate_args(args, world_size: int):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {world_size} = {per_step}")
     args.data_parallel_size = world_size
+    instances = args.num_distributed_optimizer_instances
+    if isinstance(instances, int) and instances > 1 and world_size % instances:
+        raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide the data-parallel "
+                         f"size {world_size}: each instance needs the same number of ranks")
     args.num_micro_batches = args.global_batch_size // per_step
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path are mutually exclusive")

@@ -89,10 +89,14 @@ def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor
         shards, ShardedTensorMetadata(everyone, torch.Size([numel]), properties))
 
 
-def _ranges_of_every_rank(optimizer, world: int) -> Dict[str, List[List[Tuple[int, int]]]]:
+def _ranges_of_every_rank(optimizer, world: int, per_instance: int, writing: bool
+                          ) -> Dict[str, List[List[Tuple[int, int]]]]:
+    """name -> per data-parallel rank, the ranges of the parameter it holds. With several
+    distributed-optimizer instances rank r holds the shards of position r % per_instance; a save describes
+    (and writes) the first instance's only, so no range is written twice; a load reads every rank's own."""
     out: Dict[str, List[List[Tuple[int, int]]]] = {}
-    for r in range(world):
-        for name, start, end, _ in optimizer.local_chunks(rank=r):
+    for r in range(per_instance if writing else world):
+        for name, start, end, _ in optimizer.local_chunks(rank=r % per_instance):
             out.setdefault(name, [[] for _ in range(world)])[r].append((start, end))
     return out
 
@@ -107,13 +111,16 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     """The DCP state dict of this rank (see the module docstring). With `fill` = 'zeros' the tensors are
     empty placeholders for loading, shaped for the current layout."""
     world = dist.get_world_size(optimizer.data_parallel_group)
+    per_instance = dist.get_world_size(optimizer.grad_stats_group)
     sharded = optimizer.sharded
-    ranges = _ranges_of_every_rank(optimizer, world) if sharded else {}
+    ranges = _ranges_of_every_rank(optimizer, world, per_instance, writing=not fill) if sharded else {}
+    # A replica (a rank outside the first instance) writes nothing the first instance writes.
+    replica = sharded and not fill and dist.get_rank(optimizer.data_parallel_group) >= per_instance
     shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}
     dtypes = {name: p.dtype for p, name in optimizer.param_to_name.items()}
     keys = ["param", *STATE_KEYS[optimizer.config.optimizer]]
     state: Dict[str, object] = {}
-    chunks = optimizer.local_chunks()
+    chunks = [] if replica else optimizer.local_chunks()
     for key in keys:
         pieces: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for name, start, end, main in chunks:
@@ -134,7 +141,7 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     if zero3:
         from ..optimizer.distrib_optimizer import shard_ranges
         pieces = {}
-        for s in shard_ranges(optimizer.model_chunks):
+        for s in [] if replica else shard_ranges(optimizer.model_chunks):
             name = optimizer.param_to_name[s.model_param]
             value = torch.zeros(s.param_end - s.param_start, dtype=dtypes[name], device=optimizer.device) \
                 if fill else s.params.detach()

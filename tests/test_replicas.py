@@ -1,0 +1,178 @@
+"""Replicated distributed-optimizer state (num_distributed_optimizer_instances = R): the math matches one
+instance, the replicas hold bitwise-identical shards, and a wiped shard is rebuilt from its replica in
+memory with training continuing bit-identically."""
+
+import pytest
+import torch
+
+from distributed_helper import run_distributed
+
+ADAM = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.05, log_num_zeros_in_grad=True, use_distributed_optimizer=True)
+
+
+def _full_state(opt):
+    state = opt.state_dict()["state"]
+    return {name: {k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+            for name, entry in state.items()}
+
+
+def _train(instances, strategy, steps, first_step=0, built=None):
+    from optim_testing import build, megatron_steps
+    import torch.distributed as dist
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    if built is None:
+        built = build(dict(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=40,
+                           num_distributed_optimizer_instances=instances), ADAM)
+    _, ddp, opt = built
+    norms = megatron_steps(ddp, opt, rank, dp, steps, first_step=first_step)
+    return built, norms
+
+
+def _equivalence_worker(strategy):
+    import torch.distributed as dist
+
+    results = {}
+    for instances in (1, 2, 4):
+        (model, ddp, opt), norms = _train(instances, strategy, 4)
+        shards = [None] * dist.get_world_size()  # shard sizes differ between positions
+        dist.all_gather_object(shards, opt._flat_shard_state())
+        results[instances] = dict(norms=[n for _, n in norms], state=_full_state(opt), shards=shards,
+                                  per_instance=dist.get_world_size(opt.grad_stats_group))
+    return results
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_instances_match_one_instance(strategy):
+    """Would catch replicas counted twice in the gradient norm (clipping then scales by 1/sqrt(R): the clip
+    threshold here is active), a shard never updated or reduced over one instance only, or replicas that
+    drift apart (their shards must be bitwise equal). Against R=1 the sums are ordered differently (a
+    reduce-scatter over dp/R ranks, then an all-reduce over R), hence the fp32 tolerance."""
+    for rank, results in enumerate(run_distributed(_equivalence_worker, 4, strategy)):
+        one = results[1]
+        for instances in (2, 4):
+            run = results[instances]
+            assert run["per_instance"] == 4 // instances
+            for a, b in zip(one["norms"], run["norms"]):
+                assert a == pytest.approx(b, rel=1e-5)
+            for name, entry in one["state"].items():
+                for key, value in entry.items():
+                    torch.testing.assert_close(run["state"][name][key], value, rtol=1e-5, atol=1e-6)
+            m = run["per_instance"]
+            for r, shard in enumerate(run["shards"]):  # every replica of rank r's shards is bitwise rank r's
+                assert torch.equal(shard, run["shards"][r % m]), (instances, r)
+
+
+def _num_zeros_worker():
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps
+
+    out = {}
+    for instances in (1, 2):
+        _, ddp, opt = build(dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=instances),
+                            ADAM)
+        megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 1)
+        ddp.zero_grad_buffer()
+        for p in ddp.module.parameters():
+            p.main_grad.fill_(1.0)
+            p.main_grad.view(-1)[0] = 0.0  # one zero per parameter
+        ddp._grads.finalized = True
+        _, _, zeros = opt.step()
+        out[instances] = zeros
+    return out
+
+
+def test_num_zeros_counts_each_element_once():
+    """Would catch num_zeros summed over every replica (R times the true count)."""
+    for result in run_distributed(_num_zeros_worker, 4):
+        assert result[2] == result[1] == sum(1 for _ in _param_names())
+
+
+def _param_names():
+    from ddp_testing import make_model
+    return [n for n, _ in make_model().named_parameters()]
+
+
+def _rebuild_worker(source):
+    """Train 3 steps, wipe rank 1's shard, restore it from `source`, train 3 more."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    reference, _ = _train(2, "optim", 6)
+    reference_state = _full_state(reference[2])
+
+    built, _ = _train(2, "optim", 3)
+    opt = built[2]
+    before = opt._flat_shard_state()
+    error = None
+    if rank == 1:  # lose everything this rank held of the optimizer
+        for main in opt.main_of.values():
+            main.data.fill_(float("nan"))
+            opt.optimizer.state.pop(main, None)
+    if source == "nan-replica" and rank == 3:
+        poisoned = opt.main_of[0].data.clone()
+        opt.main_of[0].data.fill_(float("inf"))
+    try:
+        if rank == 1:
+            opt.recv_shard_state(src=1 if source == "self" else 0 if source == "non-replica" else 3)
+        elif rank == (0 if source == "non-replica" else 3):
+            opt.send_shard_state(dst=1)
+    except ValueError as e:
+        error = str(e)
+    if source == "nan-replica" and rank == 3:
+        opt.main_of[0].data.copy_(poisoned)
+    if source != "replica":
+        return dict(error=error, nan=bool(torch.isnan(opt._flat_shard_state()).any()))
+    restored = torch.equal(opt._flat_shard_state(), before)
+    _train(2, "optim", 3, first_step=3, built=built)
+    state = _full_state(opt)
+    same = all(torch.equal(state[n][k], reference_state[n][k]) for n in state for k in state[n])
+    return dict(error=error, restored=restored, same=same)
+
+
+def test_rebuild_a_wiped_shard_from_its_replica():
+    """Would catch a transfer that misses a moment or the step count, writes the params but not the model's
+    shard, or pairs the wrong ranks: training after the rebuild must be bitwise the uninterrupted run's."""
+    results = run_distributed(_rebuild_worker, 4, "replica")
+    assert all(r["error"] is None for r in results)
+    assert results[1]["restored"]
+    assert all(r["same"] for r in results)
+
+
+@pytest.mark.parametrize("source", ["non-replica", "nan-replica"])
+def test_rebuild_refuses_a_wrong_or_damaged_source(source):
+    """Would catch restoring from a rank that holds other shards (silently wrong parameters) or from a
+    corrupt replica (NaN/Inf restored, an endless restart loop)."""
+    results = run_distributed(_rebuild_worker, 4, source)
+    assert "recv_shard_state" in results[1]["error"]
+    if source == "non-replica":
+        assert "send_shard_state" in results[0]["error"]
+    else:
+        assert results[3]["error"] is None
+
+
+def _bad_config_worker(instances):
+    from optim_testing import build
+
+    try:
+        build(dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=instances), ADAM)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_instances_must_divide_dp():
+    for message in run_distributed(_bad_config_worker, 4, 3):
+        assert "num_distributed_optimizer_instances=3 does not divide the data-parallel size 4" in message
+
+
+def test_config_rejects_bad_instances():
+    from megatron_lite import DistributedDataParallelConfig
+
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances must be >= 1"):
+        DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=0)
+    with pytest.raises(TypeError, match="num_distributed_optimizer_instances"):
+        DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2.0)
+    with pytest.raises(ValueError, match="requires use_distributed_optimizer"):
+        DistributedDataParallelConfig(num_distributed_optimizer_instances=2)
