@@ -6,7 +6,8 @@ import torch
 
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
-from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer, make_grad_scaler
+from .full_param_optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+from .optimizer import MegatronOptimizer, make_grad_scaler
 from .optimizer_config import OptimizerConfig
 
 __all__ = [

@@ -122,7 +122,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """[step, main params..., then each optimizer-state tensor...] of this rank's shards, one fp32 tensor
         (state never created yet travels as zeros with step 0)."""
         mains = [self.main_of[i] for i in range(len(self.shards))]
-        step = max([int(self._state_of(m)["step"]) for m in mains if "step" in self._state_of(m)] + [0])
+        step = self.local_step()
         parts = [torch.tensor([float(step)], device=self.device)] + [m.detach().reshape(-1) for m in mains]
         for key in STATE_KEYS[self.config.optimizer]:
             parts += [self._state_of(m).get(key, torch.zeros_like(m)).reshape(-1) for m in mains]

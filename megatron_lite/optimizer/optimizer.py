@@ -1,8 +1,9 @@
-"""Megatron's optimizer protocol and its two non-sharded implementations.
+"""Megatron's optimizer protocol (MegatronOptimizer) and the helpers its implementations share: the
+non-sharded ones in full_param_optimizer.py, the sharded one in distrib_optimizer.py.
 
     step():  main grads <- model main_grad      (alias for fp32; fp32 copy for fp16/bf16)
-             fp16: unscale, inf/NaN check agreed by all ranks -> skip step + back off on overflow
-             global grad norm -> clip -> inner optimizer step
+             collectives: fp16 inf/NaN check agreed by all ranks; global grad norm (and zero count)
+             local update, under update_lock: loss scaler; unless overflow: clip -> inner optimizer step
              model params <- main params         (cast; the distributed optimizer then all-gathers)
              returns (update_successful, grad_norm, num_zeros_in_grad)
 
@@ -10,6 +11,7 @@ The state dict is keyed by parameter *name* and holds full, unpadded fp32 tensor
 on the data-parallel size, the bucket layout or which of the three optimizers wrote it.
 """
 
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -72,6 +74,10 @@ class MegatronOptimizer:
         self.param_to_name = qualified_param_names(model_chunks)
         self.device = next(iter(self.param_to_name)).device if self.param_to_name else torch.device("cpu")
         self._loss_scale = None  # (scale, tensor) cache for get_loss_scale
+        self.update_lock = threading.Lock()  # held while step() changes the state (main params, moments)
+        self.updating = False  # True inside the update; stays True if it raised half-way (a torn state)
+        self.steps_taken = 0  # step() calls that got past their decision (an overflow skip included)
+        self.last_step_successful = True
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -104,23 +110,32 @@ class MegatronOptimizer:
             chunk.check_ready_for_step()  # unreduced gradients would make the replicas diverge
         self._prepare_for_step()
         main_grads = self._copy_model_grads_to_main_grads()
-        if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check_for_inf(main_grads)
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                for p in self._main_params():
-                    p.grad = None
-                return False, None, None
-        grad_norm = get_grad_norm_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
-        if self.config.clip_grad > 0.0:
-            clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
-        num_zeros = None
-        if self.config.log_num_zeros_in_grad:
-            num_zeros = count_zeros_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
+        # Collectives first: every rank agrees on the overflow, the norm and the zero count before any
+        # state changes.
+        found_inf = self.grad_scaler is not None and self._unscale_and_check_for_inf(main_grads)
+        grad_norm = num_zeros = None
+        if not found_inf:
+            grad_norm = get_grad_norm_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
+            if self.config.log_num_zeros_in_grad:
+                num_zeros = count_zeros_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
+        # The update itself is local (no collective): a rank's failure elsewhere never leaves it half done,
+        # and a last-words checkpoint (training/last_words.py) waits for it under update_lock.
+        with self.update_lock:
+            self.updating = True
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(found_inf)
+            if not found_inf:
+                if self.config.clip_grad > 0.0:
+                    clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
+                self.optimizer.step()
+            self.steps_taken += 1
+            self.last_step_successful = not found_inf
+            self.updating = False
         for p in self._main_params():
             p.grad = None  # fp32 copies of the grads (fp16/bf16 grads) are not needed any more
+        if found_inf:
+            return False, None, None
+        self._copy_main_params_to_model_params()
         return True, grad_norm.item(), num_zeros
 
     def _unscale_and_check_for_inf(self, main_grads: List[torch.Tensor]) -> bool:
@@ -217,12 +232,16 @@ class MegatronOptimizer:
     def _state_of(self, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self.optimizer.state.get(main_param, {})
 
-    def agreed_step(self) -> int:
-        """The optimizer's step count, the largest over the data-parallel ranks (every main tensor is
-        stepped together; a rank that owns no state yet counts 0). Collective."""
+    def local_step(self) -> int:
+        """This rank's optimizer step count (every main tensor is stepped together; 0 before any state)."""
         steps = [int(self._state_of(main)["step"].item()) for _, _, _, main in self.local_chunks()
                  if "step" in self._state_of(main)]
-        step = torch.tensor(max(steps + [0]), device=self.device)
+        return max(steps + [0])
+
+    def agreed_step(self) -> int:
+        """local_step(), the largest over the data-parallel ranks (a rank that owns no state yet counts 0).
+        Collective."""
+        step = torch.tensor(self.local_step(), device=self.device)
         collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
         return int(step.item())
 
@@ -237,65 +256,6 @@ class MegatronOptimizer:
             on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
             state["step"] = torch.tensor(float(step), dtype=torch.float32,
                                          device=main_param.device if on_device else "cpu")
-
-
-class _FullParamOptimizer(MegatronOptimizer):
-    """Every rank holds full main params: `main_for[model_param]` is the tensor the inner optimizer steps.
-
-    Args:
-        make_inner: callable(list of param-group dicts over main params) -> inner torch optimizer.
-        config, model_chunks, grad_scaler: as MegatronOptimizer.
-        model_param_groups: param-group dicts over *model* params (weight-decay split etc.).
-    """
-
-    def __init__(self, make_inner, config, model_chunks, model_param_groups, grad_scaler):
-        # Registration order, as torch's clip_grad_norm_ sees the parameters (bit-exact norms).
-        self.main_for = {p: main_param(p) for p in qualified_param_names(model_chunks)}
-        groups = [{**g, "params": [self.main_for[p] for p in g["params"]]} for g in model_param_groups]
-        super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
-
-    def _copy_model_grads_to_main_grads(self):
-        for model_param, main in self.main_for.items():
-            main.grad = model_param.main_grad.float()  # fp32 main_grad: .float() is the same tensor
-        return [main.grad for main in self.main_for.values()]
-
-    def _copy_main_params_to_model_params(self):
-        for model_param, main in self.main_for.items():
-            copy_main_to_model(main, model_param.data)
-
-    def local_chunks(self, rank: Optional[int] = None):
-        # Every rank steps every parameter, whole.
-        return [(self.param_to_name[p], 0, p.numel(), None if rank is not None else main)
-                for p, main in self.main_for.items()]
-
-    def _full_main_state(self):
-        out = {}
-        for model_param, main in self.main_for.items():
-            state = self._state_of(main)
-            entry = {"param": main.detach().float().cpu().clone()}
-            entry.update({k: state[k].detach().float().cpu().clone()
-                          for k in STATE_KEYS[self.config.optimizer] if k in state})
-            entry["step"] = int(state["step"].item()) if "step" in state else 0
-            out[self.param_to_name[model_param]] = entry
-        return out
-
-    def _load_full_main_state(self, state):
-        for model_param, main in self.main_for.items():
-            entry = state[self.param_to_name[model_param]]
-            if tuple(entry["param"].shape) != tuple(main.shape):
-                raise ValueError(f"shape mismatch for {self.param_to_name[model_param]}")
-            main.data.copy_(entry["param"])
-            tensors = {k: entry[k] for k in STATE_KEYS[self.config.optimizer] if k in entry}
-            self._set_state_of(main, entry.get("step"), tensors)
-        self._copy_main_params_to_model_params()
-
-
-class FP32Optimizer(_FullParamOptimizer):
-    """fp32 params: the inner optimizer steps the model params themselves, with grad = main_grad (an alias)."""
-
-
-class Float16OptimizerWithFloat16Params(_FullParamOptimizer):
-    """fp16/bf16 params with full fp32 main copies held by the inner optimizer; step() casts them back."""
 
 
 def main_param(model_data: torch.Tensor) -> torch.nn.Parameter:

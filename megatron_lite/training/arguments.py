@@ -204,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ckpt-format torch_dist: write checkpoints in the background while training goes "
                         "on (the next save and the end of training wait for it; a checkpoint exists only once "
                         "complete)")
+    g.add_argument("--last-words", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --save: when a rank dies (an error, a lost peer, torchrun's SIGTERM), every survivor "
+                        "writes its part of the last completed iteration to SAVE/last_words/ without any collective; "
+                        "--load takes that set when it is complete (with --num-distributed-optimizer-instances > 1 "
+                        "every shard survives a single failure) and newer than the periodic checkpoints "
+                        "(docs/fault_tolerance.md)")
     g.add_argument("--load", help="resume from the newest complete checkpoint in this directory (if any)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error when the directory holds no checkpoint, instead of "

@@ -64,7 +64,7 @@ def write_atomically(path: str, write: Callable):
         raise
 
 
-def _digest(path: str) -> str:
+def digest(path: str) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -96,7 +96,7 @@ def finish_directory(root: str, iteration: int, tmp_dir: str):
         for dirpath, _, names in os.walk(tmp_dir):
             for name in names:
                 path = os.path.join(dirpath, name)
-                files[os.path.relpath(path, tmp_dir)] = {"size": os.path.getsize(path), "sha256": _digest(path)}
+                files[os.path.relpath(path, tmp_dir)] = {"size": os.path.getsize(path), "sha256": digest(path)}
         manifest = json.dumps({"iteration": iteration, "files": dict(sorted(files.items()))}, indent=1).encode()
         write_atomically(os.path.join(tmp_dir, MANIFEST_FILENAME), lambda f: f.write(manifest))
         os.rename(tmp_dir, final)
@@ -135,7 +135,7 @@ def verify(directory: str) -> Dict[str, dict]:
         if size != expected["size"]:
             raise ValueError(f"checkpoint file {path} is corrupt: {size} bytes, the manifest says "
                              f"{expected['size']} (truncated, emptied or missing)")
-        if _digest(path) != expected["sha256"]:
+        if digest(path) != expected["sha256"]:
             raise ValueError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest's")
     return files
 

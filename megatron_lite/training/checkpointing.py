@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import checkpoint_files, dist_checkpoint
+from . import checkpoint_files, dist_checkpoint, last_words
 from .checkpoint_files import find_latest, read_tracker
 
 _serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
@@ -146,8 +146,13 @@ def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_trai
 def _seal(root: str, iteration: int, tmp_dir: str, group):
     """Every rank, once all wrote their part: rank 0 turns tmp_dir into checkpoint `iteration` (manifest,
     rename, tracker); a failure there is raised on every rank."""
-    collectives.run_collectively(lambda: checkpoint_files.finish_directory(root, iteration, tmp_dir)
-                                 if dist.get_rank(group) == 0 else None, group=group)
+    collectives.run_collectively(lambda: _finish(root, iteration, tmp_dir) if dist.get_rank(group) == 0 else None,
+                                 group=group)
+
+
+def _finish(root: str, iteration: int, tmp_dir: str):
+    checkpoint_files.finish_directory(root, iteration, tmp_dir)
+    last_words.prune(root, iteration)  # superseded by this checkpoint
 
 
 def _refuse_nonfinite(iteration: int, states: dict):
@@ -172,15 +177,26 @@ def _write_checkpoint(root: str, iteration: int, payload: dict):
     def write_files(directory):
         checkpoint_files.write_atomically(f"{directory}/{CHECKPOINT_FILENAME}", lambda f: _serialize(payload, f))
     checkpoint_files.publish(root, iteration, write_files)
+    last_words.prune(root, iteration)  # superseded by this checkpoint
+
+
+def _report_skipped(problems: dict, loaded: int, group):
+    """Rank 0 says which last-words sets newer than what is loaded could not be used, and why."""
+    if dist.get_rank(group) == 0:
+        for iteration in sorted(problems):
+            if iteration > loaded:
+                print(f"> skipping {problems[iteration]}", flush=True)
 
 
 def refuse_to_shadow(save_dir: str, loaded: Optional[dict]):
     """Before a run writes into `save_dir`: every checkpoint there must be one this run resumed from (or
     older), else its saves would overwrite or shadow checkpoints it never loaded. Raises ValueError."""
     existing = checkpoint_files.complete_checkpoints(save_dir)
-    newest = max(existing) if existing else None
-    resumed_here = loaded is not None and os.path.realpath(os.path.dirname(loaded["path"])) == \
-        os.path.realpath(existing.get(loaded["iteration"], ""))
+    words = last_words.scan(save_dir)[0]
+    newest = max([*existing, *words]) if existing or words else None
+    source = None if loaded is None else last_words.directory(save_dir, loaded["iteration"]) \
+        if loaded.get("last_words") else existing.get(loaded["iteration"], "")
+    resumed_here = loaded is not None and os.path.realpath(os.path.dirname(loaded["path"])) == os.path.realpath(source)
     if newest is not None and not (resumed_here and loaded["iteration"] == newest):
         raise ValueError(
             f"--save {save_dir} already holds checkpoints this run did not resume from (newest: iteration "
@@ -203,8 +219,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
         hyperparameters differ from this run's.
     """
     iteration, directory = find_latest(root)
+    words, problems = last_words.scan(root)  # sets written by the survivors of a failure
+    newest_words = max(words) if words else None
+    if newest_words is not None and (iteration is None or newest_words > iteration):
+        _report_skipped(problems, newest_words, group)
+        return last_words.load(words[newest_words], model, optimizer, scheduler, check_args, hyperparameters, group)
     if iteration is None:
+        _report_skipped(problems, -1, group)
         return None
+    _report_skipped(problems, iteration, group)
     try:
         tracker = read_tracker(root)
     except ValueError as e:  # the tracker is only a hint: a damaged one must not hide good checkpoints

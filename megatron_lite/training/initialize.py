@@ -41,8 +41,11 @@ def initialize_distributed(backend: Optional[str] = None, device: Optional[str] 
     if not dist.is_initialized():
         backend = backend or ("nccl" if device_type == "cuda" else "gloo")
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        if init_method is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)  # torchrun's env://
+        if init_method is None and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_PORT" in os.environ:
+            dist.init_process_group(backend, store=_torchrun_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        elif init_method is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)  # env:// (MASTER_ADDR, MASTER_PORT)
         else:
             if init_method is None:  # a plain `python script.py`: a world of one, file rendezvous (no port)
                 init_file = tempfile.NamedTemporaryFile(prefix="mlite_init_", delete=False).name
@@ -51,6 +54,15 @@ def initialize_distributed(backend: Optional[str] = None, device: Optional[str] 
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout)
     return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def _torchrun_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with the keys of this attempt (TORCHELASTIC_RESTART_COUNT) under a prefix of their
+    own. With plain env:// on torch 2.13 a job restarted by `torchrun --max-restarts` finds the previous
+    attempt's gloo addresses in the shared store and fails to connect ("Connection refused")."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megatron_lite/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def shutdown(exit_code: int = 0):

@@ -6,6 +6,7 @@
       setup_model_and_optimizer     DDP(model), get_megatron_optimizer, OptimizerParamScheduler
       load_checkpoint               with --load                                  (checkpointing.py)
       loop: train_step -> TrainingLog -> evaluate -> save_checkpoint -> --exit-interval
+            (a failure anywhere in it: this rank's last words, last_words.py)
 
 One iteration (train_step)::
 
@@ -35,6 +36,7 @@ from ..optimizer import get_megatron_optimizer
 from .arguments import ddp_config_from_args, optimizer_config_from_args
 from .checkpointing import checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
 from .initialize import initialize_megatron
+from .last_words import LastWords
 from .metrics import TrainingLog, print_rank_0
 from .scheduler import OptimizerParamScheduler
 
@@ -90,13 +92,16 @@ def _reduce_over_ranks(sums: Dict[str, torch.Tensor], group, ranks_divisor: int,
 
 
 def train_step(forward_step_func: Callable, data_iterator, model, optimizer, scheduler, num_micro_batches: int,
-               check_for_nan_in_loss: bool = False):
+               check_for_nan_in_loss: bool = False, before_update: Optional[Callable] = None):
     """One iteration on this rank's share of the global batch (see the module docstring).
 
     The loss function returns (loss, reported) with loss a mean, or Megatron's (loss sum, number of tokens,
     reported). With the latter the loss is divided by the micro-batch's tokens and by the number of
     micro-batches, unless the model was wrapped with calculate_per_token_loss: then the gradients (summed
     over ranks) are divided by the number of tokens in the whole global batch, after the reduction.
+
+    `before_update()`, if given, runs after the gradients and losses are reduced, just before optimizer.step()
+    (the last-words record of the iteration is staged there).
 
     Returns:
         (reported losses averaged over micro-batches and data-parallel ranks, update_successful, grad_norm)
@@ -130,6 +135,8 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
                                               tokens if per_token else None, check_for_nan_in_loss)
     if per_token:
         model.scale_gradients(1.0 / max(total_tokens, 1.0))  # the mean over every token of the global batch
+    if before_update is not None:
+        before_update()
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step()
@@ -218,31 +225,47 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
     train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp)
     log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
     losses, valid_losses, skipped = {}, {}, 0
-    while iteration < args.train_iters:
-        reported, ok, grad_norm = train_step(forward_step_func, train_iterator, model, optimizer, scheduler,
-                                             args.num_micro_batches, args.check_for_nan_in_loss_and_grad)
-        iteration += 1
-        consumed += args.global_batch_size
-        skipped += 0 if ok else 1
-        losses[iteration] = reported
-        log.training(iteration, consumed, reported, optimizer.param_groups[0]["lr"],
-                     optimizer.get_loss_scale().item(), grad_norm, ok)
-        if valid_ds is not None and args.eval_iters > 0 and (
-                iteration % args.eval_interval == 0 or iteration == args.train_iters):
-            # Always the first eval_iters global batches: successive evaluations measure the same text.
-            valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp)
-            valid_losses[iteration] = evaluate(forward_step_func, valid_iterator, model,
-                                               args.eval_iters * args.num_micro_batches)
-            log.validation(iteration, valid_losses[iteration])
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+    # If this job dies, each survivor writes its part of the last completed iteration (last_words.py).
+    words = LastWords(args.save, model, optimizer, scheduler, iteration, consumed, checkpoint_args(args)) \
+        if args.save and args.last_words else None
+    if words is not None:
+        words.install()
+    try:
+        while iteration < args.train_iters:
+            stage = (lambda: words.stage(iteration + 1, consumed + args.global_batch_size)) if words else None
+            reported, ok, grad_norm = train_step(forward_step_func, train_iterator, model, optimizer, scheduler,
+                                                 args.num_micro_batches, args.check_for_nan_in_loss_and_grad, stage)
+            iteration += 1
+            consumed += args.global_batch_size
+            if words is not None:
+                words.commit()
+            skipped += 0 if ok else 1
+            losses[iteration] = reported
+            log.training(iteration, consumed, reported, optimizer.param_groups[0]["lr"],
+                         optimizer.get_loss_scale().item(), grad_norm, ok)
+            if valid_ds is not None and args.eval_iters > 0 and (
+                    iteration % args.eval_interval == 0 or iteration == args.train_iters):
+                # Always the first eval_iters global batches: successive evaluations measure the same text.
+                valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp)
+                valid_losses[iteration] = evaluate(forward_step_func, valid_iterator, model,
+                                                   args.eval_iters * args.num_micro_batches)
+                log.validation(iteration, valid_losses[iteration])
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                save()
+                last_saved = iteration
+                log.restart_timer()
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                print_rank_0(f"> exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
+                break
+        if args.save and last_saved != iteration:
             save()
-            last_saved = iteration
-            log.restart_timer()
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            print_rank_0(f"> exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
-            break
-    if args.save and last_saved != iteration:
-        save()
-    wait_for_pending_save()
+        wait_for_pending_save()
+    except BaseException as e:  # a lost peer, this rank's own error, SIGTERM: leave the last words
+        if words is not None:
+            words.write(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if words is not None:
+            words.uninstall()
     log.close()
     return {"iteration": iteration, "losses": losses, "valid_losses": valid_losses, "skipped": skipped}

@@ -1,0 +1,309 @@
+"""Last words: when a rank dies, every survivor writes its part of the last consistent training state.
+
+With replicated distributed-optimizer state (num_distributed_optimizer_instances = R) every shard lives on
+R ranks, so the survivors of a single failure together still hold all of it::
+
+    dp=4, R=2      instance 0          instance 1        position j = rank % (dp/R)
+                 rank 0   rank 1     rank 2   rank 3
+    shards       [ S0 ]   [ S1 ]     [ S0 ]   [ S1 ]     rank 3 dies -> S1 survives on rank 1
+
+    SAVE/last_words/iter_0000123/rank_00001.pt     this rank's shards (main params, moments, step) with
+    SAVE/last_words/iter_0000123/rank_00001.json   the iteration, data position, schedule and RNG;
+                                                   the .json (size, sha256) is written after the .pt
+
+No collective is involved: each survivor writes on its own, when its training loop raises (a collective
+with the dead rank fails, or its own error) or when torchrun's SIGTERM arrives while it is blocked. The
+state is the last one this rank completed: the optimizer's update is local (no collective inside) and runs
+under `optimizer.update_lock`, and the training loop stages the record of the iteration about to complete
+before the update, so the shard and its iteration always match. A set is complete when every position has
+a file at the same iteration; `--load` then takes it if it is newer than the newest periodic checkpoint
+(checkpointing.load_checkpoint). Model parameters are rebuilt from the fp32 main shards: a half-finished
+parameter all-gather at the time of failure does not matter. Buffers and frozen parameters never change in
+training and come from the model provider.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint_files
+from ..optimizer.optimizer import STATE_KEYS
+
+LAST_WORDS_DIRNAME = "last_words"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_RANK_FILE = re.compile(r"^rank_(\d{5,})\.pt$")
+_HEADER = ("iteration", "rank", "world", "per_instance", "position", "step")  # also in the .json
+SIGNAL_GRACE_S = 5.0
+"""After SIGTERM, how long the watcher lets the training loop write on its own (it raises as soon as its
+collective fails) before writing from the watcher thread; torchrun sends SIGKILL 30 s after SIGTERM."""
+
+
+def directory(root: str, iteration: int) -> str:
+    """Where the last words of `iteration` are written under the --save directory `root`."""
+    return os.path.join(root, LAST_WORDS_DIRNAME, f"iter_{iteration:07d}")
+
+
+class JobTerminated(RuntimeError):
+    """Raised in the training loop when SIGTERM arrives (torchrun tears the job down)."""
+
+
+def _rng_state() -> dict:
+    from .checkpointing import get_rng_state  # checkpointing imports this module
+    return get_rng_state()
+
+
+class LastWords:
+    """Keeps the record of the last completed iteration and writes this rank's last words when the job dies.
+
+    Args:
+        root: the --save directory.
+        model, optimizer, scheduler: what is trained (a DistributedDataParallel model, a MegatronOptimizer,
+            an OptimizerParamScheduler).
+        iteration, consumed_train_samples: where training starts (0, or the resumed position).
+        args: plain-data description of the run, stored for the architecture check on load.
+    """
+
+    def __init__(self, root: str, model, optimizer, scheduler, iteration: int, consumed_train_samples: int,
+                 args: Optional[dict] = None):
+        self.root, self.model, self.optimizer, self.scheduler = root, model, optimizer, scheduler
+        self.args = args or {}
+        self.rank = dist.get_rank(optimizer.data_parallel_group)
+        self.world = dist.get_world_size(optimizer.data_parallel_group)
+        self.per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
+        self.committed = self._record(iteration, consumed_train_samples, scheduler.state_dict(),
+                                      optimizer.steps_taken)
+        self.staged = None
+        self.written: Optional[str] = None  # the file written, once done
+        self._write_lock = threading.Lock()
+        self._pending_signal = None
+        self._stopping = False  # set when the loop fails or a signal arrived: nothing is raised any more
+        self._installed = False
+
+    # ------------------------------------------------------------------ the record of progress
+    def _record(self, iteration, consumed, scheduler_state, steps_taken, skipped_scheduler_state=None) -> dict:
+        return {"iteration": iteration, "consumed_train_samples": consumed, "opt_param_scheduler": scheduler_state,
+                "skipped_opt_param_scheduler": skipped_scheduler_state or scheduler_state,
+                "rng_state": _rng_state(), "steps_taken": steps_taken}
+
+    def stage(self, iteration: int, consumed_train_samples: int):
+        """Just before optimizer.step(): the record of the iteration about to complete (after backward, so
+        the RNG is the one the next iteration starts from; the scheduler as it will be after its step)."""
+        stepped = {**self.scheduler.state_dict(), "num_steps": self.scheduler.num_steps + 1}
+        self.staged = self._record(iteration, consumed_train_samples, stepped, self.optimizer.steps_taken + 1,
+                                   skipped_scheduler_state=self.scheduler.state_dict())
+
+    def commit(self):
+        """After the iteration completed: the staged record becomes the committed one. Raises JobTerminated
+        if SIGTERM arrived during the update (where the loop must not be interrupted)."""
+        with self.optimizer.update_lock:
+            if self.staged is not None and self.staged["steps_taken"] == self.optimizer.steps_taken:
+                self.committed, self.staged = self.staged, None
+        if self._pending_signal is not None:
+            raise JobTerminated(f"signal {self._pending_signal} received")
+
+    def _current(self) -> Optional[dict]:
+        """Under update_lock: the record matching the optimizer's state, None when the update was torn."""
+        if self.optimizer.updating:
+            return None
+        record = self.committed
+        if self.staged is not None and self.staged["steps_taken"] == self.optimizer.steps_taken:
+            record = dict(self.staged)  # the update happened, the loop did not commit yet
+            if not self.optimizer.last_step_successful:
+                record["opt_param_scheduler"] = record["skipped_opt_param_scheduler"]
+        return record
+
+    # ------------------------------------------------------------------ writing
+    @torch.no_grad()
+    def write(self, reason: str) -> Optional[str]:
+        """Write this rank's last words (once; later calls return the same path). Returns the file, or None
+        when nothing consistent can be written (the update was torn, or the state is not finite)."""
+        self._stopping = True  # from here on a signal must not interrupt (see _on_signal)
+        with self._write_lock:
+            if self.written is not None:
+                return self.written
+            with self.optimizer.update_lock:  # the update (if running) finishes first; copies are taken now
+                record = self._current()
+                if record is None:
+                    self._say(f"not writing last words ({reason}): the optimizer update was interrupted")
+                    return None
+                chunks = {}
+                for name, start, end, main in self.optimizer.local_chunks():
+                    state = self.optimizer._state_of(main)
+                    chunks[f"{name}@{start}"] = {
+                        "param": main.detach().reshape(-1).float().cpu().clone(),
+                        **{k: state[k].detach().reshape(-1).float().cpu().clone()
+                           for k in STATE_KEYS[self.optimizer.config.optimizer] if k in state}}
+                payload = {"format": "last_words", "reason": reason, "rank": self.rank, "world": self.world,
+                           "per_instance": self.per_instance, "position": self.rank % self.per_instance,
+                           "optimizer": self.optimizer.common_state_dict(), "step": self.optimizer.local_step(),
+                           "chunks": chunks, "args": self.args,
+                           **{k: v for k, v in record.items() if k not in ("steps_taken", "skipped_opt_param_scheduler")}}
+            if not all(torch.isfinite(t).all() for entry in chunks.values() for t in entry.values()):
+                self._say(f"not writing last words ({reason}): the optimizer state is not finite")
+                return None
+            target = directory(self.root, record["iteration"])
+            os.makedirs(target, exist_ok=True)
+            path = os.path.join(target, f"rank_{self.rank:05d}.pt")
+            checkpoint_files.write_atomically(path, lambda f: torch.save(payload, f))
+            header = {k: payload[k] for k in _HEADER}
+            sidecar = json.dumps({"size": os.path.getsize(path), "sha256": checkpoint_files.digest(path), **header})
+            checkpoint_files.write_atomically(path[:-3] + ".json", lambda f: f.write(sidecar.encode()))
+            self.written = path
+            self._say(f"wrote last words at iteration {record['iteration']} to {path} ({reason})")
+            return path
+
+    def _say(self, text: str):
+        print(f"[rank {self.rank}] > {text}", flush=True)
+
+    # ------------------------------------------------------------------ SIGTERM
+    def install(self):
+        """Handle SIGTERM: in the training loop (JobTerminated, the loop's except path writes), and from a
+        watcher thread when the loop is blocked in a collective that will not return. Only in the main thread
+        (where Python handles signals); elsewhere failures are still caught by the loop's except path."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._reader, self._waker = socket.socketpair()
+        self._waker.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._waker.fileno(), warn_on_full_buffer=False)
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+        threading.Thread(target=self._watch, name="megatron_lite_last_words", daemon=True).start()
+        self._installed = True
+
+    def uninstall(self):
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            signal.set_wakeup_fd(self._previous_fd)
+            self._waker.close()  # the watcher's recv returns b"" and it ends
+            self._installed = False
+
+    def _on_signal(self, signum, frame):
+        if self._stopping:  # already failing, or writing: the watcher thread takes care of a stuck write
+            return
+        if self.optimizer.updating:  # never interrupt the update: commit() raises right after it
+            self._pending_signal = signum
+            return
+        self._stopping = True
+        raise JobTerminated(f"signal {signum} received")
+
+    def _watch(self):
+        while True:
+            try:
+                data = self._reader.recv(1)
+            except OSError:
+                return
+            if not data:
+                return
+            if data[0] != signal.SIGTERM:
+                continue
+            # The loop writes by itself unless it is stuck in a collective: give it a moment, then write here.
+            deadline = threading.Event()
+            deadline.wait(SIGNAL_GRACE_S)
+            if self.written is None:
+                self.write("SIGTERM while blocked")
+            deadline.wait(SIGNAL_GRACE_S)
+            os._exit(128 + signal.SIGTERM)
+
+
+# ---------------------------------------------------------------------- finding and loading
+def scan(root: str) -> Tuple[Dict[int, Dict[int, List[str]]], Dict[int, str]]:
+    """The last-words sets under `root`: ({iteration: {position: [files]}} of the complete ones,
+    {iteration: what is wrong} of the others). A set is complete when every position 0 .. per_instance-1
+    has a file whose .json (size, sha256) matches it, and all its files agree on the layout and the
+    optimizer step."""
+    base = os.path.join(root, LAST_WORDS_DIRNAME)
+    sets, problems = {}, {}
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        match = _ITER_DIR.match(name)
+        if not match:
+            continue
+        iteration, directory = int(match.group(1)), os.path.join(base, name)
+        files, layouts, damaged = {}, set(), []
+        for fname in sorted(os.listdir(directory)):
+            if _RANK_FILE.match(fname):
+                path = os.path.join(directory, fname)
+                header = _valid_header(path)
+                if header is None:
+                    damaged.append(fname)
+                    continue
+                layouts.add((header["world"], header["per_instance"], header["step"], header["iteration"]))
+                files.setdefault(header["position"], []).append(path)
+        note = f" ({', '.join(damaged)} damaged, ignored)" if damaged else ""
+        if len(layouts) > 1:
+            problems[iteration] = (f"last words at iteration {iteration} are inconsistent: (ranks, ranks per "
+                                   f"instance, optimizer step, iteration) differ between files: {sorted(layouts)}{note}")
+        elif not layouts:
+            problems[iteration] = f"last words at iteration {iteration} hold no usable file{note}"
+        else:
+            world, per_instance, _, _ = layouts.pop()
+            missing = [p for p in range(per_instance) if p not in files]
+            if missing:
+                holders = [r for p in missing for r in range(p, world, per_instance)]
+                problems[iteration] = (f"last words at iteration {iteration} are incomplete: shard position(s) "
+                                       f"{missing} (held by rank(s) {holders}) survived on no rank{note}")
+            else:
+                sets[iteration] = files
+    return sets, problems
+
+
+def _valid_header(path: str) -> Optional[dict]:
+    """The file's header (from its .json) if the .json's size and sha256 match the file, else None."""
+    try:
+        with open(path[:-3] + ".json") as f:
+            header = json.load(f)
+        if os.path.getsize(path) != header["size"] or checkpoint_files.digest(path) != header["sha256"]:
+            return None
+        return header
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@torch.no_grad()
+def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: Optional[dict] = None,
+         hyperparameters: str = "check", group=None) -> dict:
+    """Every rank: load the last words of this rank's position (its own file if it survived, else a
+    replica's) into the optimizer (and, through the main params, the model), the scheduler and the RNG."""
+    from .checkpointing import set_rng_state
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
+    candidates = files.get(rank % per_instance, [])
+    own = [p for p in candidates if os.path.basename(p) == f"rank_{rank:05d}.pt"]
+    path = (own or candidates or [None])[0]
+    payload = torch.load(path, map_location="cpu", weights_only=True) if path else None
+    if payload is None or payload["world"] != world or payload["per_instance"] != per_instance:
+        saved = "nothing" if payload is None else f"{payload['world']} ranks, {payload['per_instance']} per instance"
+        raise ValueError(f"the last-words checkpoint in {os.path.dirname(path or '?')} was written by {saved}; this "
+                         f"job has {world} ranks, {per_instance} per instance: resume with the same data-parallel "
+                         f"size and --num-distributed-optimizer-instances, or move the last_words directory away "
+                         f"to resume from the periodic checkpoint")
+    for key, value in (check_args or {}).items():
+        saved = payload["args"].get(key)
+        if saved is not None and saved != value:
+            raise ValueError(f"last-words checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
+    expected = {f"{name}@{start}" for name, start, _, _ in optimizer.local_chunks()}
+    if set(payload["chunks"]) != expected:
+        raise ValueError(f"{path} holds other shards than this rank's layout (bucket size or model differs)")
+    values = {(key.rsplit("@", 1)[0], int(key.rsplit("@", 1)[1])): entry for key, entry in payload["chunks"].items()}
+    optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
+    optimizer.load_chunks(values, payload["step"])
+    scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
+    set_rng_state(payload["rng_state"])
+    model.finish_param_sync()
+    return {"iteration": payload["iteration"], "consumed_train_samples": payload["consumed_train_samples"],
+            "args": payload["args"], "path": path, "last_words": True}
+
+
+def prune(root: str, upto: int):
+    """Remove the last-words sets at or before `upto` (a periodic checkpoint at `upto` supersedes them)."""
+    import shutil
+    base = os.path.join(root, LAST_WORDS_DIRNAME)
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        match = _ITER_DIR.match(name)
+        if match and int(match.group(1)) <= upto:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
