@@ -89,13 +89,14 @@ def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor
         shards, ShardedTensorMetadata(everyone, torch.Size([numel]), properties))
 
 
-def _ranges_of_every_rank(optimizer, world: int, per_instance: int, writing: bool
+def _ranges_of_every_rank(optimizer, world: int, per_instance: int, instance: int
                           ) -> Dict[str, List[List[Tuple[int, int]]]]:
-    """name -> per data-parallel rank, the ranges of the parameter it holds. With several
-    distributed-optimizer instances rank r holds the shards of position r % per_instance; a save describes
-    (and writes) the first instance's only, so no range is written twice; a load reads every rank's own."""
+    """name -> per data-parallel rank, the ranges of the parameter it holds, for the ranks of distributed-
+    optimizer instance `instance` (rank r holds the shards of position r % per_instance): the ranks of one
+    instance cover every parameter exactly once (a ShardedTensor's shards must not overlap). A save
+    describes, and writes, the first instance's; a load describes the loading rank's own instance."""
     out: Dict[str, List[List[Tuple[int, int]]]] = {}
-    for r in range(per_instance if writing else world):
+    for r in range(instance * per_instance, (instance + 1) * per_instance):
         for name, start, end, _ in optimizer.local_chunks(rank=r % per_instance):
             out.setdefault(name, [[] for _ in range(world)])[r].append((start, end))
     return out
@@ -113,9 +114,9 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     world = dist.get_world_size(optimizer.data_parallel_group)
     per_instance = dist.get_world_size(optimizer.grad_stats_group)
     sharded = optimizer.sharded
-    ranges = _ranges_of_every_rank(optimizer, world, per_instance, writing=not fill) if sharded else {}
-    # A replica (a rank outside the first instance) writes nothing the first instance writes.
-    replica = sharded and not fill and dist.get_rank(optimizer.data_parallel_group) >= per_instance
+    instance = dist.get_rank(optimizer.data_parallel_group) // per_instance
+    ranges = _ranges_of_every_rank(optimizer, world, per_instance, instance if fill else 0) if sharded else {}
+    replica = sharded and not fill and instance > 0  # writes nothing: the first instance writes it all
     shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}
     dtypes = {name: p.dtype for p, name in optimizer.param_to_name.items()}
     keys = ["param", *STATE_KEYS[optimizer.config.optimizer]]

@@ -12,7 +12,8 @@ R ranks, so the survivors of a single failure together still hold all of it::
                                                    the .json (size, sha256) is written after the .pt
 
 No collective is involved: each survivor writes on its own, when its training loop raises (a collective
-with the dead rank fails, or its own error) or when torchrun's SIGTERM arrives while it is blocked. The
+with the dead rank fails, or its own error) or, from a watcher thread, when torchrun's SIGTERM arrives
+(wherever the loop is, e.g. blocked in a collective that will never complete). The
 state is the last one this rank completed: the optimizer's update is local (no collective inside) and runs
 under `optimizer.update_lock`, and the training loop stages the record of the iteration about to complete
 before the update, so the shard and its iteration always match. A set is complete when every position has
@@ -40,18 +41,11 @@ LAST_WORDS_DIRNAME = "last_words"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _RANK_FILE = re.compile(r"^rank_(\d{5,})\.pt$")
 _HEADER = ("iteration", "rank", "world", "per_instance", "position", "step")  # also in the .json
-SIGNAL_GRACE_S = 5.0
-"""After SIGTERM, how long the watcher lets the training loop write on its own (it raises as soon as its
-collective fails) before writing from the watcher thread; torchrun sends SIGKILL 30 s after SIGTERM."""
 
 
 def directory(root: str, iteration: int) -> str:
     """Where the last words of `iteration` are written under the --save directory `root`."""
     return os.path.join(root, LAST_WORDS_DIRNAME, f"iter_{iteration:07d}")
-
-
-class JobTerminated(RuntimeError):
-    """Raised in the training loop when SIGTERM arrives (torchrun tears the job down)."""
 
 
 def _rng_state() -> dict:
@@ -82,8 +76,6 @@ class LastWords:
         self.staged = None
         self.written: Optional[str] = None  # the file written, once done
         self._write_lock = threading.Lock()
-        self._pending_signal = None
-        self._stopping = False  # set when the loop fails or a signal arrived: nothing is raised any more
         self._installed = False
 
     # ------------------------------------------------------------------ the record of progress
@@ -100,13 +92,10 @@ class LastWords:
                                    skipped_scheduler_state=self.scheduler.state_dict())
 
     def commit(self):
-        """After the iteration completed: the staged record becomes the committed one. Raises JobTerminated
-        if SIGTERM arrived during the update (where the loop must not be interrupted)."""
+        """After the iteration completed: the staged record becomes the committed one."""
         with self.optimizer.update_lock:
             if self.staged is not None and self.staged["steps_taken"] == self.optimizer.steps_taken:
                 self.committed, self.staged = self.staged, None
-        if self._pending_signal is not None:
-            raise JobTerminated(f"signal {self._pending_signal} received")
 
     def _current(self) -> Optional[dict]:
         """Under update_lock: the record matching the optimizer's state, None when the update was torn."""
@@ -124,7 +113,6 @@ class LastWords:
     def write(self, reason: str) -> Optional[str]:
         """Write this rank's last words (once; later calls return the same path). Returns the file, or None
         when nothing consistent can be written (the update was torn, or the state is not finite)."""
-        self._stopping = True  # from here on a signal must not interrupt (see _on_signal)
         with self._write_lock:
             if self.written is not None:
                 return self.written
@@ -164,15 +152,18 @@ class LastWords:
 
     # ------------------------------------------------------------------ SIGTERM
     def install(self):
-        """Handle SIGTERM: in the training loop (JobTerminated, the loop's except path writes), and from a
-        watcher thread when the loop is blocked in a collective that will not return. Only in the main thread
-        (where Python handles signals); elsewhere failures are still caught by the loop's except path."""
+        """On SIGTERM (torchrun tearing the job down), write the last words from a watcher thread and exit
+        with 143. The training loop is never interrupted: wherever it is, even blocked in a collective that
+        will not return, its state outside the update is consistent, and the update is waited for. Only in
+        the main thread (where Python handles signals); elsewhere the loop's except path still writes."""
         if threading.current_thread() is not threading.main_thread():
             return
         self._reader, self._waker = socket.socketpair()
         self._waker.setblocking(False)
+        # Python's C-level handler writes the signal number to the wakeup fd at once, whatever the main
+        # thread is doing; the Python-level handler (run later in the main thread, if ever) does nothing.
         self._previous_fd = signal.set_wakeup_fd(self._waker.fileno(), warn_on_full_buffer=False)
-        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+        self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
         threading.Thread(target=self._watch, name="megatron_lite_last_words", daemon=True).start()
         self._installed = True
 
@@ -183,32 +174,20 @@ class LastWords:
             self._waker.close()  # the watcher's recv returns b"" and it ends
             self._installed = False
 
-    def _on_signal(self, signum, frame):
-        if self._stopping:  # already failing, or writing: the watcher thread takes care of a stuck write
-            return
-        if self.optimizer.updating:  # never interrupt the update: commit() raises right after it
-            self._pending_signal = signum
-            return
-        self._stopping = True
-        raise JobTerminated(f"signal {signum} received")
-
     def _watch(self):
         while True:
             try:
                 data = self._reader.recv(1)
             except OSError:
-                return
+                break
             if not data:
-                return
-            if data[0] != signal.SIGTERM:
-                continue
-            # The loop writes by itself unless it is stuck in a collective: give it a moment, then write here.
-            deadline = threading.Event()
-            deadline.wait(SIGNAL_GRACE_S)
-            if self.written is None:
-                self.write("SIGTERM while blocked")
-            deadline.wait(SIGNAL_GRACE_S)
-            os._exit(128 + signal.SIGTERM)
+                break
+            if data[0] == signal.SIGTERM:
+                try:
+                    self.write("SIGTERM")
+                finally:
+                    os._exit(128 + signal.SIGTERM)
+        self._reader.close()
 
 
 # ---------------------------------------------------------------------- finding and loading
