@@ -34,13 +34,14 @@ MODEL = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-atten
          "--ddp-bucket-size", "20000"]
 
 
-def launch(save_dir: str, iters: int, instances: int, save_interval: int, log_path: str) -> subprocess.Popen:
+def launch(save_dir: str, iters: int, instances: int, save_interval: int, log_path: str,
+           script: str = os.path.join(REPO, "pretrain_gpt.py"), env: dict = None) -> subprocess.Popen:
     """Start the job (its own process group, so that a timeout can stop all of it)."""
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={WORLD}", "--max-restarts=1", "--monitor-interval=0.2",
-           os.path.join(REPO, "pretrain_gpt.py"), *MODEL, "--train-iters", str(iters),
+           script, *MODEL, "--train-iters", str(iters),
            "--num-distributed-optimizer-instances", str(instances), "--save", save_dir, "--load", save_dir,
            "--save-interval", str(save_interval)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
                             start_new_session=True)
 
@@ -157,8 +158,11 @@ def main():
     rng = random.Random(args.seed)
     references = {r: reference_losses(args.out, args.iters, r) for r in (2, 1)}
     rows = []
+    ranks = []  # random ranks, every rank equally often: each round of WORLD kills is a permutation
+    while len(ranks) < args.kills:
+        ranks += rng.sample(range(WORLD), WORLD)
     for k in range(args.kills):
-        kill_at, rank = rng.randint(5, args.iters - 20), rng.randrange(WORLD)
+        kill_at, rank = rng.randint(5, args.iters - 20), ranks[k]
         for instances in (2, 1):
             rows.append(trial(args.out, f"kill{k}_r{instances}", args.iters, instances, args.save_interval,
                               kill_at, [rank], references[instances]))

@@ -145,3 +145,21 @@ def test_killed_rank_restarts_and_continues_bit_identically(soak, tmp_path):
     assert row["from"] == "last words" and row["lost"] == 0 and row["identical"], row
     row = soak.trial(str(tmp_path), "double", iters, 2, interval, 15, [1, 3], reference)
     assert row["from"] == "periodic" and row["identical"] and "survived on no rank" in row["note"], row
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun job")
+def test_rank_raising_an_exception_restarts_and_continues(soak, tmp_path):
+    """A rank dies of an exception in iteration 13's forward (tests/pretrain_failing.py): it writes its own
+    last words, the others theirs when their collectives fail, and the restarted job resumes at 12 with the
+    uninterrupted run's losses. Would catch an except path that writes nothing or a stale record."""
+    iters = 30
+    reference = soak.reference_losses(str(tmp_path), iters, 2)
+    job = soak.launch(str(tmp_path / "job"), iters, 2, 10, str(tmp_path / "log.txt"),
+                      script=os.path.join(REPO, "tests", "pretrain_failing.py"),
+                      env={"FAIL_RANK": "1", "FAIL_AT": "13"})
+    assert job.wait(timeout=300) == 0, open(tmp_path / "log.txt").read()[-3000:]
+    log = open(tmp_path / "log.txt").read()
+    assert "[rank 1] > wrote last words at iteration 12" in log and "injected failure" in log
+    assert soak.loaded_from(log) == "last words" and "at iteration 12 " in log.split("> resumed from", 1)[1]
+    losses = {r["iteration"]: r["lm_loss"] for r in soak.records(str(tmp_path / "job" / "metrics.jsonl"))}
+    assert sorted(losses) == list(range(1, iters + 1)) and losses == reference

@@ -197,3 +197,26 @@ def test_torch_dist_checkpoint_with_replicas(tmp_path):
     for dp, extra in ((4, ["--use-distributed-optimizer"]), (2, ["--data-parallel-sharding-strategy", "optim_grads_params"])):
         resumed = run_distributed(_pretrain, dp, TINY + extra + ["--load", str(tmp_path)])[0]
         assert all(abs(resumed[i] - straight[i]) <= 1e-5 * straight[i] for i in (3, 4)), (dp, extra)
+
+
+def test_torch_format_checkpoint_with_replicas(tmp_path):
+    """The gathered (torch) format assembles the full state inside one instance: saved at R=2, resumed at
+    R=2 bit-exactly. Would catch a gather over the whole data-parallel group (replicas overlapping)."""
+    from test_reshard_matrix import TINY
+
+    replicas = TINY + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+                       "--ckpt-format", "torch"]
+    straight = run_distributed(_pretrain, 4, replicas)[0]
+    run_distributed(_pretrain, 4, replicas + ["--save", str(tmp_path), "--exit-interval", "2"])
+    resumed = run_distributed(_pretrain, 4, replicas + ["--load", str(tmp_path)])[0]
+    assert sorted(resumed) == [3, 4] and all(resumed[i] == straight[i] for i in (3, 4))
+
+
+@pytest.mark.parametrize("world, instances", [(1, 2), (4, 3), (2, 4)])
+def test_flag_rejects_instances_not_dividing_dp(world, instances):
+    from megatron_lite.training import build_parser, validate_args
+
+    args = build_parser().parse_args(["--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                                      str(instances)])
+    with pytest.raises(ValueError, match=f"--num-distributed-optimizer-instances {instances} does not divide"):
+        validate_args(args, world)

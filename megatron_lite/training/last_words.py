@@ -73,6 +73,7 @@ class LastWords:
         self.per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
         self.committed = self._record(iteration, consumed_train_samples, scheduler.state_dict(),
                                       optimizer.steps_taken)
+        self.start_iteration = iteration
         self.staged = None
         self.written: Optional[str] = None  # the file written, once done
         self._write_lock = threading.Lock()
@@ -120,6 +121,9 @@ class LastWords:
                 record = self._current()
                 if record is None:
                     self._say(f"not writing last words ({reason}): the optimizer update was interrupted")
+                    return None
+                if record["iteration"] == self.start_iteration:  # e.g. a bad flag failing the first step
+                    self._say(f"no last words ({reason}): no iteration completed since the start")
                     return None
                 chunks = {}
                 for name, start, end, main in self.optimizer.local_chunks():
