@@ -29,7 +29,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
 from compare_ddp_report import machine, report  # noqa: E402
-from compare_ddp_systems import batch, build_all, build_ml, make_model  # noqa: E402
+from compare_ddp_systems import batch, build_all, build_candidates, build_ml, make_model  # noqa: E402
 from counting import algorithmic_bytes, model_state_bytes  # noqa: E402
 from launch import launch, world_size  # noqa: E402
 from timing import alternate  # noqa: E402
@@ -124,6 +124,8 @@ def benchmark(args, rank, world, device):
     numel = sum(p.numel() for p in make_model(args, device).parameters())
     args.bucket_size = args.bucket_size or max(1, numel // 4)
     systems = build_all(args, device)
+    if args.candidates:
+        systems[4:4] = build_candidates(args, device)  # before the torch systems
     rows, losses = measure(systems, args, rank, world, device)
     overlap = overlap_study(args, rank, device) if args.overlap_study else None
     if args.trace:
@@ -153,6 +155,8 @@ def main():
                    "agreeing (default: 1e-4)")
     p.add_argument("--overlap-study", action="store_true", help="also time ml-ddp with overlap_grad_reduce, "
                    "without it, and without communication; print the hidden fraction of communication")
+    p.add_argument("--candidates", action="store_true", help="also time ml-ddp and ml-ddp+distopt without "
+                   "gradient_as_bucket_view and/or with the gradient norm (what each saving is worth)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of 3 ml-ddp steps per rank")
     p.add_argument("--out-dir", default="benchmarks/results", help="for compare_ddp.csv/.json/.png "
                    "(default: benchmarks/results)")

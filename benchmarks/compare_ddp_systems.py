@@ -62,15 +62,18 @@ def adamw(args, device):
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay, **kernel)
 
 
-def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp", strategy=None):
+def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp", strategy=None,
+             bucket_view=True, grad_norm=False):
+    """megatron_lite with `bucket_view` (gradient_as_bucket_view, as torch-ddp) and, unless `grad_norm`, no
+    gradient norm (clip_grad=0 and log_grad_norm=False: torch computes none either)."""
     distopt = distopt or strategy not in (None, "no_shard")
     ddp = DistributedDataParallel(make_model(args, device), DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, bucket_size=args.bucket_size, use_distributed_optimizer=distopt,
-        overlap_param_gather=distopt and strategy != "optim_grads_params", data_parallel_sharding_strategy=strategy),
-        data_parallel_group=group)
-    opt = get_megatron_optimizer(OptimizerConfig(  # clip_grad=0: no clipping (the norm is still computed)
+        overlap_param_gather=distopt and strategy != "optim_grads_params", data_parallel_sharding_strategy=strategy,
+        gradient_as_bucket_view=bucket_view), data_parallel_group=group)
+    opt = get_megatron_optimizer(OptimizerConfig(
         lr=args.lr, weight_decay=args.weight_decay, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=0.0, use_distributed_optimizer=distopt), [ddp])
+        clip_grad=0.0, log_grad_norm=grad_norm, use_distributed_optimizer=distopt), [ddp])
 
     def step(x, y):
         ddp.zero_grad_buffer()
@@ -130,6 +133,14 @@ def build_fsdp2(args, device):
     params = list(model.parameters())  # DTensors: the rank holds .to_local()
     return System("fsdp2", plain_step(model, opt), lambda: (params, [p.grad for p in params], tensors_of(opt)),
                   functools.partial(count_torch, dist.get_world_size()))
+
+
+def build_candidates(args, device):
+    """ml-ddp without each of issue 13's step savings, to measure what each one removed."""
+    return [build_ml(args, device, bucket_view=False, grad_norm=True, name="ml-ddp-before"),
+            build_ml(args, device, bucket_view=False, name="ml-ddp-no-bucket-view"),
+            build_ml(args, device, grad_norm=True, name="ml-ddp-with-norm"),
+            build_ml(args, device, distopt=True, bucket_view=False, grad_norm=True, name="ml-distopt-before")]
 
 
 def build_all(args, device):

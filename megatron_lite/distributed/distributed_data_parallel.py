@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
-from .grad_checks import raise_if_any_rank_found_nonfinite, unused_parameters_message
+from .grad_checks import (
+    raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed, unused_parameters_message,
+)
 from .layout import default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .param_gather import ParamGatherSchedule
@@ -36,8 +38,7 @@ from .replica_check import check_replicas_agree
 
 
 ZERO2_BUCKETS_IN_FLIGHT = 2
-"""ZeRO-2 with overlap: launched buckets whose full-size gradients may still exist; an older one is waited
-for (and its full gradients freed) when a newer one launches."""
+"""ZeRO-2 with overlap: launched buckets whose full gradients may still exist (an older one is then waited for)."""
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -124,7 +125,10 @@ class DistributedDataParallel(torch.nn.Module):
         # This iteration's gradient-sync progress: the next bucket to launch (in launch order), whether
         # finish_grad_sync ran, whether a backward ran since zero_grad_buffer / finish_grad_sync. Updated
         # from the grad hooks, so kept on a plain object: nn.Module.__setattr__ costs microseconds.
-        self._grads = types.SimpleNamespace(next_to_launch=0, finalized=False, unsynchronized=False)
+        self._grads = types.SimpleNamespace(next_to_launch=0, finalized=False, unsynchronized=False, aliased=False)
+        # gradient_as_bucket_view: params whose .grad can be main_grad (same dtype, a persistent buffer).
+        self._grad_views = [p for p, bucket in self.param_to_bucket.items() if config.gradient_as_bucket_view
+                            and not bucket.shards_grads and p.main_grad.dtype == p.dtype]
         self._overlap = config.overlap_grad_reduce
         self.is_last_microbatch = True
 
@@ -168,12 +172,19 @@ class DistributedDataParallel(torch.nn.Module):
         if grad is not None:
             bucket.ensure_grad_storage()  # ZeRO-2: the bucket's gradients are freed between iterations
             main_grad = param.main_grad
-            # Skip the add when the gradient is already in main_grad: a fused weight-gradient layer added
-            # it (grad_added_to_main_grad, as in megatron-core), or .grad still aliases main_grad
-            # (FP32Optimizer sets it so for the step) and autograd accumulated into the buffer in place.
-            if not param.grad_added_to_main_grad and grad.data_ptr() != main_grad.data_ptr():
-                main_grad.add_(grad)  # main_grad is a view into the buffer: only add_ into it
-            param.grad = None
+            if grad.data_ptr() == main_grad.data_ptr():
+                # .grad aliases main_grad (gradient_as_bucket_view, or FP32Optimizer's step left it so):
+                # autograd accumulated into the buffer in place; the alias stays for the next micro-batch.
+                if param.grad_added_to_main_grad:
+                    raise ValueError(f"{self.param_to_name[param]}: a fused weight-gradient layer added into "
+                                     f"main_grad while .grad aliases it (its dummy gradient was added too): wrap "
+                                     f"with gradient_as_bucket_view=False")
+            else:
+                # Skip the add when a fused weight-gradient layer already added the gradient
+                # (grad_added_to_main_grad, as in megatron-core).
+                if not param.grad_added_to_main_grad:
+                    main_grad.add_(grad)  # main_grad is a view into the buffer: only add_ into it
+                param.grad = None
         if report_ready and bucket.mark_ready(index):
             self._launch_ready_buckets()
         if self.zero3 and bucket.count_backward_arrival(index):
@@ -194,6 +205,10 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.zero3:
             self.param_units.begin_forward()
+        if not self._grads.aliased:  # gradient_as_bucket_view: autograd accumulates into main_grad
+            for param in self._grad_views:
+                param.grad = param.main_grad
+            self._grads.aliased = True
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -240,7 +255,7 @@ class DistributedDataParallel(torch.nn.Module):
             for bucket in self._launch_order:
                 if bucket.expected_counts is None:  # the first complete iteration sets what to expect
                     bucket.learn_expected_counts()
-        self._check_requires_grad_unchanged()
+        raise_if_requires_grad_changed(self._all_named_params)
         if self.ddp_config.check_for_nan_in_grad:
             raise_if_any_rank_found_nonfinite(self.buffers, self.data_parallel_group)
 
@@ -270,7 +285,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
-        self._check_requires_grad_unchanged()
+        raise_if_requires_grad_changed(self._all_named_params)
         for param in self.param_to_name:
             param.grad = None  # may alias main_grad after an FP32Optimizer step
             param.grad_added_to_main_grad = False
@@ -279,6 +294,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._grads.next_to_launch = 0
         self._grads.finalized = False
         self._grads.unsynchronized = False
+        self._grads.aliased = False
 
     def check_ready_for_step(self):
         """Raise unless every gradient of this iteration's backward passes was synchronized (called by the
@@ -287,16 +303,6 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError(
                 "optimizer.step() after a backward pass whose gradients were not synchronized: call "
                 "model.finish_grad_sync() after the last micro-batch's backward and before optimizer.step()"
-            )
-
-    def _check_requires_grad_unchanged(self):
-        changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
-                   for name, p, trainable in self._all_named_params if p.requires_grad != trainable]
-        if changed:
-            raise ValueError(
-                f"requires_grad changed after the model was wrapped: {', '.join(changed)}. "
-                f"DistributedDataParallel lays out its gradient buffers once, at construction: set requires_grad "
-                f"before wrapping (or wrap the model again, with a new optimizer)."
             )
 
     def scale_gradients(self, scaling_factor: float):

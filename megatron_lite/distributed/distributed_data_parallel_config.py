@@ -73,6 +73,13 @@ class DistributedDataParallelConfig:
     in an iteration are normally an error (their bucket could never be launched). When True they are
     treated as having a zero local gradient: buckets still launch in order and the result is exact."""
 
+    gradient_as_bucket_view: bool = False
+    """megatron-lite extension (torch DDP's flag of that name): each parameter's .grad is its main_grad view,
+    so autograd accumulates straight into the buffer instead of allocating a fresh gradient that the hook
+    then adds. Only where the grad dtype is the parameter's and the full-size buffer persists (not with
+    grad_reduce_in_fp32 on low-precision params, nor ZeRO-2/3). Incompatible with fused weight-gradient
+    layers that add into main_grad themselves (an error says so)."""
+
     def __post_init__(self):
         strategy = self.data_parallel_sharding_strategy
         if strategy is None:

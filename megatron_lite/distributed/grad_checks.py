@@ -1,8 +1,8 @@
-"""finish_grad_sync()'s two verdicts on a finished iteration: parameters that got no gradient, and NaN/Inf
-gradients on any rank. Both are raised on every rank that can know, after the collectives ran (a peer
-waiting in them must never hang)."""
+"""finish_grad_sync()'s verdicts on a finished iteration: parameters that got no gradient, NaN/Inf gradients
+on any rank (both raised on every rank that can know, after the collectives ran: a peer waiting in them
+must never hang), and parameters frozen or unfrozen since the model was wrapped."""
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,3 +50,16 @@ def raise_if_any_rank_found_nonfinite(buffers, group):
     else:
         detail = f"rank {global_rank}'s local gradients were finite"
     raise RuntimeError(f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {bad_ranks}; {detail}")
+
+
+def raise_if_requires_grad_changed(named_params: List[Tuple[str, torch.nn.Parameter, bool]]):
+    """`named_params`: (name, param, requires_grad at wrap time). The buffers are laid out once, at wrap time:
+    a parameter frozen or unfrozen since then is an error naming it."""
+    changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
+               for name, p, trainable in named_params if p.requires_grad != trainable]
+    if changed:
+        raise ValueError(
+            f"requires_grad changed after the model was wrapped: {', '.join(changed)}. "
+            f"DistributedDataParallel lays out its gradient buffers once, at construction: set requires_grad "
+            f"before wrapping (or wrap the model again, with a new optimizer)."
+        )

@@ -114,10 +114,10 @@ class MegatronOptimizer:
         # state changes.
         found_inf = self.grad_scaler is not None and self._unscale_and_check_for_inf(main_grads)
         grad_norm = num_zeros = None
-        if not found_inf:
+        if not found_inf and (self.config.clip_grad > 0.0 or self.config.log_grad_norm):
             grad_norm = get_grad_norm_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
-            if self.config.log_num_zeros_in_grad:
-                num_zeros = count_zeros_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
+        if not found_inf and self.config.log_num_zeros_in_grad:
+            num_zeros = count_zeros_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
         # The update itself is local (no collective): a rank's failure elsewhere never leaves it half done,
         # and a last-words checkpoint (training/last_words.py) waits for it under update_lock.
         with self.update_lock:
@@ -136,7 +136,7 @@ class MegatronOptimizer:
         if found_inf:
             return False, None, None
         self._copy_main_params_to_model_params()
-        return True, grad_norm.item(), num_zeros
+        return True, None if grad_norm is None else grad_norm.item(), num_zeros
 
     def _unscale_and_check_for_inf(self, main_grads: List[torch.Tensor]) -> bool:
         found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)

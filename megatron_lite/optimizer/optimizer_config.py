@@ -69,6 +69,11 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False
     """Count zero gradient elements each step (returned by step())."""
 
+    log_grad_norm: bool = True
+    """megatron-lite extension: compute the global gradient norm even when clip_grad is 0 (Megatron always
+    does, for the log line). False skips that pass over the gradients, and its all-reduce, when not
+    clipping: step() then returns None for the norm."""
+
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)

@@ -1,0 +1,106 @@
+"""The step's savings (issue 13) change no number: gradient_as_bucket_view (autograd accumulates straight
+into main_grad) and log_grad_norm=False (no norm pass when not clipping)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed_helper import run_distributed
+
+
+def _state(opt):
+    return {n: {k: v.clone() for k, v in e.items() if isinstance(v, torch.Tensor)}
+            for n, e in opt.state_dict()["state"].items()}
+
+
+def _bucket_view_worker(strategy, overlap):
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps
+
+    runs, aliased = {}, {}
+    for view in (False, True):
+        _, ddp, opt = build(dict(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap, bucket_size=40,
+                                 gradient_as_bucket_view=view),
+                            dict(lr=1e-2, clip_grad=0.5, use_distributed_optimizer=strategy != "no_shard"))
+        norms = megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 3)  # 2 micro-batches each
+        runs[view] = (_state(opt), norms)
+        ddp.zero_grad_buffer()
+        ddp(torch.zeros(1, 8))
+        aliased[view] = sum(p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
+                            for p in ddp.param_to_name)
+    same = all(torch.equal(runs[True][0][n][k], v) for n, e in runs[False][0].items() for k, v in e.items())
+    return same and runs[True][1] == runs[False][1], aliased, len(ddp.param_to_name)
+
+
+@pytest.mark.parametrize("strategy, overlap", [("no_shard", True), ("no_shard", False), ("optim", True),
+                                               ("optim_grads", True)])
+def test_gradient_as_bucket_view_is_bit_identical(strategy, overlap):
+    """Would catch a gradient added twice (autograd already accumulated into the buffer, then the hook adds
+    .grad again), lost across no_sync micro-batches, or an alias into a ZeRO-2 storage that is freed."""
+    for same, aliased, n_params in run_distributed(_bucket_view_worker, 2, strategy, overlap):
+        assert same
+        assert aliased[False] == 0
+        assert aliased[True] == (0 if strategy == "optim_grads" else n_params)  # ZeRO-2 keeps the copying path
+
+
+class _FusedWgrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(grad_out.t() @ x)
+        weight.grad_added_to_main_grad = True
+        return grad_out @ weight, torch.zeros_like(weight)
+
+
+class _FusedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return _FusedWgrad.apply(x, self.weight)
+
+
+def _fused_worker():
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(_FusedLayer(), DistributedDataParallelConfig(gradient_as_bucket_view=True))
+    ddp.zero_grad_buffer()
+    try:
+        ddp(torch.randn(4, 5)).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_gradient_as_bucket_view_refuses_fused_wgrad_layers():
+    """Would catch a fused layer's dummy gradient silently added into main_grad through the alias."""
+    for message in run_distributed(_fused_worker, 2):
+        assert message and "weight" in message and "gradient_as_bucket_view=False" in message
+
+
+def _norm_worker():
+    import torch.distributed as dist
+
+    from optim_testing import build, megatron_steps
+
+    out = {}
+    for log in (True, False):
+        _, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-2, clip_grad=0.0, log_grad_norm=log,
+                                                                        use_distributed_optimizer=True))
+        out[log] = (megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 2), _state(opt))
+    same = all(torch.equal(out[False][1][n][k], v) for n, e in out[True][1].items() for k, v in e.items())
+    return same, [n for _, n in out[False][0]], [n for _, n in out[True][0]]
+
+
+def test_no_norm_pass_without_clipping_when_not_logged():
+    """Would catch a norm still computed (and all-reduced) with log_grad_norm=False and clip_grad=0, or an
+    update that depended on it."""
+    for same, skipped, logged in run_distributed(_norm_worker, 2):
+        assert same and skipped == [None, None] and all(n > 0 for n in logged)
