@@ -3,6 +3,7 @@
     python benchmarks/bucket_size_sweep.py                        # spawns 2 gloo ranks (file:// rendezvous)
     torchrun --nproc-per-node 2 benchmarks/bucket_size_sweep.py   # gloo on CPU, NCCL with one GPU per rank
     python benchmarks/bucket_size_sweep.py --quick --out /tmp/sweep.png   # smoke test, seconds
+    python benchmarks/bucket_size_sweep.py --predict --dp 256 --bandwidth-gbps 400 --latency-us 5   # a cluster
 
 Configurations, each a separately wrapped copy of the same model (same seed):
   * bucket_size=1 (one parameter per bucket), then 2^k from --min-bucket up to the first power of two
@@ -34,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
 from bucket_size_sweep_report import COMPUTE_ONLY, OVERLAP_OFF, report  # noqa: E402
 from launch import launch  # noqa: E402
+from perf_model_report import add_predict_flags, check_predict_flags, predict  # noqa: E402
 from timing import alternate  # noqa: E402
 
 from megatron_lite import (  # noqa: E402
@@ -73,7 +75,14 @@ def parse_args():
     p.add_argument("--world-size", type=int, default=2,
                    help="ranks to spawn when not launched by torchrun (default 2)")
     p.add_argument("--seed", type=int, default=1234, help="model and data seed")
+    p.add_argument("--predict", action="store_true",
+                   help="measure nothing: predict the step against the bucket size for a cluster with the calibrated "
+                        "alpha-beta model (perf_model.py; flags below; docs/bucket_size_tuning.md)")
+    add_predict_flags(p)
     args = p.parse_args()
+    if args.predict:
+        check_predict_flags(p, args)
+        return args
     for name, (_, default, quick) in SETTINGS.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
@@ -163,6 +172,11 @@ def benchmark(args, rank, world, device):
 
 def main():
     args = parse_args()
+    if args.predict:
+        if args.out == "docs/img/bucket_size_sweep.png":  # the sweep's default: not for a prediction
+            args.out = None
+        predict(args)
+        return
     launch(benchmark, args, args.world_size)
 
 

@@ -1,0 +1,125 @@
+"""Measure what perf_model.py needs on this machine, at one world size, and the step times it predicts.
+
+    python benchmarks/perf_model_calibrate.py --world-size 2 --out benchmarks/results/perf_model_dp2.json
+
+Writes a JSON with
+  samples   gloo (or NCCL) all-reduce times over sizes 4 KB .. 32 MB (median of --reps, slowest rank);
+  timeline  the GPT of bucket_size_sweep.py (its default size) wrapped with a one-rank group per rank (the
+            same hooks and optimizer, no traffic): forward, backward and optimizer time, and when each
+            parameter's gradient was ready (median of --steps steps);
+  measured  the real step (overlap_grad_reduce) at several bucket sizes, alternating rounds (timing.py),
+            for validating predictions made from another world size (bucket_size_sweep.py --validate).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from bucket_size_sweep import SETTINGS, build, sync, train_step  # noqa: E402
+from launch import launch, world_size  # noqa: E402
+from timing import alternate  # noqa: E402
+
+SIZES = [2**k for k in range(10, 24, 2)]  # elements (fp32): 4 KB .. 32 MB
+MEASURED_BUCKETS = [2**14, 2**16, 2**18, 2**20, 2**22]
+
+
+def slowest(seconds: float, device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def collective_samples(args, device):
+    samples = []
+    for n in SIZES:
+        buf = torch.ones(n, device=device)
+        times = []
+        for _ in range(args.reps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            sync(device)
+            times.append(slowest(time.perf_counter() - start, device))
+        samples.append(("all_reduce", n * 4, dist.get_world_size(), statistics.median(times[1:])))
+    return samples
+
+
+def timeline(args, device):
+    rank = dist.get_rank()
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    model, optimizer = build(args, device, None, False, solo)
+    params = list(model.param_to_name)
+    stamps = {}
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
+    tokens = torch.randint(args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
+                           generator=torch.Generator().manual_seed(args.seed + rank)).to(device)
+    runs = []
+    for step in range(args.steps + 2):
+        model.zero_grad_buffer()
+        start = time.perf_counter()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        sync(device)
+        backward_start = time.perf_counter()
+        loss.backward()
+        model.finish_grad_sync()
+        sync(device)
+        backward_end = time.perf_counter()
+        optimizer.step()
+        sync(device)
+        runs.append((backward_start - start, backward_end - backward_start, time.perf_counter() - backward_end,
+                     [stamps[i] - backward_start for i in range(len(params))]))
+    runs = runs[2:]
+    med = statistics.median
+    return dict(forward=med(r[0] for r in runs), backward=med(r[1] for r in runs), optimizer=med(r[2] for r in runs),
+                numels=[p.numel() for p in params], ready=[med(r[3][i] for r in runs) for i in range(len(params))])
+
+
+def measured_steps(args, device):
+    rank = dist.get_rank()
+    runs = [build(args, device, b, True, None) for b in MEASURED_BUCKETS]
+    tokens = torch.randint(args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
+                           generator=torch.Generator().manual_seed(args.seed + rank)).to(device)
+    timings = alternate(lambda k: train_step(*runs[k], tokens, device), len(runs), args.repeats, 1, 1, device)
+    return {b: timings.median_ms(k) / 1e3 for k, b in enumerate(MEASURED_BUCKETS)}
+
+
+def benchmark(args, rank, world, device):
+    result = dict(world=world, cores=os.cpu_count(), backend=dist.get_backend(), device=str(device),
+                  samples=collective_samples(args, device), timeline=timeline(args, device),
+                  measured=measured_steps(args, device))
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        print(f"wrote {args.out}: {world} ranks, forward {result['timeline']['forward'] * 1e3:.1f} ms, backward "
+              f"{result['timeline']['backward'] * 1e3:.1f} ms, optimizer {result['timeline']['optimizer'] * 1e3:.1f} ms; "
+              f"measured steps (ms) " + ", ".join(f"{b}: {s * 1e3:.1f}" for b, s in result["measured"].items()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, (text, default, _) in SETTINGS.items():
+        if name not in ("repeats", "steps", "warmup"):
+            p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"{text} (default {default})")
+    p.add_argument("--reps", type=int, default=7, help="all-reduce repetitions per size (default 7)")
+    p.add_argument("--steps", type=int, default=10, help="steps recorded for the timeline (default 10)")
+    p.add_argument("--repeats", type=int, default=15, help="alternating rounds of the measured steps (default 15)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not launched by torchrun")
+    p.add_argument("--out", default="benchmarks/results/perf_model.json")
+    args = p.parse_args()
+    launch(benchmark, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""perf_model.py put to use: validate it against measured steps, and predict for a cluster.
+
+    # calibrate at dp=2, predict the steps measured at dp=3 and dp=4 (files from perf_model_calibrate.py)
+    python benchmarks/perf_model_report.py --calibration dp2.json --validate dp3.json dp4.json \\
+        --out docs/img/perf_model_validation.png
+
+    # what bucket size for dp=256 at 400 Gb/s, 5 us? (also: bucket_size_sweep.py --predict ...)
+    python benchmarks/perf_model_report.py --predict --dp 256 --bandwidth-gbps 400 --latency-us 5
+
+Validation takes alpha, beta (the all-reduce samples) and the overlap (the measured steps) from the
+calibration file only; the compute timeline of each validated world size is the one measured there with no
+traffic (on a shared 2-core machine 3 or 4 ranks slow compute itself down, a property of the machine that no
+network model knows; on a cluster each rank has its own accelerator and the timeline does not change with
+dp). A prediction for a cluster takes the calibration's timeline (scaled by --compute-scale, e.g. 0.01 for
+an accelerator 100x faster than this CPU, or a timeline recorded there) and the link's alpha and beta.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+import perf_model as pm  # noqa: E402
+
+DEFAULT_CALIBRATION = os.path.join(os.path.dirname(HERE), "docs", "data", "perf_model_dp2.json")
+SIZES = [2**k for k in range(12, 29)]  # 4K .. 256M elements
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    data["timeline"] = pm.Timeline(**data["timeline"])
+    data["measured"] = {int(b): t for b, t in data["measured"].items()}
+    return data
+
+
+def calibrate(data):
+    """(link, overlap) fitted on one calibration file."""
+    link = pm.fit_link([tuple(s) for s in data["samples"]])
+    return link, pm.fit_overlap(data["timeline"], link, data["measured"], data["world"])
+
+
+def validate(args):
+    base = load(args.calibration)
+    link, overlap = calibrate(base)
+    print(f"calibrated at dp={base['world']}: alpha {link.alpha * 1e6:.1f} us, beta {1 / link.beta / 1e9:.2f} GB/s, "
+          f"overlap {overlap:.2f}\n")
+    print("| dp | bucket size | buckets | measured ms | predicted ms | error |")
+    print("|---|---|---|---|---|---|")
+    series = {}
+    for path in [args.calibration, *args.validate]:
+        data = load(path)
+        for size, seconds in sorted(data["measured"].items()):
+            pred = pm.predict(data["timeline"], size, data["world"], link, overlap=overlap)
+            series.setdefault(data["world"], []).append((size, seconds, pred["step"]))
+            print(f"| {data['world']} | {size} | {pred['buckets']} | {seconds * 1e3:.1f} | {pred['step'] * 1e3:.1f} | "
+                  f"{pred['step'] / seconds - 1:+.0%} |")
+    worst = max(abs(p / m - 1) for dp, rows in series.items() if dp != base["world"] for _, m, p in rows)
+    print(f"\nlargest error at the predicted world sizes: {worst:.0%}")
+    if args.out:
+        plot(series, args.out, "measured (dots) vs predicted (lines) step time; calibrated at dp=2")
+
+
+def plot(series, out, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for dp, rows in sorted(series.items()):
+        sizes = [r[0] for r in rows]
+        line = ax.plot(sizes, [r[2] * 1e3 for r in rows], label=f"dp={dp} predicted")[0]
+        if rows[0][1] is not None:
+            ax.plot(sizes, [r[1] * 1e3 for r in rows], "o", color=line.get_color(), label=f"dp={dp} measured")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bucket size (elements)")
+    ax.set_ylabel("step (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def predict(args):
+    data = load(args.calibration)
+    link = pm.Link.from_network(args.latency_us, args.bandwidth_gbps)
+    overlap = args.overlap if args.overlap is not None else 1.0
+    timeline = data["timeline"].scaled(args.compute_scale)
+    one = 1 << (sum(timeline.numels) - 1).bit_length()  # the first power of two that is a single bucket
+    sizes = [s for s in SIZES if s < one] + [one]
+    best, table = pm.recommend(timeline, sizes, args.dp, link, args.algorithm, overlap=overlap,
+                               distributed_optimizer=args.use_distributed_optimizer)
+    compute = timeline.forward + timeline.backward + timeline.optimizer
+    print(f"dp={args.dp}, {args.bandwidth_gbps:g} Gb/s, {args.latency_us:g} us, {args.algorithm}, overlap {overlap:g}; "
+          f"model of {sum(timeline.numels):,} parameters, compute {compute * 1e3:.2f} ms per step "
+          f"(timeline from {os.path.relpath(args.calibration)} x {args.compute_scale:g})\n")
+    print("| bucket size | buckets | predicted step ms | exposed communication ms |")
+    print("|---|---|---|---|")
+    for size, row in table.items():
+        print(f"| {size} | {row['buckets']} | {row['step'] * 1e3:.3f} | {row['exposed'] * 1e3:.3f} |")
+    print(f"\nrecommended bucket size: {best} elements ({table[best]['buckets']} buckets), predicted step "
+          f"{table[best]['step'] * 1e3:.3f} ms (exposed communication {table[best]['exposed'] * 1e3:.3f} ms)")
+    if args.out:
+        plot({args.dp: [(s, None, r["step"]) for s, r in table.items()]}, args.out,
+             f"predicted step vs bucket size, dp={args.dp}, {args.bandwidth_gbps:g} Gb/s, {args.latency_us:g} us")
+    return best
+
+
+def add_predict_flags(p):
+    p.add_argument("--dp", type=int, default=64, help="data-parallel size to predict for (default 64)")
+    p.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-rank link bandwidth, Gb/s (default 100)")
+    p.add_argument("--latency-us", type=float, default=5.0, help="latency per message step, us (default 5)")
+    p.add_argument("--algorithm", choices=["ring", "tree"], default="ring", help="all-reduce algorithm (default ring)")
+    p.add_argument("--overlap", type=float, help="fraction of communication that can hide behind backward (default "
+                   "1: GPUs with NCCL; this CPU's calibration fits 0)")
+    p.add_argument("--compute-scale", type=float, default=1.0, help="multiply the calibration's compute timeline "
+                   "(e.g. 0.01 for an accelerator 100x faster than the CPU that recorded it)")
+    p.add_argument("--calibration", default=DEFAULT_CALIBRATION, help="a perf_model_calibrate.py file (default: "
+                   "docs/data/perf_model_dp2.json, this machine at dp=2)")
+
+
+def check_predict_flags(p, args):
+    for name in ("dp", "bandwidth_gbps", "compute_scale"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.latency_us < 0 or (args.overlap is not None and not 0 <= args.overlap <= 1):
+        p.error("--latency-us must be >= 0 and --overlap in [0, 1]")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--predict", action="store_true", help="predict for --dp, --bandwidth-gbps, --latency-us")
+    p.add_argument("--validate", nargs="*", default=[], help="calibration files of other world sizes to predict")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--out", help="plot (PNG)")
+    add_predict_flags(p)
+    args = p.parse_args()
+    check_predict_flags(p, args)
+    if args.predict:
+        predict(args)
+    else:
+        validate(args)
+
+
+if __name__ == "__main__":
+    main()
