@@ -9,7 +9,6 @@ every rank keeps (bf16 params, fp32 grads). Step times: alternating rounds, slow
     python benchmarks/replica_memory.py [--world-size 4]
 """
 
-import argparse
 import os
 import sys
 
@@ -17,9 +16,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from launch import launch, world_size  # noqa: E402
 from optimizer_memory import MLPStack, train_step  # noqa: E402
-from sharding_memory import held  # noqa: E402
+from sharding_memory import held, run  # noqa: E402
 from timing import alternate  # noqa: E402
 
 from megatron_lite import (  # noqa: E402
@@ -63,18 +61,7 @@ def benchmark(args, rank, world, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256, help="model width h (default: 256)")
-    p.add_argument("--layers", type=int, default=6, help="residual MLP blocks (default: 6)")
-    p.add_argument("--micro-batch-size", type=int, default=32, help="rows of input per rank (default: 32)")
-    p.add_argument("--steps", type=int, default=30, help="timed rounds (default: 30)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
-    p.add_argument("--world-size", type=int, default=4, help="ranks to spawn when not launched by torchrun")
-    args = p.parse_args()
-    for flag in ("hidden", "layers", "micro_batch_size", "steps", "world_size"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    launch(benchmark, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
+    run(benchmark, __doc__, steps=30, ranks=4)
 
 
 if __name__ == "__main__":

@@ -117,19 +117,25 @@ def benchmark(args, rank, world, device):
               f"{per['peak']:.2f} | {timings.median_ms(k):.1f} | {timings.median_ms(k) / timings.median_ms(base):.2f}x |")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(benchmark_fn, doc: str, steps: int = 20, ranks: int = 2):
+    """Parse the MLPStack flags (shared with replica_memory.py) and run `benchmark_fn` on CPU ranks."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=256, help="model width h (default: 256)")
     p.add_argument("--layers", type=int, default=6, help="residual MLP blocks (default: 6)")
     p.add_argument("--micro-batch-size", type=int, default=32, help="rows of input per rank (default: 32)")
-    p.add_argument("--steps", type=int, default=20, help="timed rounds (default: 20)")
+    p.add_argument("--steps", type=int, default=steps, help=f"timed rounds (default: {steps})")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
-    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not launched by torchrun")
+    p.add_argument("--world-size", type=int, default=ranks, help=f"ranks to spawn when not launched by torchrun "
+                   f"(default: {ranks})")
     args = p.parse_args()
     for flag in ("hidden", "layers", "micro_batch_size", "steps", "world_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    launch(benchmark, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
+    launch(benchmark_fn, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
+
+
+def main():
+    run(benchmark, __doc__)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from distributed_helper import run_distributed
+from test_ddp_errors import _FusedWgradLinear
 
 
 def _state(opt):
@@ -44,27 +45,13 @@ def test_gradient_as_bucket_view_is_bit_identical(strategy, overlap):
         assert aliased[True] == (0 if strategy == "optim_grads" else n_params)  # ZeRO-2 keeps the copying path
 
 
-class _FusedWgrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        weight.main_grad.add_(grad_out.t() @ x)
-        weight.grad_added_to_main_grad = True
-        return grad_out @ weight, torch.zeros_like(weight)
-
-
 class _FusedLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(3, 5))
 
     def forward(self, x):
-        return _FusedWgrad.apply(x, self.weight)
+        return _FusedWgradLinear.apply(x, self.weight)  # adds into main_grad itself, returns a dummy
 
 
 def _fused_worker():
