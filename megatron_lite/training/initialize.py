@@ -41,7 +41,8 @@ def initialize_distributed(backend: Optional[str] = None, device: Optional[str] 
     if not dist.is_initialized():
         backend = backend or ("nccl" if device_type == "cuda" else "gloo")
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        if init_method is None and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_PORT" in os.environ:
+        if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+                "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun hosts the store (its agent's)
             dist.init_process_group(backend, store=_torchrun_store(timeout), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         elif init_method is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
