@@ -117,8 +117,10 @@ def main():
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not launched by torchrun")
     p.add_argument("--out", default="benchmarks/results/perf_model.json")
+    p.add_argument("--cpu", action="store_true", help="CPU and gloo even when CUDA is available (default: one GPU "
+                   "per rank with NCCL where there are enough GPUs, so the file holds NCCL figures)")
     args = p.parse_args()
-    launch(benchmark, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
+    launch(benchmark, args, world_size(args.world_size), cpu=args.cpu, threads_per_rank=1)
 
 
 if __name__ == "__main__":
