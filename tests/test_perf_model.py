@@ -89,3 +89,18 @@ def test_validation_of_the_committed_calibration():
     assert out.returncode == 0, out.stderr
     worst = float(re.search(r"largest error at the predicted world sizes: (\d+)%", out.stdout).group(1))
     assert worst <= 25
+
+
+def test_calibration_feeds_the_predictor(tmp_path):
+    """The chain a cluster user runs: perf_model_calibrate.py (here: 2 gloo ranks, a tiny GPT, one round) writes
+    a file that --predict takes. Would catch a calibration file the predictor cannot read."""
+    out = tmp_path / "calibration.json"
+    run = subprocess.run([sys.executable, "benchmarks/perf_model_calibrate.py", "--world-size", "2", "--cpu",
+                          "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+                          "--vocab-size", "128", "--steps", "1", "--repeats", "1", "--reps", "1", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pred = subprocess.run([sys.executable, "benchmarks/perf_model_report.py", "--predict", "--calibration", str(out),
+                           "--dp", "16", "--bandwidth-gbps", "100", "--latency-us", "10"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert pred.returncode == 0 and "recommended bucket size" in pred.stdout, pred.stderr
