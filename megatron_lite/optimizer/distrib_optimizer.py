@@ -120,13 +120,15 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _flat_shard_state(self) -> torch.Tensor:
         """[step, main params..., then each optimizer-state tensor...] of this rank's shards, one fp32 tensor
-        (state never created yet travels as zeros with step 0)."""
-        mains = [self.main_of[i] for i in range(len(self.shards))]
-        step = self.local_step()
-        parts = [torch.tensor([float(step)], device=self.device)] + [m.detach().reshape(-1) for m in mains]
+        of _flat_numel() elements (state never created yet travels as zeros with step 0)."""
+        states = [self.chunk_state(main) for main in self.main_of.values()]
+        parts = [torch.tensor([float(self.local_step())], device=self.device)] + [s["param"] for s in states]
         for key in STATE_KEYS[self.config.optimizer]:
-            parts += [self._state_of(m).get(key, torch.zeros_like(m)).reshape(-1) for m in mains]
+            parts += [s[key] if key in s else torch.zeros_like(s["param"]) for s in states]
         return torch.cat([p.float() for p in parts])
+
+    def _flat_numel(self) -> int:
+        return 1 + (1 + len(STATE_KEYS[self.config.optimizer])) * sum(m.numel() for m in self.main_of.values())
 
     @torch.no_grad()
     def send_shard_state(self, dst: int):
@@ -148,7 +150,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if not self.holds_same_shards(src):
             raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
                              f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
-        flat = torch.empty_like(self._flat_shard_state())
+        flat = torch.empty(self._flat_numel(), dtype=torch.float32, device=self.device)
         collectives.recv(flat, src, self.data_parallel_group)
         keys = STATE_KEYS[self.config.optimizer]
         step, values = int(flat[0].item()), self._split(flat)
@@ -166,11 +168,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _split(self, flat: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
         """The inverse of _flat_shard_state: per key ('param', state keys) the tensors of every shard."""
-        mains = [self.main_of[i] for i in range(len(self.shards))]
         out, offset = {}, 1
         for key in ("param", *STATE_KEYS[self.config.optimizer]):
             out[key] = []
-            for m in mains:
+            for m in self.main_of.values():
                 out[key].append(flat[offset:offset + m.numel()].view_as(m))
                 offset += m.numel()
         return out

@@ -232,6 +232,13 @@ class MegatronOptimizer:
     def _state_of(self, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self.optimizer.state.get(main_param, {})
 
+    def chunk_state(self, main: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """A main tensor (see local_chunks) flattened as 'param', with its optimizer-state tensors (views;
+        the state keys are absent before the first step)."""
+        state = self._state_of(main)
+        return {"param": main.detach().reshape(-1),
+                **{k: state[k].reshape(-1) for k in STATE_KEYS[self.config.optimizer] if k in state}}
+
     def local_step(self) -> int:
         """This rank's optimizer step count (every main tensor is stepped together; 0 before any state)."""
         steps = [int(self._state_of(main)["step"].item()) for _, _, _, main in self.local_chunks()

@@ -220,14 +220,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
     """
     iteration, directory = find_latest(root)
     words, problems = last_words.scan(root)  # sets written by the survivors of a failure
-    newest_words = max(words) if words else None
-    if newest_words is not None and (iteration is None or newest_words > iteration):
-        _report_skipped(problems, newest_words, group)
+    newest_words = max(words, default=None)
+    from_words = newest_words is not None and (iteration is None or newest_words > iteration)
+    _report_skipped(problems, newest_words if from_words else -1 if iteration is None else iteration, group)
+    if from_words:
         return last_words.load(words[newest_words], model, optimizer, scheduler, check_args, hyperparameters, group)
     if iteration is None:
-        _report_skipped(problems, -1, group)
         return None
-    _report_skipped(problems, iteration, group)
     try:
         tracker = read_tracker(root)
     except ValueError as e:  # the tracker is only a hint: a damaged one must not hide good checkpoints

@@ -102,12 +102,6 @@ def _ranges_of_every_rank(optimizer, world: int, per_instance: int, instance: in
     return out
 
 
-def _state_of_chunk(optimizer, main) -> Dict[str, torch.Tensor]:
-    state = optimizer._state_of(main)
-    return {"param": main.detach().reshape(-1),
-            **{k: state[k].reshape(-1) for k in STATE_KEYS[optimizer.config.optimizer] if k in state}}
-
-
 def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     """The DCP state dict of this rank (see the module docstring). With `fill` = 'zeros' the tensors are
     empty placeholders for loading, shaped for the current layout."""
@@ -128,7 +122,7 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
             if fill:
                 value = torch.zeros(end - start, dtype=torch.float32, device=optimizer.device)
             else:
-                value = _state_of_chunk(optimizer, main).get(key)
+                value = optimizer.chunk_state(main).get(key)
                 if value is None:
                     continue
                 value = value.float()

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint_files
-from ..optimizer.optimizer import STATE_KEYS
 
 LAST_WORDS_DIRNAME = "last_words"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -58,15 +57,15 @@ class LastWords:
 
     Args:
         root: the --save directory.
-        model, optimizer, scheduler: what is trained (a DistributedDataParallel model, a MegatronOptimizer,
-            an OptimizerParamScheduler).
+        optimizer, scheduler: what is trained (a MegatronOptimizer, whose main params the model is rebuilt
+            from on load, and an OptimizerParamScheduler).
         iteration, consumed_train_samples: where training starts (0, or the resumed position).
         args: plain-data description of the run, stored for the architecture check on load.
     """
 
-    def __init__(self, root: str, model, optimizer, scheduler, iteration: int, consumed_train_samples: int,
+    def __init__(self, root: str, optimizer, scheduler, iteration: int, consumed_train_samples: int,
                  args: Optional[dict] = None):
-        self.root, self.model, self.optimizer, self.scheduler = root, model, optimizer, scheduler
+        self.root, self.optimizer, self.scheduler = root, optimizer, scheduler
         self.args = args or {}
         self.rank = dist.get_rank(optimizer.data_parallel_group)
         self.world = dist.get_world_size(optimizer.data_parallel_group)
@@ -126,12 +125,9 @@ class LastWords:
                     self._say(f"no last words ({reason}): no iteration completed since the start")
                     return None
                 chunks = {}
-                for name, start, end, main in self.optimizer.local_chunks():
-                    state = self.optimizer._state_of(main)
-                    chunks[f"{name}@{start}"] = {
-                        "param": main.detach().reshape(-1).float().cpu().clone(),
-                        **{k: state[k].detach().reshape(-1).float().cpu().clone()
-                           for k in STATE_KEYS[self.optimizer.config.optimizer] if k in state}}
+                for name, start, _, main in self.optimizer.local_chunks():
+                    chunks[f"{name}@{start}"] = {k: t.float().cpu().clone()
+                                                 for k, t in self.optimizer.chunk_state(main).items()}
                 payload = {"format": "last_words", "reason": reason, "rank": self.rank, "world": self.world,
                            "per_instance": self.per_instance, "position": self.rank % self.per_instance,
                            "optimizer": self.optimizer.common_state_dict(), "step": self.optimizer.local_step(),

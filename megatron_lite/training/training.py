@@ -226,7 +226,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
     log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
     losses, valid_losses, skipped = {}, {}, 0
     # If this job dies, each survivor writes its part of the last completed iteration (last_words.py).
-    words = LastWords(args.save, model, optimizer, scheduler, iteration, consumed, checkpoint_args(args)) \
+    words = LastWords(args.save, optimizer, scheduler, iteration, consumed, checkpoint_args(args)) \
         if args.save and args.last_words else None
     if words is not None:
         words.install()
