@@ -66,3 +66,15 @@ def reference_steps(dp, steps, lr, weight_decay, clip_grad, micro_batches=2, dty
         norms.append(torch.nn.utils.clip_grad_norm_(list(master.parameters()), clip_grad, foreach=True).item())
         optimizer.step()
     return master, optimizer, norms
+
+
+def full_state(opt):
+    """Copies of the optimizer's full fp32 state (main params, moments) by parameter name and key."""
+    return {name: {k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+            for name, entry in opt.state_dict()["state"].items()}
+
+
+def states_equal(a, b) -> bool:
+    """Whether two full_state() results hold the same keys and bitwise-equal tensors."""
+    return a.keys() == b.keys() and all(a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n])
+                                        for n in a)

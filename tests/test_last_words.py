@@ -7,9 +7,9 @@ import os
 import sys
 
 import pytest
-import torch
 
 from distributed_helper import run_distributed
+from optim_testing import full_state, states_equal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,11 +88,10 @@ def _round_trip_worker(root):
 
     ddp, opt, scheduler = fresh()
     steps(ddp, opt, scheduler, 0, 6)
-    reference = {n: {k: v.clone() for k, v in e.items() if isinstance(v, torch.Tensor)}
-                 for n, e in opt.state_dict()["state"].items()}
+    reference = full_state(opt)
 
     ddp, opt, scheduler = fresh()
-    words = last_words.LastWords(root, ddp, opt, scheduler, 0, 0)
+    words = last_words.LastWords(root, opt, scheduler, 0, 0)
     steps(ddp, opt, scheduler, 0, 2, words)
     words.stage(3, 24)  # the third step completes, the failure comes before the loop commits it
     megatron_steps(ddp, opt, rank, dp, 1, first_step=2)
@@ -107,8 +106,7 @@ def _round_trip_worker(root):
     ddp, opt, scheduler = fresh()
     loaded = last_words.load(sets[3], ddp, opt, scheduler)
     steps(ddp, opt, scheduler, 3, 3)
-    state = {n: {k: v for k, v in e.items() if isinstance(v, torch.Tensor)} for n, e in opt.state_dict()["state"].items()}
-    same = all(torch.equal(state[n][k], reference[n][k]) for n in state for k in state[n])
+    same = states_equal(full_state(opt), reference)
     return dict(torn=torn, written=written, sets=sorted(sets), loaded=loaded["iteration"], used=loaded["path"],
                 same=same, problems=problems)
 

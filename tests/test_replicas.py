@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from distributed_helper import run_distributed
+from optim_testing import full_state, states_equal
 
 ADAM = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.05, log_num_zeros_in_grad=True, use_distributed_optimizer=True)
-
-
-def _full_state(opt):
-    state = opt.state_dict()["state"]
-    return {name: {k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
-            for name, entry in state.items()}
 
 
 def _train(instances, strategy, steps, first_step=0, built=None):
@@ -37,7 +32,7 @@ def _equivalence_worker(strategy):
         (model, ddp, opt), norms = _train(instances, strategy, 4)
         shards = [None] * dist.get_world_size()  # shard sizes differ between positions
         dist.all_gather_object(shards, opt._flat_shard_state())
-        results[instances] = dict(norms=[n for _, n in norms], state=_full_state(opt), shards=shards,
+        results[instances] = dict(norms=[n for _, n in norms], state=full_state(opt), shards=shards,
                                   per_instance=dist.get_world_size(opt.grad_stats_group))
     return results
 
@@ -100,7 +95,7 @@ def _rebuild_worker(source):
 
     rank = dist.get_rank()
     reference, _ = _train(2, "optim", 6)
-    reference_state = _full_state(reference[2])
+    reference_state = full_state(reference[2])
 
     built, _ = _train(2, "optim", 3)
     opt = built[2]
@@ -126,8 +121,8 @@ def _rebuild_worker(source):
         return dict(error=error, nan=bool(torch.isnan(opt._flat_shard_state()).any()))
     restored = torch.equal(opt._flat_shard_state(), before)
     _train(2, "optim", 3, first_step=3, built=built)
-    state = _full_state(opt)
-    same = all(torch.equal(state[n][k], reference_state[n][k]) for n in state for k in state[n])
+    state = full_state(opt)
+    same = states_equal(state, reference_state)
     return dict(error=error, restored=restored, same=same)
 
 

@@ -6,12 +6,8 @@ import torch
 import torch.nn as nn
 
 from distributed_helper import run_distributed
+from optim_testing import full_state, states_equal
 from test_ddp_errors import _FusedWgradLinear
-
-
-def _state(opt):
-    return {n: {k: v.clone() for k, v in e.items() if isinstance(v, torch.Tensor)}
-            for n, e in opt.state_dict()["state"].items()}
 
 
 def _bucket_view_worker(strategy, overlap):
@@ -25,12 +21,12 @@ def _bucket_view_worker(strategy, overlap):
                                  gradient_as_bucket_view=view),
                             dict(lr=1e-2, clip_grad=0.5, use_distributed_optimizer=strategy != "no_shard"))
         norms = megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 3)  # 2 micro-batches each
-        runs[view] = (_state(opt), norms)
+        runs[view] = (full_state(opt), norms)
         ddp.zero_grad_buffer()
         ddp(torch.zeros(1, 8))
         aliased[view] = sum(p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
                             for p in ddp.param_to_name)
-    same = all(torch.equal(runs[True][0][n][k], v) for n, e in runs[False][0].items() for k, v in e.items())
+    same = states_equal(runs[True][0], runs[False][0])
     return same and runs[True][1] == runs[False][1], aliased, len(ddp.param_to_name)
 
 
@@ -81,8 +77,8 @@ def _norm_worker():
     for log in (True, False):
         _, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-2, clip_grad=0.0, log_grad_norm=log,
                                                                         use_distributed_optimizer=True))
-        out[log] = (megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 2), _state(opt))
-    same = all(torch.equal(out[False][1][n][k], v) for n, e in out[True][1].items() for k, v in e.items())
+        out[log] = (megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 2), full_state(opt))
+    same = states_equal(out[False][1], out[True][1])
     return same, [n for _, n in out[False][0]], [n for _, n in out[True][0]]
 
 
