@@ -31,25 +31,11 @@ SIZES = [2**k for k in range(10, 24, 2)]  # elements (fp32): 4 KB .. 32 MB
 MEASURED_BUCKETS = [2**14, 2**16, 2**18, 2**20, 2**22]
 
 
-def slowest(seconds: float, device) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def collective_samples(args, device):
-    samples = []
-    for n in SIZES:
-        buf = torch.ones(n, device=device)
-        times = []
-        for _ in range(args.reps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buf)
-            sync(device)
-            times.append(slowest(time.perf_counter() - start, device))
-        samples.append(("all_reduce", n * 4, dist.get_world_size(), statistics.median(times[1:])))
-    return samples
+    """(kind, bytes, ranks, seconds) of an all-reduce per size: median of --reps alternating rounds, slowest rank."""
+    buffers = [torch.ones(n, device=device) for n in SIZES]
+    timings = alternate(lambda k: dist.all_reduce(buffers[k]), len(SIZES), args.reps, 1, 1, device)
+    return [("all_reduce", n * 4, dist.get_world_size(), timings.median_ms(k) / 1e3) for k, n in enumerate(SIZES)]
 
 
 def timeline(args, device):
