@@ -86,7 +86,7 @@ def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp
 
     params = list(ddp.module.parameters())
     main = [p for g in opt.param_groups for p in g["params"]]  # distopt: views into the param buffer
-    buckets = [b for buffer in ddp.buffers for b in buffer.buckets]
+    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
     shards = [b.param_shard for b in buckets if b.param_shard is not None]  # ZeRO-3's persistent params
     grads = [p.main_grad for p in params] + [b.grad_shard for b in buckets if b.grad_shard is not None]
     return System(name, step, lambda: (params + shards + main, grads, tensors_of(opt.optimizer)),

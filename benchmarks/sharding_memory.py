@@ -53,10 +53,10 @@ def build(dtype, strategy, args):
 
 def held(ddp, opt) -> dict:
     """This rank's bytes after a step, by kind (storage shared between kinds counted once)."""
-    seen, buckets = set(), [b for buf in ddp.buffers for b in buf.buckets]
-    params = [buf.param_data for buf in ddp.buffers if buf.param_data is not None] + list(ddp.param_to_name)
+    seen, buckets = set(), [b for buf in ddp.param_and_grad_buffers for b in buf.buckets]
+    params = [buf.param_data for buf in ddp.param_and_grad_buffers if buf.param_data is not None] + list(ddp.param_to_name)
     params += [b.param_shard for b in buckets if b.param_shard is not None]
-    grads = [buf.grad_data for buf in ddp.buffers if buf.grad_data is not None]
+    grads = [buf.grad_data for buf in ddp.param_and_grad_buffers if buf.grad_data is not None]
     grads += [b.grad_shard for b in buckets if b.grad_shard is not None] + [b.grad_data for b in buckets]
     return dict(params=held_bytes(params, seen), grads=held_bytes(grads, seen),
                 main=held_bytes([p for g in opt.optimizer.param_groups for p in g["params"]], seen),
@@ -66,7 +66,7 @@ def held(ddp, opt) -> dict:
 
 def transient_peak(ddp, opt, x, y) -> int:
     """Largest full-size gradient + gathered parameter bytes (ZeRO-2/3 storages) alive during a step."""
-    buckets = [b for buf in ddp.buffers for b in buf.buckets]
+    buckets = [b for buf in ddp.param_and_grad_buffers for b in buf.buckets]
     if not buckets[0].shards_grads:
         return 0
     peak = [0]

@@ -116,7 +116,7 @@ def main():
     optimizer = get_megatron_optimizer(opt_config, [model])
     if rank == 0:
         print(f"> data-parallel size {dp} ({backend}), {sum(p.numel() for p in model.parameters())} {params_dtype} "
-              f"parameters in {sum(len(b.buckets) for b in model.buffers)} bucket(s), {type(optimizer).__name__}, "
+              f"parameters in {sum(len(b.buckets) for b in model.param_and_grad_buffers)} bucket(s), {type(optimizer).__name__}, "
               f"{args.num_micro_batches} micro-batch(es) of {args.micro_batch_size} per rank per iteration\n"
               f"> {ddp_config}\n> {opt_config}", flush=True)
 

@@ -119,7 +119,7 @@ def reference_in_buffer_layout(buffer, ddp, ref):
 def compare_to_reference(ddp, ref, exact, rtol=1e-6):
     """Compare every buffer's reduced gradients (own shards only with the distributed optimizer)."""
     rank = dist.get_rank(ddp.data_parallel_group)
-    for buffer in ddp.buffers:
+    for buffer in ddp.param_and_grad_buffers:
         expected = reference_in_buffer_layout(buffer, ddp, ref)
         actual = buffer.grad_data.detach().clone()
         if ddp.ddp_config.use_distributed_optimizer:

@@ -42,7 +42,7 @@ def _run_matrix(overlap, distopt, dtype_name):
         )
         ddp = DistributedDataParallel(model, config)
         if overlap and bucket_size == 1:
-            assert len(ddp.buffers[0].buckets) == len(list(model.parameters()))
+            assert len(ddp.param_and_grad_buffers[0].buckets) == len(list(model.parameters()))
         for _ in range(2):  # a second iteration checks that zero_grad_buffer resets everything
             train_step(ddp, batches, rank)
         grad_dtype = torch.float32
@@ -77,7 +77,7 @@ def _run_fp32_main_grads_for_bf16(dp_expected):
     for fp32 in (False, True):
         ddp = DistributedDataParallel(make_model(dtype=torch.bfloat16),
                                       DistributedDataParallelConfig(grad_reduce_in_fp32=fp32))
-        out.append([(str(b.param_dtype), str(b.grad_dtype)) for b in ddp.buffers])
+        out.append([(str(b.param_dtype), str(b.grad_dtype)) for b in ddp.param_and_grad_buffers])
     return out
 
 

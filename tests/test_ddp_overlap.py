@@ -14,7 +14,7 @@ class _Recorder:
 
         self.events = []
         self._original = original = Bucket.start_grad_sync
-        ids = {id(b): (i, b.bucket_id) for i, buf in enumerate(ddp.buffers) for b in buf.buckets}
+        ids = {id(b): (i, b.bucket_id) for i, buf in enumerate(ddp.param_and_grad_buffers) for b in buf.buckets}
 
         def start_grad_sync(bucket):
             self.events.append(("launch", ids[id(bucket)]))
@@ -45,7 +45,7 @@ def _overlap_worker(distopt):
     ddp = DistributedDataParallel(
         model, DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=distopt, bucket_size=50)
     )
-    n_buckets = len(ddp.buffers[0].buckets)
+    n_buckets = len(ddp.param_and_grad_buffers[0].buckets)
     batches = make_batches(dist.get_world_size(), 2)[rank]
     # The first iteration learns how many times each gradient arrives per backward (megatron-core's golden
     # counts); its buckets are launched in finish_grad_sync. Overlap starts with the second iteration.

@@ -30,10 +30,10 @@ def test_buffers_per_dtype_views_and_names(single_rank_group):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(use_distributed_optimizer=True))
     # One buffer per (param dtype, grad dtype), in first-seen order; frozen params excluded.
-    assert [(b.param_dtype, b.grad_dtype) for b in ddp.buffers] == [
+    assert [(b.param_dtype, b.grad_dtype) for b in ddp.param_and_grad_buffers] == [
         (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)
     ]
-    fp32, bf16 = ddp.buffers
+    fp32, bf16 = ddp.param_and_grad_buffers
     assert isinstance(fp32, ParamAndGradBuffer) and all(isinstance(b, Bucket) for b in fp32.buckets)
     assert set(fp32.param_index_map) == {model.embed.weight}
     assert set(bf16.param_index_map) == {model.body.weight, model.body.bias}
@@ -43,7 +43,7 @@ def test_buffers_per_dtype_views_and_names(single_rank_group):
                                    data_parallel_world_size=1, use_distributed_optimizer=True)
     assert [bf16.param_index_map[p] for p in bf16.params] == list(layout.param_ranges)
     assert (bf16.numel, bf16.numel_unpadded) == (layout.numel, layout.numel_unpadded)
-    for buffer in ddp.buffers:
+    for buffer in ddp.param_and_grad_buffers:
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
             # main_grad and param.data are views into the buffers, at the recorded offsets.
             assert param.main_grad.data_ptr() == buffer.grad_data[start:].data_ptr()
@@ -64,8 +64,8 @@ def test_buffers_per_dtype_views_and_names(single_rank_group):
 def test_no_param_buffer_without_distributed_optimizer(single_rank_group):
     model = nn.Linear(4, 4)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig())
-    assert ddp.buffers[0].param_data is None and ddp.buffers[0].buckets[0].param_data is None
-    assert ddp.buffers[0].numel == ddp.buffers[0].numel_unpadded == 20
+    assert ddp.param_and_grad_buffers[0].param_data is None and ddp.param_and_grad_buffers[0].buckets[0].param_data is None
+    assert ddp.param_and_grad_buffers[0].numel == ddp.param_and_grad_buffers[0].numel_unpadded == 20
 
 
 def test_bucket_size_resolution(single_rank_group):
@@ -74,7 +74,7 @@ def test_bucket_size_resolution(single_rank_group):
     assert DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True)).bucket_size == 40_000_000
     assert DistributedDataParallel(model, DistributedDataParallelConfig(bucket_size=10)).bucket_size is None
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=72))
-    assert len(ddp.buffers[0].buckets) == 4
+    assert len(ddp.param_and_grad_buffers[0].buckets) == 4
 
 
 def test_wrapper_runs_a_step_in_one_process(single_rank_group):

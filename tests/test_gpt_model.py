@@ -302,7 +302,7 @@ def _tied_gpt_distributed_optimizer_worker(pe):
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=CLIP,
                                                  use_distributed_optimizer=True), [ddp])
     tied = model.word_embeddings.weight
-    buckets = [b for buffer in ddp.buffers for b in buffer.buckets]
+    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
     occurrences = sum(p is tied for b in buckets for p in b.params_list)
     rows = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
     norms, grad_errors = [], {}

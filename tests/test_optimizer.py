@@ -100,7 +100,7 @@ def _shard_worker(bucket_size):
     ranges = [(ddp.param_to_name[s.model_param], s.param_start, s.param_end) for s in shard_ranges([ddp])]
     state_numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
     total = sum(p.numel() for p in model.parameters())
-    padded = sum(b.numel for b in ddp.buffers)
+    padded = sum(b.numel for b in ddp.param_and_grad_buffers)
     return dict(ranges=ranges, state_numel=state_numel, total=total, padded=padded,
                 rank=dist.get_rank(), dp=dist.get_world_size())
 
@@ -161,7 +161,7 @@ def _overflow_worker(strategy):
                 if distopt:
                     shard_ranges([ddp])[0].grad[0] = float("inf")
                 else:
-                    ddp.buffers[0].grad_data[0] = float("inf")
+                    ddp.param_and_grad_buffers[0].grad_data[0] = float("inf")
         scale = opt.get_loss_scale().item()
         ok, norm, _ = opt.step()
         unchanged = all(torch.equal(a, b) for a, b in zip(before, params()))

@@ -67,7 +67,7 @@ def _worker(per_token, strategy):
     losses, ok, _ = train_step(forward_step, batches, ddp, opt, sched, MICRO_BATCHES, check_for_nan_in_loss=True)
     expected, expected_loss = _reference(per_token)
     if distributed:  # only this rank's shard is reduced (and kept, with ZeRO-2/3): compare bucket by bucket
-        buffer = ddp.buffers[0]
+        buffer = ddp.param_and_grad_buffers[0]
         flat = torch.zeros(buffer.numel)
         for p, (start, end, _) in buffer.param_index_map.items():
             flat[start:end] = expected[ddp.param_to_name[p]].reshape(-1)

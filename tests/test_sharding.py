@@ -26,7 +26,7 @@ def _zero2_worker(overlap):
         if strategy == "optim_grads":  # one micro-batch, no accumulation: the in-flight bound applies
             for p in model.parameters():  # after DDP's own hook: how many buckets hold full gradients now
                 p.register_post_accumulate_grad_hook(lambda _p: allocated.append(
-                    sum(b.grad_storage_allocated() for b in ddp.buffers[0].buckets)))
+                    sum(b.grad_storage_allocated() for b in ddp.param_and_grad_buffers[0].buckets)))
             x, y = make_batches(dp, 1, seed=5)[rank][0]
             ddp.zero_grad_buffer()
             ((ddp(x) - y) ** 2).mean().backward()
@@ -41,11 +41,11 @@ def _zero2_worker(overlap):
             else:
                 opt.scale_loss(((ddp(x) - y) ** 2).mean() / 2).backward()
         ddp.finish_grad_sync()
-        buckets = ddp.buffers[0].buckets
+        buckets = ddp.param_and_grad_buffers[0].buckets
         runs[strategy] = dict(shards=[b.reduced_grad_shard.clone() for b in buckets],
                               freed=all(b.grad_data.untyped_storage().nbytes() == 0 for b in buckets),
                               persistent=sum(b.grad_shard.numel() for b in buckets) if strategy != "optim" else None,
-                              numel=ddp.buffers[0].numel,
+                              numel=ddp.param_and_grad_buffers[0].numel,
                               max_allocated=max_allocated if strategy == "optim_grads" else None,
                               n_buckets=len(buckets), window=ZERO2_BUCKETS_IN_FLIGHT)
     same = all(torch.equal(a, b) for a, b in zip(runs["optim"]["shards"], runs["optim_grads"]["shards"]))
@@ -214,7 +214,7 @@ def _zero3_order_worker():
         ddp(xs[rank]).pow(2).mean().backward()
         ddp.finish_grad_sync()
         expected = mean_of_rank_grads(reference, xs)
-        buffer = ddp.buffers[0]
+        buffer = ddp.param_and_grad_buffers[0]
         flat = torch.zeros(buffer.numel)
         for p, (start, end, _) in buffer.param_index_map.items():
             flat[start:end] = expected[ddp.param_to_name[p]].reshape(-1)

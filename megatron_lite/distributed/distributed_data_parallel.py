@@ -104,7 +104,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.zero3 = config.data_parallel_sharding_strategy == "optim_grads_params"
         units = find_units(module, config.fsdp_unit_modules) if self.zero3 else []
         unit_of = unit_of_params(module, units) if self.zero3 else None
-        self.buffers: List[ParamAndGradBuffer] = [
+        self.param_and_grad_buffers: List[ParamAndGradBuffer] = [
             ParamAndGradBuffer(
                 config, param_dtype, grad_dtype, params, self.intra_instance_group,
                 self.bucket_size, self.param_to_name, scaling, unit_of, self.inter_instance_group,
@@ -112,13 +112,13 @@ class DistributedDataParallel(torch.nn.Module):
             for (param_dtype, grad_dtype), params in dtype_to_params.items()
         ]
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
 
         # Launch order: by when a bucket's last gradient is expected (its earliest-registered parameter
         # arrives last in backward). Within one buffer this is simply bucket order.
         registration = {p: i for i, p in enumerate(self.param_to_name)}
-        all_buckets = [b for buffer in self.buffers for b in buffer.buckets]
+        all_buckets = [b for buffer in self.param_and_grad_buffers for b in buffer.buckets]
         self._launch_order: List[Bucket] = sorted(
             all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
         )
@@ -257,7 +257,7 @@ class DistributedDataParallel(torch.nn.Module):
                     bucket.learn_expected_counts()
         raise_if_requires_grad_changed(self._all_named_params)
         if self.ddp_config.check_for_nan_in_grad:
-            raise_if_any_rank_found_nonfinite(self.buffers, self.data_parallel_group)
+            raise_if_any_rank_found_nonfinite(self.param_and_grad_buffers, self.data_parallel_group)
 
     # ---------------------------------------------------------------- parameter all-gather
     def start_param_sync(self, force_sync: bool = False):
@@ -289,7 +289,7 @@ class DistributedDataParallel(torch.nn.Module):
         for param in self.param_to_name:
             param.grad = None  # may alias main_grad after an FP32Optimizer step
             param.grad_added_to_main_grad = False
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.reset()
         self._grads.next_to_launch = 0
         self._grads.finalized = False
@@ -307,7 +307,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by `scaling_factor`."""
-        for buffer in self.buffers:
+        for buffer in self.param_and_grad_buffers:
             buffer.scale_gradients(scaling_factor)
 
     def broadcast_params(self):

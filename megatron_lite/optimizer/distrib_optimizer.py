@@ -53,7 +53,7 @@ def shard_ranges(model_chunks, rank: Optional[int] = None) -> List[ShardRange]:
     known everywhere), in buffer order."""
     ranges = []
     for chunk in model_chunks:
-        for buffer in chunk.buffers:
+        for buffer in chunk.param_and_grad_buffers:
             dp = buffer.data_parallel_world_size
             rank = buffer.data_parallel_rank if rank is None else rank
             for bucket in buffer.buckets:
@@ -190,14 +190,14 @@ class DistributedOptimizer(MegatronOptimizer):
         """For every buffer, a full fp32 flat tensor assembled from every rank's shards of some value."""
         flats = {}
         for chunk in self.model_chunks:
-            for buffer in chunk.buffers:
+            for buffer in chunk.param_and_grad_buffers:
                 flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
         for i, s in enumerate(self.shards):
             value = values_of_shard(i)
             if value is not None:
                 flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
         for chunk in self.model_chunks:
-            for buffer in chunk.buffers:
+            for buffer in chunk.param_and_grad_buffers:
                 flat = flats[id(buffer)]
                 for bucket in buffer.buckets:
                     collectives.all_gather(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()],
@@ -218,7 +218,7 @@ class DistributedOptimizer(MegatronOptimizer):
         step = self.agreed_step()
         out = {}
         for chunk in self.model_chunks:
-            for buffer in chunk.buffers:
+            for buffer in chunk.param_and_grad_buffers:
                 for param, (start, end, _) in buffer.param_index_map.items():
                     entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu() for k in keys}
                     entry["step"] = step
