@@ -231,16 +231,18 @@ class Bucket:
         return self.my_shard_of(self.param_data)
 
     @torch.no_grad()
-    def gather_params(self, group, async_op: bool = True):
+    def gather_params(self, group, async_op: bool = True) -> bool:
         """ZeRO-3: grow param_data back and all-gather every rank's param_shard into it (no-op when
-        gathered or in flight). Autograd may hold these parameters for backward: the in-place writes must
-        not bump their version counter (the values are the ones the forward used)."""
+        gathered or in flight); returns whether a collective was issued. Autograd may hold these parameters
+        for backward: the in-place writes must not bump their version counter (the values are the ones the
+        forward used)."""
         if self.params_gathered or self.param_gather_handle is not None:
-            return
+            return False
         with torch.autograd._unsafe_preserve_version_counter(self.param_data):
             self.param_data.untyped_storage().resize_(self._param_storage_bytes)
             self.my_shard_of(self.param_data).copy_(self.param_shard)
             self.param_gather_handle = collectives.all_gather(self.param_data, group=group, async_op=async_op)
+        return True
 
     def wait_params(self):
         """ZeRO-3: wait for this bucket's gather; afterwards every param.data is its view into param_data.
@@ -263,10 +265,12 @@ class Bucket:
 
     def count_backward_arrival(self, index: int) -> bool:
         """ZeRO-3: count one arrival of params_list[index]'s gradient in this backward pass; returns
-        whether every parameter of the bucket got all its expected gradients (its backward is done)."""
+        whether every parameter of the bucket got all its expected gradients (its backward is done). A
+        parameter expected 0 times (unused in the first iteration, find_unused_parameters) that does get a
+        gradient now counts as expected once: its unit's other parameters may still need the full values."""
         self._pass_counts[index] += 1
         return self.expected_counts is not None and all(
-            c >= e for c, e in zip(self._pass_counts, self.expected_counts))
+            c >= max(e, 1) for c, e in zip(self._pass_counts, self.expected_counts))
 
     @torch.no_grad()
     def start_param_sync(self, async_op: bool):

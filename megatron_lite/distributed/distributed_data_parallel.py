@@ -187,8 +187,8 @@ class DistributedDataParallel(torch.nn.Module):
                 param.grad = None
         if report_ready and bucket.mark_ready(index):
             self._launch_ready_buckets()
-        if self.zero3 and bucket.count_backward_arrival(index):
-            bucket.release_params()  # its backward is done: the full parameters are not needed any more
+        if self.zero3:
+            self.param_units.grad_arrived(bucket, index)  # its backward done: release the full parameters
 
     def _launch_ready_buckets(self):
         """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""
@@ -209,7 +209,10 @@ class DistributedDataParallel(torch.nn.Module):
             for param in self._grad_views:
                 param.grad = param.main_grad
             self._grads.aliased = True
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.zero3:
+            self.param_units.end_forward()
+        return output
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -247,8 +250,8 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.finish_grad_sync()
         self._grads.finalized = True
         self._grads.unsynchronized = False
-        if self.zero3:
-            self.param_units.release_all()  # what the first iteration (or an unused parameter) kept
+        if self.zero3:  # release what the first iteration (or an unused parameter) kept; check the gathers
+            self.param_units.end_iteration()
         if unused_error:
             raise ValueError(unused_error)
         if self._overlap:

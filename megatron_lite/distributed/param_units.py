@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .bucket import Bucket
 
 
@@ -69,18 +70,28 @@ class ParamUnits:
         self.units = units
         self.buckets = buckets_of_unit
         self.root = buckets_of_unit.get(len(units), [])
+        self._root_ids = {id(b) for b in self.root}
+        self._uid = {id(b): i for i, b in enumerate(self.all_buckets())}
+        self.check_group = group
         # A group of their own: the order of gathers never mixes with the order of gradient collectives.
         self.group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD),
                                     use_local_synchronization=True)
         forward = list(range(len(units)))
         self._orders = {"forward": forward, "backward": forward[::-1]}
         self._next = {"forward": 0, "backward": 0}
+        self._open = set()  # phases begun and not yet completed (see _complete)
+        self._signature = [0, 0]  # gathers issued this iteration: count and a rolling digest of their order
         self._handles = []
         for index, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
 
     # ---------------------------------------------------------------- gathering in a fixed order
+    def _gather(self, bucket: Bucket, async_op: bool = True):
+        if bucket.gather_params(self.group, async_op):  # a collective was issued: remember it
+            count, digest = self._signature
+            self._signature = [count + 1, (digest * 1_000_003 + self._uid[id(bucket)] + 1) % (1 << 61)]
+
     def _position(self, phase: str, index: int) -> int:
         """Unit `index`'s place in the phase's order: registration order forward, the reverse backward."""
         return index if phase == "forward" else len(self.units) - 1 - index
@@ -89,22 +100,44 @@ class ParamUnits:
         order = self._orders[phase]
         while self._next[phase] < min(upto, len(order)):
             for bucket in self.buckets.get(order[self._next[phase]], []):
-                bucket.gather_params(self.group)
+                self._gather(bucket)
             self._next[phase] += 1
 
     def _need(self, phase: str, index: int):
         """Unit `index` must be gathered now: dispatch up to one unit past it in this phase's order."""
         self._dispatch(phase, self._position(phase, index) + 2)
         for bucket in self.buckets.get(index, []):
-            bucket.gather_params(self.group)  # no-op once dispatched; a unit used twice is gathered again
+            self._gather(bucket)  # no-op once dispatched; a unit used twice is gathered again
             bucket.wait_params()
+
+    def _complete(self, phase: str):
+        """End an open phase: dispatch the units this rank did not reach (a rank that skipped a unit, e.g. a
+        branch another rank took, still issues its gather, so every rank issues every phase's gathers in the
+        same sequence), then release every unit (the root stays)."""
+        if phase not in self._open:
+            return
+        self._dispatch(phase, len(self.units))
+        for index in range(len(self.units)):
+            for bucket in self.buckets.get(index, []):
+                bucket.release_params()
+        self._open.discard(phase)
 
     def begin_forward(self):
         """Start of a forward (DistributedDataParallel.forward): a new forward and backward sequence."""
+        self._complete("forward")  # a forward that raised half-way
+        self._complete("backward")  # the previous micro-batch's
         self._next = {"forward": 0, "backward": 0}
+        self._open.add("forward")
         for bucket in self.root:
-            bucket.gather_params(self.group, async_op=False)
+            self._gather(bucket, async_op=False)
             bucket.wait_params()
+
+    def end_forward(self):
+        """End of DistributedDataParallel.forward: complete the forward phase; with autograd recording, the
+        backward phase begins (completed by the next forward or by end_iteration)."""
+        self._complete("forward")
+        if torch.is_grad_enabled():
+            self._open.add("backward")
 
     def _pre_forward_hook(self, index):
         def hook(module, args):
@@ -122,6 +155,13 @@ class ParamUnits:
             return output
         return hook
 
+    def grad_arrived(self, bucket: Bucket, index: int):
+        """A gradient of bucket.params_list[index] arrived (grad hook): release the unit's bucket once its
+        backward is done. The root is released by end_iteration only, so that whether it is gathered never
+        depends on the rank (its gather at the next forward is then issued by every rank or by none)."""
+        if bucket.count_backward_arrival(index) and id(bucket) not in self._root_ids:
+            bucket.release_params()
+
     # ---------------------------------------------------------------- releasing
     def all_buckets(self) -> List[Bucket]:
         return [b for buckets in self.buckets.values() for b in buckets]
@@ -130,11 +170,36 @@ class ParamUnits:
         for bucket in self.all_buckets():
             bucket.release_params()
 
+    def end_iteration(self, check: bool = True):
+        """finish_grad_sync: complete the open phases and release everything. With `check`, compare the
+        gathers every rank issued in this iteration (one small all-reduce) and raise on every rank if they
+        differ: a unit run more than once by some ranks only (gathered again out of the fixed order) pairs
+        unrelated gathers across ranks, which must never reach the optimizer."""
+        self._complete("forward")
+        self._complete("backward")
+        self.release_all()
+        signature, self._signature = self._signature, [0, 0]
+        if not check or not self.all_buckets():  # the same model everywhere: every rank returns here or none
+            return
+        device = self.all_buckets()[0].param_shard.device
+        values = torch.tensor(signature + [-v for v in signature], dtype=torch.int64, device=device)
+        collectives.all_reduce(values, self.check_group, op=collectives.MAX)
+        high, low = values[:2].tolist(), [-v for v in values[2:].tolist()]
+        if high != low:
+            raise RuntimeError(
+                f"ZeRO-3 (optim_grads_params): the data-parallel ranks gathered parameters in different sequences "
+                f"this iteration ({low[0]} to {high[0]} gathers): some ranks ran a unit more than once in one "
+                f"forward or backward, or ran a unit's forward again after it was released, while others did "
+                f"not. Run the same modules the same number of times on every rank (unused branches are fine), "
+                f"or make the repeated module part of a larger unit (fsdp_unit_modules)."
+            )
+
     def gather_all(self):
         """Every unit gathered, synchronously, in the fixed order (for state_dict and the like)."""
+        self.release_all()  # whatever a rank still holds: every rank then issues every gather
         for index in sorted(self.buckets):
             for bucket in self.buckets[index]:
-                bucket.gather_params(self.group, async_op=False)
+                self._gather(bucket, async_op=False)
                 bucket.wait_params()
 
     def wait_all(self):

@@ -1,0 +1,98 @@
+"""ZeRO-3 units (param_units.py) on models whose ranks do not all run the same modules, and the unit discovery
+rules: gathers must stay collective-matched whatever subset of units a rank uses, and a unit choice that finds
+nothing is an error, not the whole model gathered at once."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed_helper import run_distributed
+
+
+class Branchy(nn.Module):
+    """A trunk, two branch blocks of which each rank runs only one (chosen by the caller), a head."""
+
+    def __init__(self, widths=(8, 8)):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, w), nn.Tanh(), nn.Linear(w, 8)) for w in widths)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, branch):
+        return self.head(self.blocks[branch](torch.tanh(self.trunk(x))))
+
+
+def _branch_worker(widths, strategy, steps=3):
+    """megatron_lite and torch DDP + AdamW on the same model, rank r taking branch (r + step) % 2."""
+    import copy
+
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Branchy(widths)
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=40,
+        find_unused_parameters=True))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
+                                                 use_distributed_optimizer=strategy != "no_shard"), ddp)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    gen = torch.Generator().manual_seed(10 + rank)
+    for step in range(steps):
+        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
+        branch = (rank + step) % 2
+        ddp.zero_grad_buffer()
+        ((ddp(x, branch) - y) ** 2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        torch_opt.zero_grad()
+        ((reference(x, branch) - y) ** 2).mean().backward()
+        torch_opt.step()
+    with ddp.full_parameters():
+        ours = {n: p.detach().clone() for n, p in model.named_parameters()}
+    theirs = dict(reference.module.named_parameters())
+    return {n: (ours[n] - theirs[n]).abs().max().item() for n in ours}
+
+
+@pytest.mark.parametrize("widths", [(8, 8), (8, 12)], ids=["equal_branches", "unequal_branches"])
+def test_zero3_rank_dependent_branches_match_torch_ddp(widths):
+    """Would catch ZeRO-3 gathers that pair different units across ranks when ranks use different blocks
+    (equal sizes: silently wrong parameters; unequal sizes: a gloo size mismatch), and units released in
+    backward before all their gradients were computed (a unit unused in the first iteration expects 0)."""
+    for diffs in run_distributed(_branch_worker, 2, widths, "optim_grads_params"):
+        assert max(diffs.values()) == 0.0, diffs
+
+
+class Reuser(Branchy):
+    """Runs its chosen block twice: ranks choosing different blocks re-gather different units."""
+
+    def forward(self, x, branch):
+        block = self.blocks[branch]
+        return self.head(block(block(torch.tanh(self.trunk(x)))))
+
+
+def _reuse_worker():
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Reuser(), DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, find_unused_parameters=True))
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(4, 6), dist.get_rank()).sum().backward()
+    try:
+        ddp.finish_grad_sync()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_zero3_rank_dependent_reuse_raises_on_every_rank():
+    """Would catch a unit re-gathered out of the fixed order on some ranks only (rank 0 runs block 0 twice,
+    rank 1 block 1 twice): the gathers pair different units across ranks, silently wrong parameters."""
+    for error in run_distributed(_reuse_worker, 2):
+        assert error is not None and "gathered parameters in different sequences" in error
