@@ -137,7 +137,8 @@ def _overflow_worker(strategy):
     distopt = strategy != "no_shard"
     model, ddp, opt = build(
         dict(data_parallel_sharding_strategy=strategy, grad_reduce_in_fp32=True,
-             overlap_grad_reduce=strategy == "optim_grads_params"),
+             overlap_grad_reduce=strategy == "optim_grads_params",
+             fsdp_unit_modules=("Linear",) if strategy == "optim_grads_params" else None),
         dict(lr=LR, fp16=True, params_dtype=torch.float16, use_distributed_optimizer=distopt,
              initial_loss_scale=2.0**8, min_loss_scale=2.0**6, hysteresis=2, loss_scale_window=2),
         dtype=torch.float16,

@@ -96,3 +96,32 @@ def test_zero3_rank_dependent_reuse_raises_on_every_rank():
     rank 1 block 1 twice): the gathers pair different units across ranks, silently wrong parameters."""
     for error in run_distributed(_reuse_worker, 2):
         assert error is not None and "gathered parameters in different sequences" in error
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return x + self.bn(self.conv(x))
+
+
+def _resnetish():
+    return nn.Sequential(nn.Conv2d(3, 3, 1), Block(), Block(), nn.Flatten(), nn.LazyLinear(2))
+
+
+def test_unit_discovery_refuses_to_gather_everything_silently():
+    """Would catch fsdp_unit_modules naming a class the model lacks (a typo) or the default finding no
+    nn.ModuleList (a ResNet-like nn.Sequential): both used to give 0 units, the whole model gathered at once."""
+    from megatron_lite.distributed.param_units import find_units
+
+    model = _resnetish()
+    with pytest.raises(ValueError, match=r"\['Blok'\].*Block: 2"):
+        find_units(model, ("Blok",))
+    with pytest.raises(ValueError, match=r"no nn.ModuleList.*Block: 2.*fsdp_unit_modules=\(\)"):
+        find_units(model, None)
+    assert find_units(model, ()) == []  # explicitly the whole model
+    assert find_units(model, ("Block",)) == [model[1], model[2]]
+    assert len(find_units(Branchy(), None)) == 2  # ModuleList children, as before

@@ -51,7 +51,7 @@ def _worker(per_token, strategy):
     distributed = strategy != "no_shard"
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size=40, calculate_per_token_loss=per_token,
-        data_parallel_sharding_strategy=strategy))
+        data_parallel_sharding_strategy=strategy, fsdp_unit_modules=() if strategy == "optim_grads_params" else None))
     opt = get_megatron_optimizer(OptimizerConfig(lr=0.0, clip_grad=0.0, use_distributed_optimizer=distributed), [ddp])
     sched = OptimizerParamScheduler(opt, 0.0, 0.0, 0, 1, "constant")
     batches = iter([_data(rank, m) for m in range(MICRO_BATCHES)])

@@ -17,8 +17,9 @@ def _train(instances, strategy, steps, first_step=0, built=None):
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     if built is None:
+        units = dict(fsdp_unit_modules=("Linear", "LayerNorm")) if strategy == "optim_grads_params" else {}
         built = build(dict(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=40,
-                           num_distributed_optimizer_instances=instances), ADAM)
+                           num_distributed_optimizer_instances=instances, **units), ADAM)
     _, ddp, opt = built
     norms = megatron_steps(ddp, opt, rank, dp, steps, first_step=first_step)
     return built, norms

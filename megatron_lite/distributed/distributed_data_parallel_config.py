@@ -37,8 +37,9 @@ class DistributedDataParallelConfig:
     fsdp_unit_modules: Optional[Tuple[str, ...]] = None
     """ZeRO-3's units of gathering: class names of the modules whose parameters are gathered and released
     together (Megatron-FSDP's fsdp_unit_modules, e.g. ('TransformerLayer',)). None: every child of an
-    nn.ModuleList. Parameters outside any unit form the root unit, gathered for the whole forward and
-    backward."""
+    nn.ModuleList. `()`: no units, the whole model gathered at once. Parameters outside any unit form the
+    root unit, gathered for the whole forward and backward. A name matching no submodule, or None on a
+    model without an nn.ModuleList, is an error at wrap time listing the model's candidate classes."""
 
     num_distributed_optimizer_instances: int = 1
     """Split the data-parallel ranks into this many instances of the distributed optimizer (contiguous

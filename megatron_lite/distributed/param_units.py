@@ -31,8 +31,12 @@ from .bucket import Bucket
 
 def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
     """The outermost submodules whose class name is in `class_names` (None: the children of every
-    nn.ModuleList), in registration order, each once."""
+    nn.ModuleList), in registration order, each once. `()` asks for no units (the whole model is gathered
+    at once). A class name that matches nothing, or None on a model without an nn.ModuleList, is a
+    ValueError listing the classes the model does contain: silently gathering everything at once would
+    defeat ZeRO-3."""
     units: List[torch.nn.Module] = []
+    found = set()
 
     def visit(parent: torch.nn.Module):
         for child in parent.children():
@@ -41,11 +45,37 @@ def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) 
             if (type(child).__name__ in class_names if class_names is not None
                     else isinstance(parent, torch.nn.ModuleList)):
                 units.append(child)  # not descended into: nested matches belong to this unit
+                found.add(type(child).__name__)
             else:
                 visit(child)
 
     visit(module)
+    missing = [name for name in class_names if name not in found] if class_names is not None else []
+    if missing or (class_names is None and not units):
+        what = (f"fsdp_unit_modules names {missing}, which no submodule of {type(module).__name__} is" if missing
+                else f"fsdp_unit_modules=None takes the children of nn.ModuleLists as units, and "
+                     f"{type(module).__name__} has no nn.ModuleList")
+        raise ValueError(
+            f"ZeRO-3 (optim_grads_params): {what}. Candidate unit classes in this model (class: count): "
+            f"{_candidate_units(module)}. Pass DistributedDataParallelConfig(fsdp_unit_modules=('ClassName', ...)) "
+            f"naming the repeated blocks (e.g. transformer layers, residual blocks), or fsdp_unit_modules=() to "
+            f"gather the whole model at once (no memory saved on parameters)."
+        )
     return units
+
+
+def _candidate_units(module: torch.nn.Module) -> str:
+    """Class names of the submodules that hold parameters and have children of their own, most frequent first."""
+    counts: Dict[str, int] = {}
+    for sub in module.modules():
+        if sub is not module and any(True for _ in sub.children()) and any(True for _ in sub.parameters()):
+            counts[type(sub).__name__] = counts.get(type(sub).__name__, 0) + 1
+    if not counts:
+        for sub in module.modules():
+            if sub is not module:
+                counts[type(sub).__name__] = counts.get(type(sub).__name__, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name}: {n}" for name, n in ranked[:12]) or "none (a single module)"
 
 
 def unit_of_params(module: torch.nn.Module, units: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, int]:
