@@ -16,9 +16,9 @@ class _Recorder:
         self._original = original = Bucket.start_grad_sync
         ids = {id(b): (i, b.bucket_id) for i, buf in enumerate(ddp.param_and_grad_buffers) for b in buf.buckets}
 
-        def start_grad_sync(bucket):
+        def start_grad_sync(bucket, *args):
             self.events.append(("launch", ids[id(bucket)]))
-            return original(bucket)
+            return original(bucket, *args)
 
         Bucket.start_grad_sync = start_grad_sync
         # Registered after DDP's own hooks, so each runs right after DDP has handled that gradient.

@@ -291,7 +291,7 @@ def test_param_groups_drive_the_update():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(lr=None), "lr"),
+        (dict(lr="0.1"), "lr"),
         (dict(lr=-1.0), "lr"),
         (dict(lr=1.0, optimizer="lamb"), "optimizer"),
         (dict(lr=1.0, min_lr=2.0), "min_lr"),

@@ -9,7 +9,7 @@ before use and released after it (the rank's parameter shard persists).
 """
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,8 @@ class Bucket:
         self.param_to_name = param_to_name or {}
         self.inter_instance_group = inter_instance_group
         self.param_gather_handle = None
+        # megatron-core's map: parameter -> its (start, end) elements within the bucket.
+        self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         # ZeRO-2 (data_parallel_sharding_strategy='optim_grads'): grad_data has a storage of its own, grown
         # when the first gradient arrives and freed once its reduce-scatter is done; what persists between
         # iterations is this rank's reduced shard, grad_shard.
@@ -181,8 +183,9 @@ class Bucket:
         return self._num_ready == len(self._counts)
 
     @torch.no_grad()
-    def start_grad_sync(self):
-        """Scale and launch this bucket's all-reduce (or reduce-scatter); async with overlap_grad_reduce."""
+    def start_grad_sync(self, force_all_reduce: bool = False):
+        """Scale and launch this bucket's all-reduce (or reduce-scatter, unless `force_all_reduce`); async
+        with overlap_grad_reduce."""
         assert self.communication_handle is None, "bucket communication launched twice"
         self.ensure_grad_storage()  # ZeRO-2: a bucket none of whose gradients arrived is all zeros
         if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(self.grad_data).all():
@@ -193,7 +196,8 @@ class Bucket:
             ]
         if self.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(self.gradient_scaling_factor)
-        collective = collectives.reduce_scatter if self.ddp_config.use_distributed_optimizer else collectives.all_reduce
+        self._all_reduced = force_all_reduce or not self.ddp_config.use_distributed_optimizer
+        collective = collectives.all_reduce if self._all_reduced else collectives.reduce_scatter
         self.communication_handle = collective(
             self.grad_data,
             group=self.data_parallel_group,
@@ -201,13 +205,14 @@ class Bucket:
             async_op=self.ddp_config.overlap_grad_reduce,
         )
 
-    def finish_grad_sync(self):
+    def finish_grad_sync(self, force_all_reduce: bool = False):
         """Wait for the bucket's collective (launching it first if it has not been). ZeRO-2: then keep
-        this rank's reduced shard (accumulated into grad_shard) and free the full-size gradients."""
+        this rank's reduced shard (accumulated into grad_shard) and free the full-size gradients. With
+        `force_all_reduce`, a bucket that was reduce-scattered gets every rank's reduced shard as well."""
         if self._finished:
             return
         if self.communication_handle is None:
-            self.start_grad_sync()
+            self.start_grad_sync(force_all_reduce)
         self.communication_handle.wait()
         if self.inter_instance_group is not None:
             # Second level: the instance's reduced shard, summed with the other instances' (one collective
@@ -215,6 +220,8 @@ class Bucket:
             # start_grad_sync: it needs the reduce-scatter's result, and gloo orders nothing across groups.
             collectives.all_reduce(self.my_shard_of(self.grad_data), self.inter_instance_group,
                                    op=collectives.reduce_op(self.ddp_config.average_in_collective))
+        if force_all_reduce and (not self._all_reduced or self.inter_instance_group is not None):
+            collectives.all_gather(self.grad_data, group=self.data_parallel_group)  # every rank's final shard
         self._finished = True
         if self.shards_grads:
             with torch.no_grad():
@@ -262,6 +269,16 @@ class Bucket:
         self.param_data.untyped_storage().resize_(0)
         self.params_gathered = False
         self._pass_counts = [0] * len(self._pass_counts)
+
+    def expected_param_data_ptr(self, start: int) -> Optional[int]:
+        """Where the parameter starting at element `start` of the bucket must have its data: in param_data
+        (distributed optimizer; ZeRO-3 while gathered), the released placeholder (ZeRO-3 between gathers),
+        or None where the parameter keeps its own storage (no_shard)."""
+        if self.param_data is None:
+            return None
+        if self.shards_params and not self.params_gathered:
+            return self._released.data_ptr()
+        return self.param_data.data_ptr() + start * self.param_data.element_size()
 
     def count_backward_arrival(self, index: int) -> bool:
         """ZeRO-3: count one arrival of params_list[index]'s gradient in this backward pass; returns

@@ -125,6 +125,23 @@ def broadcast(tensor: torch.Tensor, group=None, src_group_rank: int = 0, async_o
     return _handle(dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
+@torch.no_grad()
+def broadcast_coalesced(tensors: List[torch.Tensor], group=None, src_group_rank: int = 0):
+    """In place: every tensor takes the values of the group's rank `src_group_rank`; one broadcast per dtype."""
+    if dist.get_world_size(group) == 1:
+        return
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        broadcast(flat, group, src_group_rank)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def send(tensor: torch.Tensor, dst: int, group=None):
     """Point to point: send `tensor` to the group's rank `dst` (blocking). gloo moves host memory only."""
     _notify("send", tensor, 2)

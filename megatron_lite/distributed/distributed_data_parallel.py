@@ -79,7 +79,9 @@ class DistributedDataParallel(torch.nn.Module):
 
         # Megatron's rule: default size with overlap, a single bucket without (nothing to overlap).
         bucket_size = config.bucket_size
-        if bucket_size is None:
+        if config.num_buckets is not None:  # Megatron: every parameter of the chunk counts, frozen ones too
+            bucket_size = max(1, sum(p.numel() for p in module.parameters()) // config.num_buckets)
+        elif bucket_size is None:
             bucket_size = default_bucket_size(self.data_parallel_world_size)
         self.bucket_size = bucket_size if config.overlap_grad_reduce else None
 
@@ -131,6 +133,10 @@ class DistributedDataParallel(torch.nn.Module):
                             and not bucket.shards_grads and p.main_grad.dtype == p.dtype]
         self._overlap = config.overlap_grad_reduce
         self.is_last_microbatch = True
+        # broadcast_buffers: whether to copy rank 0's buffers before the next forward (torch DDP's rule, see
+        # the config field); looked up per forward, since models may replace a buffer tensor.
+        self._sync_buffers = config.broadcast_buffers and any(True for _ in module.buffers())
+        self._grads.buffers_stale = True
 
         self._grad_hook_handles = []
         for bucket in all_buckets:
@@ -144,6 +150,7 @@ class DistributedDataParallel(torch.nn.Module):
             for bucket in all_buckets:
                 buckets_of_unit.setdefault(unit_of[bucket.params_list[0]], []).append(bucket)
             self.param_units = ParamUnits(units, buckets_of_unit, self.intra_instance_group)
+            self.param_units.guard_state_dicts(module, self.param_to_bucket)
 
         # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
         self.param_gather = ParamGatherSchedule(self._launch_order[::-1], self.param_to_bucket,
@@ -203,6 +210,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---------------------------------------------------------------- the public protocol
     def forward(self, *args, **kwargs):
+        if self._sync_buffers and self._grads.buffers_stale:
+            collectives.broadcast_coalesced(list(self.module.buffers()), group=self.data_parallel_group)
+        self._grads.buffers_stale = torch.is_grad_enabled() and self.is_last_microbatch
         if self.zero3:
             self.param_units.begin_forward()
         if not self._grads.aliased:  # gradient_as_bucket_view: autograd accumulates into main_grad
@@ -229,15 +239,26 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.start_grad_sync()
         self._grads.next_to_launch = len(self._launch_order)
 
-    def finish_grad_sync(self):
-        """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean.
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean (with the
+        distributed optimizer: in this rank's shard of every bucket).
 
         With overlap_grad_reduce, buckets still waiting for parameters mean some parameters got no
         gradient in this iteration: an error naming them, unless `find_unused_parameters` is set, in
         which case their (zero) contribution is communicated now.
+
+        `force_all_reduce` (megatron-core's argument): with the distributed optimizer, every rank ends with
+        the whole reduced gradient, not just its shard (buckets not launched yet are all-reduced, the others'
+        reduced shards all-gathered). Not with ZeRO-2/3, which keep no full gradients.
         """
         if self._grads.finalized:
             return
+        if force_all_reduce and self.ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+            raise ValueError(
+                f"finish_grad_sync(force_all_reduce=True) with data_parallel_sharding_strategy="
+                f"'{self.ddp_config.data_parallel_sharding_strategy}': ZeRO-2/3 keep only this rank's shard of "
+                f"the reduced gradients; use 'optim' (ZeRO-1) or 'no_shard' to get them whole on every rank"
+            )
         unused_error = None
         if self.ddp_config.overlap_grad_reduce:
             pending = self._launch_order[self._grads.next_to_launch:]
@@ -245,9 +266,11 @@ class DistributedDataParallel(torch.nn.Module):
                 unused_error = unused_parameters_message(self._launch_order, pending, self.param_to_name)
         # Communicate even when about to raise: a peer that saw every gradient is already waiting in
         # these collectives and must not hang.
-        self.start_grad_sync()
+        for bucket in self._launch_order[self._grads.next_to_launch:]:
+            bucket.start_grad_sync(force_all_reduce)
+        self._grads.next_to_launch = len(self._launch_order)
         for bucket in self._launch_order:
-            bucket.finish_grad_sync()
+            bucket.finish_grad_sync(force_all_reduce)
         self._grads.finalized = True
         self._grads.unsynchronized = False
         if self.zero3:  # release what the first iteration (or an unused parameter) kept; check the gathers
@@ -281,6 +304,11 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             self.param_gather.finish()
 
+    def free_overlap_buffers(self):
+        """megatron-core's call before an asynchronous checkpoint save: complete pending parameter gathers
+        (megatron-lite keeps no separate overlap buffers to free: the gathers land in the param buffer)."""
+        self.finish_param_sync()
+
     def full_parameters(self, write_back: bool = False):
         """ZeRO-3: every parameter gathered inside the context (released after it; with `write_back`, what
         was written into them is kept as the new shards). Other strategies: nothing to do."""
@@ -289,6 +317,7 @@ class DistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
         raise_if_requires_grad_changed(self._all_named_params)
+        self._raise_if_params_moved()
         for param in self.param_to_name:
             param.grad = None  # may alias main_grad after an FP32Optimizer step
             param.grad_added_to_main_grad = False
@@ -302,10 +331,22 @@ class DistributedDataParallel(torch.nn.Module):
     def check_ready_for_step(self):
         """Raise unless every gradient of this iteration's backward passes was synchronized (called by the
         optimizer's step(): stepping on unreduced gradients silently makes the replicas diverge)."""
+        self._raise_if_params_moved()
         if self._grads.unsynchronized:
             raise RuntimeError(
                 "optimizer.step() after a backward pass whose gradients were not synchronized: call "
                 "model.finish_grad_sync() after the last micro-batch's backward and before optimizer.step()"
+            )
+
+    def _raise_if_params_moved(self):
+        problems = [p for buffer in self.param_and_grad_buffers for p in buffer.misplaced_params()]
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise ValueError(
+                f"parameters changed under DistributedDataParallel since it was wrapped: {shown}. Its buffers are "
+                f"laid out once, for the dtype, device and storage the parameters had then: convert the model "
+                f"(.to(dtype), .half(), .cuda()) before wrapping it, and load new weights in place "
+                f"(model.load_state_dict, or param.data.copy_(...)) instead of assigning param.data."
             )
 
     def scale_gradients(self, scaling_factor: float):
@@ -326,6 +367,19 @@ class DistributedDataParallel(torch.nn.Module):
             state = self.module.state_dict(*args, **kwargs)
             # ZeRO-3: the gathered storage is released after the context, so the state keeps copies.
             return {k: v.clone() for k, v in state.items()} if self.zero3 else state
+
+    def untrained_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The bare module's state entries that are not trainable parameters (buffers, frozen parameters),
+        read without gathering anything: what a sharded checkpoint saves whole, next to the shards."""
+        if self.zero3:
+            self.param_units.placeholders_allowed = True
+        try:
+            state = self.module.state_dict()
+        finally:
+            if self.zero3:
+                self.param_units.placeholders_allowed = False
+        trainable = set(self.param_to_name.values())
+        return {k: v for k, v in state.items() if k not in trainable}
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         self.finish_param_sync()  # a pending gather must not overwrite the loaded values later

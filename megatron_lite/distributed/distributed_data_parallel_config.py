@@ -57,6 +57,11 @@ class DistributedDataParallelConfig:
     `overlap_grad_reduce`: without overlap there is always one bucket. None: Megatron's default,
     max(40M, 1M x dp)."""
 
+    num_buckets: Optional[int] = None
+    """Megatron's alternative to bucket_size (`--ddp-num-buckets`): aim for this many buckets, i.e. a bucket
+    size of (number of elements of the model's parameters) // num_buckets. Only one of the two may be set.
+    Like bucket_size, only used with `overlap_grad_reduce`."""
+
     average_in_collective: bool = False
     """Average with ReduceOp.AVG inside the collective instead of pre-scaling by 1/dp and summing."""
 
@@ -80,6 +85,13 @@ class DistributedDataParallelConfig:
     then adds. Only where the grad dtype is the parameter's and the full-size buffer persists (not with
     grad_reduce_in_fp32 on low-precision params, nor ZeRO-2/3). Incompatible with fused weight-gradient
     layers that add into main_grad themselves (an error says so)."""
+
+    broadcast_buffers: bool = True
+    """torch DDP's flag of that name and default: before a forward, copy the module's buffers (BatchNorm's
+    running statistics, say) from data-parallel rank 0 to the others, so that every rank's replica stays the
+    same. As in torch, the copy is skipped on a forward that follows one run under no_sync() or without
+    autograd (e.g. evaluation after the first eval forward). Models without buffers (the GPT) send nothing.
+    False: each rank keeps its own buffers (Megatron's behaviour; then save or evaluate with care)."""
 
     def __post_init__(self):
         strategy = self.data_parallel_sharding_strategy
@@ -110,13 +122,16 @@ class DistributedDataParallelConfig:
                     raise TypeError(f"num_distributed_optimizer_instances must be a positive int, got {value!r}")
                 if value < 1:
                     raise ValueError(f"num_distributed_optimizer_instances must be >= 1, got {value}")
-            elif f.name == "bucket_size":
+            elif f.name in ("bucket_size", "num_buckets"):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                    raise TypeError(f"bucket_size must be a positive int or None, got {value!r}")
+                    raise TypeError(f"{f.name} must be a positive int or None, got {value!r}")
                 if value is not None and value <= 0:
-                    raise ValueError(f"bucket_size must be a positive number of elements or None, got {value}")
+                    raise ValueError(f"{f.name} must be a positive int or None, got {value}")
             elif not isinstance(value, bool):
                 raise TypeError(f"{f.name} must be a bool, got {value!r}")
+        if self.num_buckets is not None and self.bucket_size is not None:
+            raise ValueError(f"bucket_size={self.bucket_size} and num_buckets={self.num_buckets}: set only one "
+                             f"(num_buckets derives the bucket size from the model's size)")
         if self.calculate_per_token_loss and self.average_in_collective:
             raise ValueError("calculate_per_token_loss=True sums gradients over ranks; average_in_collective=True "
                              "would average them: use one or the other")

@@ -101,6 +101,8 @@ class ParamAndGradBuffer:
                              else self.param_data[b.start:b.end] for b in layout.buckets]
 
         self.param_index_map = {}
+        self._shapes = {param: tuple(param.shape) for param in self.params}
+        self._param_to_name = param_to_name
         for param, (start, end, bucket_id) in zip(self.params, layout.param_ranges):
             self.param_index_map[param] = (start, end, bucket_id)
             bucket_start = layout.buckets[bucket_id].start
@@ -128,6 +130,27 @@ class ParamAndGradBuffer:
                 )
             )
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
+        for param, (start, end, bucket_id) in self.param_index_map.items():
+            bucket = self.buckets[bucket_id]
+            bucket.param_to_index[param] = (start - bucket.offset, end - bucket.offset)
+
+    def misplaced_params(self) -> List[str]:
+        """Parameters that no longer are what the buffer was built around: another dtype, device or shape
+        (`model.to(torch.bfloat16)` or `.cuda()` after wrapping), or, where param.data is a view into the
+        parameter buffer (distributed optimizer), data that is not that view any more (`param.data = ...`).
+        Either way the optimizer would step, or the all-gather overwrite, something the model does not use."""
+        problems = []
+        for param, (start, _, bucket_id) in self.param_index_map.items():
+            name = self._param_to_name.get(param, f"<parameter of shape {self._shapes[param]}>")
+            if param.dtype != self.param_dtype or param.device != self.device or tuple(param.shape) != self._shapes[param]:
+                problems.append(f"{name} is {param.dtype} {tuple(param.shape)} on {param.device}, wrapped as "
+                                f"{self.param_dtype} {self._shapes[param]} on {self.device}")
+                continue
+            bucket = self.buckets[bucket_id]
+            expected = bucket.expected_param_data_ptr(start - bucket.offset)
+            if expected is not None and param.data_ptr() != expected:
+                problems.append(f"{name}: param.data is not its view into the parameter buffer any more")
+        return problems
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply all gradients in the buffer by `scaling_factor` (in place; ZeRO-2: the reduced shards)."""

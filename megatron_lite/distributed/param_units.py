@@ -116,6 +116,16 @@ class ParamUnits:
             self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
 
+    def guard_state_dicts(self, module: torch.nn.Module, param_to_bucket: Dict[torch.nn.Parameter, Bucket]):
+        """Make `state_dict()` of `module` or any submodule raise while it holds released parameters (the
+        NaN placeholders): saving those, e.g. Hugging Face's save_pretrained(model.module), would silently
+        write NaN. Inside full_parameters() (and so through the wrapper's own state_dict) it works."""
+        self.placeholders_allowed = False  # set by sharded readers that skip the trainable entries themselves
+        for sub in module.modules():
+            own = [param_to_bucket[p] for p in sub.parameters(recurse=False) if p in param_to_bucket]
+            if own:
+                self._handles.append(sub.register_state_dict_pre_hook(_refuse_released(self, own)))
+
     # ---------------------------------------------------------------- gathering in a fixed order
     def _gather(self, bucket: Bucket, async_op: bool = True):
         if bucket.gather_params(self.group, async_op):  # a collective was issued: remember it
@@ -249,6 +259,19 @@ class ParamUnits:
                         bucket.param_shard.copy_(bucket.my_shard_of(bucket.param_data))
         finally:
             self.release_all()
+
+
+def _refuse_released(units: ParamUnits, buckets: List[Bucket]):
+    def hook(module, prefix, keep_vars):
+        if not units.placeholders_allowed and not all(b.params_gathered for b in buckets):
+            raise RuntimeError(
+                f"state_dict() of {type(module).__name__} {prefix.rstrip('.') or '(the wrapped model)'}: under ZeRO-3 "
+                f"(optim_grads_params) its parameters are sharded and this rank holds only placeholders. Use the "
+                f"wrapper's state_dict() (DistributedDataParallel.state_dict(), collective: call it on every rank), "
+                f"or gather on every rank first: `with model.full_parameters(): model.module.save_pretrained(...)` "
+                f"(save on rank 0 only inside the context)."
+            )
+    return hook
 
 
 def _tensors(output) -> List[torch.Tensor]:

@@ -40,20 +40,28 @@ def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
     kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
 
     def make(groups):
+        inner = _make(groups)
+        if config.lr is None:  # megatron-core: the scheduler sets each group's lr; step() checks it did
+            for group in inner.param_groups:
+                group["lr"] = None
+        return inner
+
+    def _make(groups):
+        lr = 0.0 if config.lr is None else config.lr  # torch validates a number at construction
         if apex_optimizers is not None:
             # apex's kernels index group["params"][0]; a rank's shard may leave a group empty.
             groups = [g for g in groups if g["params"]]
         if config.optimizer == "adam":
             betas = (config.adam_beta1, config.adam_beta2)
             if apex_optimizers is not None:
-                return apex_optimizers.FusedAdam(groups, lr=config.lr, weight_decay=config.weight_decay,
+                return apex_optimizers.FusedAdam(groups, lr=lr, weight_decay=config.weight_decay,
                                                  betas=betas, eps=config.adam_eps, adam_w_mode=True)
-            return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay, betas=betas,
+            return torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay, betas=betas,
                                      eps=config.adam_eps, **kernel)
         if apex_optimizers is not None:
-            return apex_optimizers.FusedSGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+            return apex_optimizers.FusedSGD(groups, lr=lr, weight_decay=config.weight_decay,
                                             momentum=config.sgd_momentum)
-        return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+        return torch.optim.SGD(groups, lr=lr, weight_decay=config.weight_decay,
                                momentum=config.sgd_momentum, **kernel)
 
     return make

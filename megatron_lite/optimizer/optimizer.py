@@ -108,6 +108,9 @@ class MegatronOptimizer:
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         for chunk in self.model_chunks:
             chunk.check_ready_for_step()  # unreduced gradients would make the replicas diverge
+        if any(g["lr"] is None for g in self.optimizer.param_groups):
+            raise ValueError("OptimizerConfig.lr is None and no learning-rate scheduler set it: build an "
+                             "OptimizerParamScheduler over this optimizer, or give OptimizerConfig an lr")
         self._prepare_for_step()
         main_grads = self._copy_model_grads_to_main_grads()
         # Collectives first: every rank agrees on the overflow, the norm and the zero count before any

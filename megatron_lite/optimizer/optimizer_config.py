@@ -15,7 +15,8 @@ class OptimizerConfig:
     """'adam' (decoupled weight decay, i.e. AdamW) or 'sgd' (with momentum, coupled weight decay)."""
 
     lr: Optional[float] = None
-    """Peak learning rate (the scheduler may change each group's 'lr')."""
+    """Peak learning rate (the scheduler may change each group's 'lr'). None, as in megatron-core: the
+    learning-rate scheduler sets it (step() raises if nothing did)."""
 
     min_lr: Optional[float] = None
     """Floor of the learning-rate schedule (used by the scheduler, not by the optimizer)."""
@@ -81,9 +82,9 @@ class OptimizerConfig:
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.lr is None or not isinstance(self.lr, (int, float)) or self.lr < 0:
-            raise ValueError(f"lr must be a non-negative number, got {self.lr!r}")
-        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr < 0):
+            raise ValueError(f"lr must be a non-negative number or None (set by the scheduler), got {self.lr!r}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= (math.inf if self.lr is None else self.lr):
             raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")

@@ -153,7 +153,7 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
 
 
 def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
-    return {k: v for k, v in model.module.state_dict().items() if k not in trainable}
+    return {k: v for k, v in model.untrained_state_dict().items() if k not in trainable}
 
 
 def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,237 @@
+"""DistributedDataParallel on models and habits nobody here wrote: torch idioms that used to be silently
+wrong (dtype conversion after wrapping, reading sharded parameters through the inner module, buffers that
+drift apart, a shadowed nn.Module method) and the megatron-core calls a megatron-core training loop makes."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed_helper import run_distributed
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def _wrap(model, strategy, **kwargs):
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    zero3 = strategy == "optim_grads_params"
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=zero3,
+                                           fsdp_unit_modules=("Linear",) if zero3 else None, **kwargs)
+    return DistributedDataParallel(model, config)
+
+
+def _optimizer(ddp, strategy, **kwargs):
+    from megatron_lite import OptimizerConfig, get_megatron_optimizer
+
+    bf16 = next(iter(ddp.param_to_name)).dtype == torch.bfloat16
+    return get_megatron_optimizer(OptimizerConfig(use_distributed_optimizer=strategy != "no_shard", bf16=bf16,
+                                                  **{"lr": 1e-2, **kwargs}), ddp)
+
+
+def _step(ddp, opt, x):
+    ddp.zero_grad_buffer()
+    ddp(x).float().square().mean().backward()
+    ddp.finish_grad_sync()
+    return opt.step()
+
+
+# ------------------------------------------------------------------------------ parameters changed after wrapping
+def _moved_worker(strategy, how):
+    from ddp_testing import make_model
+
+    ddp = _wrap(make_model(), strategy)
+    opt = _optimizer(ddp, strategy)
+    if how == "bf16":
+        ddp.module.to(torch.bfloat16)
+    elif how == "half":
+        ddp.module.half()
+    else:
+        with torch.no_grad():
+            ddp.module.fc1.weight.data = ddp.module.fc1.weight.data.clone()
+    try:
+        _step(ddp, opt, torch.randn(4, 8, dtype=next(ddp.module.parameters()).dtype))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameters_converted_after_wrapping_are_an_error(strategy):
+    """Would catch `model.to(torch.bfloat16)` / `.half()` / `param.data = ...` after wrapping: with the
+    distributed optimizer the step wrote into a buffer the model no longer used (weights never changed, no
+    error); under no_shard it trained bf16 weights through an fp32 buffer layout."""
+    for how in ("bf16", "half", "assign"):
+        if how == "assign" and strategy == "no_shard":
+            continue  # no_shard keeps the parameter's own storage: assigning data is legal there
+        for error in run_distributed(_moved_worker, 2, strategy, how):
+            assert error is not None and "parameters changed under DistributedDataParallel" in error, (how, error)
+            assert "fc1.weight" in error and "before wrapping" in error
+
+
+# ------------------------------------------------------------------------------ ZeRO-3 state_dict of the inner module
+def _inner_state_dict_worker():
+    from ddp_testing import make_model
+
+    model = make_model()
+    expected = copy.deepcopy(model.state_dict())
+    ddp = _wrap(model, "optim_grads_params")
+    outcomes = {}
+    try:
+        ddp.module.state_dict()
+        outcomes["bare"] = "no error"
+    except RuntimeError as e:
+        outcomes["bare"] = str(e)
+    with ddp.full_parameters():
+        inside = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    outcomes["inside"] = all(torch.equal(inside[k], v) for k, v in expected.items())
+    outcomes["wrapper"] = all(torch.equal(ddp.state_dict()[k], v) for k, v in expected.items())
+    return outcomes
+
+
+def test_zero3_inner_module_state_dict_refuses_placeholders():
+    """Would catch `model.module.state_dict()` (Hugging Face's save_pretrained(model.module)) silently
+    returning the NaN placeholders of released ZeRO-3 parameters instead of raising with the remedy."""
+    for out in run_distributed(_inner_state_dict_worker, 2):
+        assert "full_parameters()" in out["bare"] and "wrapper's state_dict()" in out["bare"], out["bare"]
+        assert out["inside"] and out["wrapper"]
+
+
+# ------------------------------------------------------------------------------ buffers (BatchNorm statistics)
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.bn(self.fc(x)))
+
+
+def _buffers_worker(strategy, broadcast):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = BNNet()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=broadcast)
+    ddp = _wrap(model, strategy, broadcast_buffers=broadcast)
+    opt = _optimizer(ddp, strategy, weight_decay=0.0, clip_grad=0.0)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(6, 8, generator=gen) * (1 + rank)
+        _step(ddp, opt, x)
+        torch_opt.zero_grad()
+        reference(x).square().mean().backward()
+        torch_opt.step()
+    with torch.no_grad():  # an eval forward: the first one after training broadcasts once more, as in torch
+        ddp.eval(), reference.eval()
+        ddp(torch.randn(2, 8)), reference(torch.randn(2, 8))
+    ours = {k: v.clone() for k, v in ddp.state_dict().items()}
+    theirs = reference.module.state_dict()
+    return {k: torch.equal(ours[k], theirs[k]) for k in theirs}, ours["bn.running_mean"]
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_buffers_follow_torch_ddp_broadcast_buffers(strategy):
+    """Would catch BatchNorm running statistics that drift apart across ranks (torch DDP copies rank 0's
+    buffers before each forward by default), and broadcast_buffers=False not keeping each rank's own."""
+    for broadcast in (True, False):
+        results = run_distributed(_buffers_worker, 2, strategy, broadcast)
+        for same, _ in results:
+            assert all(same.values()), (broadcast, same)
+        agree = torch.equal(results[0][1], results[1][1])
+        assert agree == broadcast  # with the broadcast every rank holds rank 0's statistics
+
+
+# ------------------------------------------------------------------------------ nn.Module surface
+def _surface_worker():
+    from ddp_testing import make_model
+
+    ddp = _wrap(BNNet(), "optim")
+    shadowed = [name for name, value in vars(ddp).items()
+                if not name.startswith("__") and callable(getattr(nn.Module, name, None))]
+    return shadowed, len(list(ddp.buffers())), len(list(ddp.named_buffers())), make_model is not None
+
+
+def test_no_wrapper_attribute_shadows_an_nn_module_method():
+    """Would catch an instance attribute named like an nn.Module method (`self.buffers` made
+    `model.buffers()` raise "'list' object is not callable")."""
+    for shadowed, buffers, named, _ in run_distributed(_surface_worker, 2):
+        assert shadowed == [] and buffers == named == 3  # running_mean, running_var, num_batches_tracked
+
+
+# ------------------------------------------------------------------------------ megatron-core loop calls
+def _megatron_calls_worker(strategy):
+    import torch.distributed as dist
+
+    from ddp_testing import make_model
+    from megatron_lite import OptimizerConfig, get_megatron_optimizer
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank = dist.get_rank()
+    ddp = _wrap(make_model(), strategy)
+    out = {}
+    x = torch.randn(4, 8) + rank
+    ddp.zero_grad_buffer()
+    ddp(x).square().mean().backward()
+    if strategy in ("optim_grads", "optim_grads_params"):
+        try:
+            ddp.finish_grad_sync(force_all_reduce=True)
+        except ValueError as e:
+            out["force"] = str(e)
+        ddp.finish_grad_sync()
+    else:
+        ddp.finish_grad_sync(force_all_reduce=True)
+        out["force"] = torch.cat([b.grad_data for b in ddp.param_and_grad_buffers])
+    ddp.free_overlap_buffers()
+    bucket = ddp.param_and_grad_buffers[0].buckets[0]
+    start, end = bucket.param_to_index[bucket.params_list[-1]]
+    out["index"] = end - start == bucket.params_list[-1].numel() and end <= bucket.numel_unpadded
+    opt = get_megatron_optimizer(OptimizerConfig(lr=None, use_distributed_optimizer=strategy != "no_shard"), ddp)
+    try:
+        opt.step()
+    except ValueError as e:
+        out["lr_none"] = str(e)
+    OptimizerParamScheduler(opt, 1e-2, 0.0, 0, 10, "constant")
+    out["stepped"] = opt.step()[0]
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_megatron_core_loop_calls(strategy):
+    """Would catch the megatron-core calls that raised TypeError/AttributeError: finish_grad_sync(
+    force_all_reduce=True) (which must leave the whole reduced gradient on every rank), free_overlap_buffers(),
+    Bucket.param_to_index, OptimizerConfig(lr=None) with the scheduler setting the lr (and a clear error
+    when nothing does)."""
+    results = run_distributed(_megatron_calls_worker, 2, strategy)
+    for out in results:
+        assert out["index"] and out["stepped"]
+        assert "no learning-rate scheduler set it" in out["lr_none"]
+    if strategy in ("optim_grads", "optim_grads_params"):
+        assert all("force_all_reduce=True" in out["force"] for out in results)
+    else:
+        assert torch.equal(results[0]["force"], results[1]["force"])
+
+
+def test_num_buckets_sets_the_bucket_size():
+    """Would catch DistributedDataParallelConfig.num_buckets (--ddp-num-buckets) missing or combined with
+    bucket_size silently."""
+    from megatron_lite import DistributedDataParallelConfig
+
+    with pytest.raises(ValueError, match="set only one"):
+        DistributedDataParallelConfig(bucket_size=10, num_buckets=2)
+    with pytest.raises(ValueError, match="num_buckets"):
+        DistributedDataParallelConfig(num_buckets=0)
+    assert run_distributed(_num_buckets_worker, 2) == [4, 4]
+
+
+def _num_buckets_worker():
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = nn.Sequential(*[nn.Linear(10, 10, bias=False) for _ in range(8)])
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, num_buckets=4))
+    return len(ddp.param_and_grad_buffers[0].buckets)
