@@ -235,3 +235,32 @@ def _num_buckets_worker():
     model = nn.Sequential(*[nn.Linear(10, 10, bias=False) for _ in range(8)])
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, num_buckets=4))
     return len(ddp.param_and_grad_buffers[0].buckets)
+
+
+# ------------------------------------------------------------------------------ .grad after the sync
+def _grad_alias_worker(strategy):
+    import torch.distributed as dist
+
+    from ddp_testing import make_model
+
+    ddp = _wrap(make_model(), strategy, gradient_as_bucket_view=True)
+    opt = _optimizer(ddp, strategy, clip_grad=1e9, log_grad_norm=True)
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(4, 8) + dist.get_rank()).square().mean().backward()
+    ddp.finish_grad_sync()
+    grads = [p.grad for p in ddp.parameters()]
+    torch_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9).item()
+    _, norm, _ = opt.step()
+    return all(g is None for g in grads), torch_norm, norm
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_grad_after_sync_is_whole_or_none(strategy):
+    """Would catch .grad left aliasing a half-reduced buffer under the distributed optimizer (torch's
+    clip_grad_norm_ would then read other ranks' unreduced shards on NCCL), and under no_shard a .grad that
+    torch's clip_grad_norm_ cannot use (its norm must equal the optimizer's)."""
+    for none, torch_norm, norm in run_distributed(_grad_alias_worker, 2, strategy):
+        if strategy == "no_shard":
+            assert not none and torch_norm == pytest.approx(norm, rel=1e-6)
+        else:
+            assert none and torch_norm == 0.0

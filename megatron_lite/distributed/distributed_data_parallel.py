@@ -273,6 +273,12 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.finish_grad_sync(force_all_reduce)
         self._grads.finalized = True
         self._grads.unsynchronized = False
+        if self.ddp_config.use_distributed_optimizer and self._grads.aliased:
+            # gradient_as_bucket_view: only this rank's shard of the buffer is reduced now (NCCL leaves the
+            # rest partial): no .grad rather than a .grad that torch's clip_grad_norm_ would read half-reduced.
+            for param in self._grad_views:
+                param.grad = None
+            self._grads.aliased = False
         if self.zero3:  # release what the first iteration (or an unused parameter) kept; check the gathers
             self.param_units.end_iteration()
         if unused_error:
