@@ -27,6 +27,7 @@ DDP_FLAGS = {
     "use_distributed_optimizer": "--use-distributed-optimizer",  # sets OptimizerConfig's field too
     "data_parallel_sharding_strategy": "--data-parallel-sharding-strategy",
     "bucket_size": "--ddp-bucket-size",
+    "num_buckets": "--ddp-num-buckets",
     "average_in_collective": "--ddp-average-in-collective",
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",  # or --bf16
     "check_for_nan_in_grad": "--check-for-nan-in-loss-and-grad",
