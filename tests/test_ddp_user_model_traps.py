@@ -17,8 +17,8 @@ def _wrap(model, strategy, **kwargs):
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     zero3 = strategy == "optim_grads_params"
-    config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=zero3,
-                                           fsdp_unit_modules=("Linear",) if zero3 else None, **kwargs)
+    kwargs = {"overlap_grad_reduce": zero3, "fsdp_unit_modules": ("Linear",) if zero3 else None, **kwargs}
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, **kwargs)
     return DistributedDataParallel(model, config)
 
 
@@ -264,3 +264,65 @@ def test_grad_after_sync_is_whole_or_none(strategy):
             assert not none and torch_norm == pytest.approx(norm, rel=1e-6)
         else:
             assert none and torch_norm == 0.0
+
+
+# ------------------------------------------------------------------------------ parameters no rank used
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.heads = nn.ModuleList([nn.Linear(8, 2), nn.Linear(8, 2)])
+
+    def forward(self, x, head):
+        return self.heads[head](torch.tanh(self.trunk(x)))
+
+
+HEADS = [lambda rank: rank, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank]
+
+
+def _unused_worker(strategy):
+    """Steps that leave a head unused on every rank (torch skips it: no moments, no weight decay, its own
+    step count lags), then a checkpoint round trip into a fresh optimizer, which must continue alike."""
+    import torch.distributed as dist
+
+    from megatron_lite.optimizer import get_megatron_optimizer
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TwoHeads()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    ddp = _wrap(model, strategy, find_unused_parameters=True, overlap_grad_reduce=True, bucket_size=30)
+    kwargs = dict(weight_decay=0.1, clip_grad=0.0)
+    opt = _optimizer(ddp, strategy, **kwargs)
+    decay = [p for n, p in reference.named_parameters() if not n.endswith(".bias")]
+    no_decay = [p for n, p in reference.named_parameters() if n.endswith(".bias")]
+    torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-2, foreach=True)
+    gen = torch.Generator().manual_seed(10 + rank)
+    diffs = []
+    for step, head_of in enumerate(HEADS):
+        if step == 3:  # resume from the torch-format state dict into a new optimizer
+            state = opt.state_dict()
+            opt = _optimizer(ddp, strategy, **kwargs)
+            opt.load_state_dict(state)
+        x, y, head = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen), head_of(rank)
+        ddp.zero_grad_buffer()
+        ((ddp(x, head) - y) ** 2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        torch_opt.zero_grad()
+        ((reference(x, head) - y) ** 2).mean().backward()
+        torch_opt.step()
+        with ddp.full_parameters():
+            diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    return diffs, sorted(ddp.param_to_name[p] for p in ddp.unused_params)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameters_no_rank_used_are_skipped_like_torch(strategy):
+    """Would catch Adam stepping a parameter that no rank used in an iteration (moments keep moving, weight
+    decay shrinks it) where torch's optimizer skips it, and a checkpoint that gives every parameter the
+    optimizer's step count (a skipped parameter's bias correction lags, as torch's per-tensor step does)."""
+    for diffs, unused in run_distributed(_unused_worker, 2, strategy):
+        assert diffs == [0.0] * len(HEADS), diffs
+        assert unused == []  # the last step used both heads

@@ -109,6 +109,7 @@ class Bucket:
     def reset(self):
         """Forget this iteration's progress (called by zero_grad_buffer)."""
         self._counts = [0] * len(self.params_list)  # arrivals on the last micro-batch, by position
+        self.grad_seen = [False] * len(self.params_list)  # a gradient arrived in any micro-batch (find_unused)
         self._num_ready = 0  # parameters whose arrivals reached their expected count
         self.communication_handle = None
         self._finished = False

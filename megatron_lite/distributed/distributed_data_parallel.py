@@ -28,7 +28,8 @@ import torch.distributed as dist
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .grad_checks import (
-    raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed, unused_parameters_message,
+    globally_unused_params, raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed,
+    unused_parameters_message,
 )
 from .layout import default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
@@ -132,6 +133,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._grad_views = [p for p, bucket in self.param_to_bucket.items() if config.gradient_as_bucket_view
                             and not bucket.shards_grads and p.main_grad.dtype == p.dtype]
         self._overlap = config.overlap_grad_reduce
+        self._find_unused = config.find_unused_parameters
+        self.unused_params: frozenset = frozenset()  # find_unused_parameters: no rank's gradient in this iteration
         self.is_last_microbatch = True
         # broadcast_buffers: whether to copy rank 0's buffers before the next forward (torch DDP's rule, see
         # the config field); looked up per forward, since models may replace a buffer tensor.
@@ -172,6 +175,8 @@ class DistributedDataParallel(torch.nn.Module):
                 f"zero_grad_buffer() at the start of every iteration"
             )
         self._grads.unsynchronized = True
+        if self._find_unused:
+            bucket.grad_seen[index] = True
         report_ready = self._overlap and self.is_last_microbatch
         if report_ready:
             bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
@@ -271,6 +276,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._grads.next_to_launch = len(self._launch_order)
         for bucket in self._launch_order:
             bucket.finish_grad_sync(force_all_reduce)
+        if self._find_unused:
+            self.unused_params = globally_unused_params(self._launch_order, self.data_parallel_group)
         self._grads.finalized = True
         self._grads.unsynchronized = False
         if self.ddp_config.use_distributed_optimizer and self._grads.aliased:

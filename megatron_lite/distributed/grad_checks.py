@@ -30,6 +30,19 @@ def unused_parameters_message(launch_order: List[Bucket], pending: List[Bucket],
     )
 
 
+def globally_unused_params(launch_order: List[Bucket], group) -> frozenset:
+    """find_unused_parameters: the parameters no rank of `group` got a gradient for in this iteration (any
+    micro-batch), from one small all-reduce of per-parameter flags, as torch DDP does. The optimizer leaves
+    them alone, as torch's optimizers skip a parameter whose .grad is None."""
+    params = [p for bucket in launch_order for p in bucket.params_list]
+    if not params:
+        return frozenset()
+    seen = torch.tensor([s for bucket in launch_order for s in bucket.grad_seen], dtype=torch.int32,
+                        device=params[0].device)
+    collectives.all_reduce(seen, group, op=collectives.MAX)
+    return frozenset(p for p, s in zip(params, seen.tolist()) if not s)
+
+
 def raise_if_any_rank_found_nonfinite(buffers, group):
     """One small all-reduce of a flag per rank (every rank takes part), then every rank raises together,
     naming the bad ranks and, on them, the bucket and parameter of each NaN/Inf local gradient."""

@@ -98,11 +98,12 @@ class DistributedOptimizer(MegatronOptimizer):
             chunk.finish_param_sync()
 
     def _copy_model_grads_to_main_grads(self):
-        grads = []
+        grads, skipped = [], self._skipped()
         for i, s in enumerate(self.shards):
             main = self.main_of[i]
-            main.grad = s.grad.float()  # a view if fp32 already
-            grads.append(main.grad)
+            main.grad = None if s.model_param in skipped else s.grad.float()  # a view if fp32 already
+            if main.grad is not None:
+                grads.append(main.grad)
         return grads
 
     def _copy_main_params_to_model_params(self):
@@ -119,16 +120,20 @@ class DistributedOptimizer(MegatronOptimizer):
         return rank % per_instance == dist.get_rank(self.data_parallel_group) % per_instance
 
     def _flat_shard_state(self) -> torch.Tensor:
-        """[step, main params..., then each optimizer-state tensor...] of this rank's shards, one fp32 tensor
-        of _flat_numel() elements (state never created yet travels as zeros with step 0)."""
+        """[step, each shard's own step, main params..., then each optimizer-state tensor...] of this rank's
+        shards, one fp32 tensor of _flat_numel() elements (state never created yet travels as zeros)."""
         states = [self.chunk_state(main) for main in self.main_of.values()]
-        parts = [torch.tensor([float(self.local_step())], device=self.device)] + [s["param"] for s in states]
+        own = [self._state_of(main)["step"].item() if "step" in self._state_of(main) else self.local_step()
+               for main in self.main_of.values()]
+        parts = [torch.tensor([float(self.local_step())] + [float(s) for s in own], device=self.device)]
+        parts += [s["param"] for s in states]
         for key in STATE_KEYS[self.config.optimizer]:
             parts += [s[key] if key in s else torch.zeros_like(s["param"]) for s in states]
         return torch.cat([p.float() for p in parts])
 
     def _flat_numel(self) -> int:
-        return 1 + (1 + len(STATE_KEYS[self.config.optimizer])) * sum(m.numel() for m in self.main_of.values())
+        return (1 + len(self.main_of)
+                + (1 + len(STATE_KEYS[self.config.optimizer])) * sum(m.numel() for m in self.main_of.values()))
 
     @torch.no_grad()
     def send_shard_state(self, dst: int):
@@ -157,18 +162,20 @@ class DistributedOptimizer(MegatronOptimizer):
         if not torch.isfinite(flat).all() or any((t < 0).any() for t in values.get("exp_avg_sq", [])):
             raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
                              f"second moments); refusing to restore it")
+        own_steps = flat[1:1 + len(self.main_of)].tolist()
         for i, main in enumerate(self.main_of.values()):
             main.copy_(values["param"][i])
             if step:
-                self._set_state_of(main, step, {k: values[k][i] for k in keys})
+                self._set_state_of(main, int(own_steps[i]), {k: values[k][i] for k in keys})
             else:
                 self.optimizer.state.pop(main, None)
+        self.update_count = step
         for i, s in enumerate(self.shards):
             copy_main_to_model(self.main_of[i], s.params)
 
     def _split(self, flat: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
         """The inverse of _flat_shard_state: per key ('param', state keys) the tensors of every shard."""
-        out, offset = {}, 1
+        out, offset = {}, 1 + len(self.main_of)
         for key in ("param", *STATE_KEYS[self.config.optimizer]):
             out[key] = []
             for m in self.main_of.values():
@@ -214,14 +221,13 @@ class DistributedOptimizer(MegatronOptimizer):
             return of
 
         flats = {key: self._gather_full(value(key)) for key in keys}
-        # Every shard is stepped together, so one step count (agreed over ranks) serves all params.
-        step = self.agreed_step()
+        steps = self.agreed_param_steps()  # one count, except for parameters that skipped steps
         out = {}
         for chunk in self.model_chunks:
             for buffer in chunk.param_and_grad_buffers:
                 for param, (start, end, _) in buffer.param_index_map.items():
                     entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu() for k in keys}
-                    entry["step"] = step
+                    entry["step"] = steps[self.param_to_name[param]]
                     out[self.param_to_name[param]] = entry
         return out
 
@@ -240,4 +246,5 @@ class DistributedOptimizer(MegatronOptimizer):
             main.data.copy_(part(entry["param"]))
             tensors = {k: part(entry[k]) for k in STATE_KEYS[self.config.optimizer] if k in entry}
             self._set_state_of(main, entry.get("step"), tensors)
+        self.update_count = max([int(e.get("step", 0)) for e in state.values()] + [0])
         self._copy_main_params_to_model_params()

@@ -6,6 +6,8 @@ Float16OptimizerWithFloat16Params keeps fp32 main copies of fp16/bf16 parameters
 
 from typing import Optional
 
+import torch
+
 from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, main_param, qualified_param_names
 
 
@@ -25,9 +27,11 @@ class _FullParamOptimizer(MegatronOptimizer):
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
 
     def _copy_model_grads_to_main_grads(self):
+        skipped = self._skipped()
         for model_param, main in self.main_for.items():
-            main.grad = model_param.main_grad.float()  # fp32 main_grad: .float() is the same tensor
-        return [main.grad for main in self.main_for.values()]
+            # fp32 main_grad: .float() is the same tensor
+            main.grad = None if model_param in skipped else model_param.main_grad.float()
+        return [main.grad for main in self.main_for.values() if main.grad is not None]
 
     def _copy_main_params_to_model_params(self):
         for model_param, main in self.main_for.items():
@@ -47,6 +51,9 @@ class _FullParamOptimizer(MegatronOptimizer):
                           for k in STATE_KEYS[self.config.optimizer] if k in state})
             entry["step"] = int(state["step"].item()) if "step" in state else 0
             out[self.param_to_name[model_param]] = entry
+        for entry in out.values():  # a parameter that skipped every step so far: torch's initial state
+            if self.update_count and len(entry) == 2:
+                entry.update({k: torch.zeros_like(entry["param"]) for k in STATE_KEYS[self.config.optimizer]})
         return out
 
     def _load_full_main_state(self, state):
@@ -57,6 +64,7 @@ class _FullParamOptimizer(MegatronOptimizer):
             main.data.copy_(entry["param"])
             tensors = {k: entry[k] for k in STATE_KEYS[self.config.optimizer] if k in entry}
             self._set_state_of(main, entry.get("step"), tensors)
+        self.update_count = max([int(e.get("step", 0)) for e in state.values()] + [0])
         self._copy_main_params_to_model_params()
 
 

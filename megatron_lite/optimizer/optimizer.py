@@ -77,6 +77,7 @@ class MegatronOptimizer:
         self.update_lock = threading.Lock()  # held while step() changes the state (main params, moments)
         self.updating = False  # True inside the update; stays True if it raised half-way (a torn state)
         self.steps_taken = 0  # step() calls that got past their decision (an overflow skip included)
+        self.update_count = 0  # inner optimizer steps taken (overflow skips excluded); set again by a load
         self.last_step_successful = True
 
     # ------------------------------------------------------------------ protocol
@@ -131,6 +132,7 @@ class MegatronOptimizer:
                 if self.config.clip_grad > 0.0:
                     clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
                 self.optimizer.step()
+                self.update_count += 1
             self.steps_taken += 1
             self.last_step_successful = not found_inf
             self.updating = False
@@ -159,6 +161,14 @@ class MegatronOptimizer:
 
     def _copy_model_grads_to_main_grads(self) -> List[torch.Tensor]:
         raise NotImplementedError
+
+    def _skipped(self) -> frozenset:
+        """Model parameters no rank got a gradient for (find_unused_parameters): their main params keep
+        .grad None, so the inner optimizer leaves them, moments and step count included, as torch does."""
+        skipped = frozenset()
+        for chunk in self.model_chunks:
+            skipped |= chunk.unused_params
+        return skipped
 
     def _copy_main_params_to_model_params(self):
         raise NotImplementedError
@@ -199,14 +209,17 @@ class MegatronOptimizer:
         self._load_full_main_state(state_dict["state"])
 
     @torch.no_grad()
-    def load_chunks(self, values, step: int):
+    def load_chunks(self, values, step: int, lagging: Optional[Dict[str, int]] = None):
         """Set this rank's main params and optimizer state from `values[(name, start)]` = {'param', state
-        keys...} (the rank's own flattened ranges, see local_chunks), then write them into the model."""
+        keys...} (the rank's own flattened ranges, see local_chunks), then write them into the model. `step`
+        is the optimizer's step count, `lagging` the parameters whose own count is behind it."""
+        lagging = lagging or {}
         for name, start, _, main in self.local_chunks():
             entry = values[(name, start)]
             main.data.copy_(entry["param"].view_as(main))
             tensors = {k: entry[k].view_as(main) for k in STATE_KEYS[self.config.optimizer] if k in entry}
-            self._set_state_of(main, step, tensors)
+            self._set_state_of(main, lagging.get(name, step), tensors)
+        self.update_count = step
         self._copy_main_params_to_model_params()
 
     def load_common_state_dict(self, state_dict, hyperparameters: str = "check"):
@@ -237,16 +250,41 @@ class MegatronOptimizer:
 
     def chunk_state(self, main: torch.Tensor) -> Dict[str, torch.Tensor]:
         """A main tensor (see local_chunks) flattened as 'param', with its optimizer-state tensors (views;
-        the state keys are absent before the first step)."""
+        the state keys are absent before the first step; zeros, torch's initial state, for a parameter that
+        has skipped every step so far while the others stepped)."""
         state = self._state_of(main)
-        return {"param": main.detach().reshape(-1),
-                **{k: state[k].reshape(-1) for k in STATE_KEYS[self.config.optimizer] if k in state}}
+        flat = main.detach().reshape(-1)
+        if not state and self.update_count:
+            return {"param": flat, **{k: torch.zeros_like(flat) for k in STATE_KEYS[self.config.optimizer]}}
+        return {"param": flat, **{k: state[k].reshape(-1) for k in STATE_KEYS[self.config.optimizer] if k in state}}
 
     def local_step(self) -> int:
-        """This rank's optimizer step count (every main tensor is stepped together; 0 before any state)."""
-        steps = [int(self._state_of(main)["step"].item()) for _, _, _, main in self.local_chunks()
-                 if "step" in self._state_of(main)]
-        return max(steps + [0])
+        """The optimizer's step count: updates taken (the same on every rank). Every main tensor has it,
+        except one whose parameter skipped steps (find_unused_parameters): see param_steps()."""
+        return self.update_count
+
+    def param_steps(self) -> Dict[str, int]:
+        """This rank's parameters' own step counts, by name (Adam: torch keeps one per tensor; a parameter no
+        rank got a gradient for skips the step, as in torch). Non-collective."""
+        steps = {}
+        for name, _, _, main in self.local_chunks():
+            state = self._state_of(main)
+            steps[name] = int(state["step"].item()) if "step" in state else self.local_step()
+        return steps
+
+    def agreed_param_steps(self) -> Dict[str, int]:
+        """param_steps() of every parameter, on every rank (one all-reduce). Collective."""
+        names = list(self.param_to_name.values())
+        index = {name: i for i, name in enumerate(names)}
+        steps = torch.zeros(len(names), dtype=torch.int64, device=self.device)
+        for name, step in self.param_steps().items():
+            steps[index[name]] = step
+        collectives.all_reduce(steps, self.data_parallel_group, op=collectives.MAX)
+        return dict(zip(names, steps.tolist()))
+
+    def lagging_steps(self, steps: Dict[str, int]) -> Dict[str, int]:
+        """The entries of `steps` behind local_step(): what a checkpoint stores next to the one step count."""
+        return {name: s for name, s in steps.items() if s != self.local_step()}
 
     def agreed_step(self) -> int:
         """local_step(), the largest over the data-parallel ranks (a rank that owns no state yet counts 0).

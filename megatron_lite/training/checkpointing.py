@@ -128,6 +128,7 @@ def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_trai
         "consumed_train_samples": consumed_train_samples, "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": collectives.all_gather_object(get_rng_state(), group), "args": args or {},
         "optimizer": optimizer.common_state_dict(), "optimizer_step": optimizer.agreed_step(),
+        "optimizer_lagging_steps": optimizer.lagging_steps(optimizer.agreed_param_steps()),
         "shapes": {name: list(p.shape) for p, name in optimizer.param_to_name.items()},
     }
 

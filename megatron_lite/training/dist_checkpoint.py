@@ -230,7 +230,7 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparamet
             for start, tensor in local_pieces(value).items():
                 values.setdefault((name, start), {})[field] = tensor
     optimizer.load_common_state_dict(common["optimizer"], hyperparameters)
-    optimizer.load_chunks(values, common["optimizer_step"])
+    optimizer.load_chunks(values, common["optimizer_step"], common.get("optimizer_lagging_steps"))
     # The model: whole parameters, or (ZeRO-3) the rank's ranges, written through the optimizer's views.
     zero3 = any(getattr(chunk, "zero3", False) for chunk in optimizer.model_chunks)
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}

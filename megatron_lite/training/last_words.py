@@ -131,6 +131,7 @@ class LastWords:
                 payload = {"format": "last_words", "reason": reason, "rank": self.rank, "world": self.world,
                            "per_instance": self.per_instance, "position": self.rank % self.per_instance,
                            "optimizer": self.optimizer.common_state_dict(), "step": self.optimizer.local_step(),
+                           "lagging_steps": self.optimizer.lagging_steps(self.optimizer.param_steps()),
                            "chunks": chunks, "args": self.args,
                            **{k: v for k, v in record.items() if k not in ("steps_taken", "skipped_opt_param_scheduler")}}
             if not all(torch.isfinite(t).all() for entry in chunks.values() for t in entry.values()):
@@ -270,7 +271,7 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
         raise ValueError(f"{path} holds other shards than this rank's layout (bucket size or model differs)")
     values = {(key.rsplit("@", 1)[0], int(key.rsplit("@", 1)[1])): entry for key, entry in payload["chunks"].items()}
     optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
-    optimizer.load_chunks(values, payload["step"])
+    optimizer.load_chunks(values, payload["step"], payload.get("lagging_steps"))
     scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
     set_rng_state(payload["rng_state"])
     model.finish_param_sync()
