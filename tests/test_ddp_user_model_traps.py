@@ -280,7 +280,7 @@ class TwoHeads(nn.Module):
 HEADS = [lambda rank: rank, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank]
 
 
-def _unused_worker(strategy):
+def _unused_worker(strategy, resume):
     """Steps that leave a head unused on every rank (torch skips it: no moments, no weight decay, its own
     step count lags), then a checkpoint round trip into a fresh optimizer, which must continue alike."""
     import torch.distributed as dist
@@ -301,10 +301,17 @@ def _unused_worker(strategy):
     gen = torch.Generator().manual_seed(10 + rank)
     diffs = []
     for step, head_of in enumerate(HEADS):
-        if step == 3:  # resume from the torch-format state dict into a new optimizer
+        if step == 3 and resume == "torch":  # resume from the torch-format state dict into a new optimizer
             state = opt.state_dict()
             opt = _optimizer(ddp, strategy, **kwargs)
             opt.load_state_dict(state)
+        elif step == 3:  # the rank's own chunks (what torch_dist and last words write)
+            chunks = {(name, start): {k: v.clone() for k, v in opt.chunk_state(main).items()}
+                      for name, start, _, main in opt.local_chunks()}
+            common, step_count, lagging = opt.common_state_dict(), opt.local_step(), opt.lagging_steps(opt.param_steps())
+            opt = _optimizer(ddp, strategy, **kwargs)
+            opt.load_common_state_dict(common)
+            opt.load_chunks(chunks, step_count, lagging)
         x, y, head = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen), head_of(rank)
         ddp.zero_grad_buffer()
         ((ddp(x, head) - y) ** 2).mean().backward()
@@ -318,11 +325,12 @@ def _unused_worker(strategy):
     return diffs, sorted(ddp.param_to_name[p] for p in ddp.unused_params)
 
 
+@pytest.mark.parametrize("resume", ["torch", "chunks"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_parameters_no_rank_used_are_skipped_like_torch(strategy):
+def test_parameters_no_rank_used_are_skipped_like_torch(strategy, resume):
     """Would catch Adam stepping a parameter that no rank used in an iteration (moments keep moving, weight
     decay shrinks it) where torch's optimizer skips it, and a checkpoint that gives every parameter the
     optimizer's step count (a skipped parameter's bias correction lags, as torch's per-tensor step does)."""
-    for diffs, unused in run_distributed(_unused_worker, 2, strategy):
+    for diffs, unused in run_distributed(_unused_worker, 2, strategy, resume):
         assert diffs == [0.0] * len(HEADS), diffs
         assert unused == []  # the last step used both heads
