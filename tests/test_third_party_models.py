@@ -139,8 +139,8 @@ def build_pair(case, strategy, overlap, **ddp_kwargs):
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=case.find_unused)
     config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
-        bucket_size=SMALL_BUCKET if overlap else None, find_unused_parameters=case.find_unused,
-        fsdp_unit_modules=case.units if strategy == "optim_grads_params" else None, **ddp_kwargs)
+        **{"bucket_size": SMALL_BUCKET if overlap else None, "find_unused_parameters": case.find_unused,
+           "fsdp_unit_modules": case.units if strategy == "optim_grads_params" else None, **ddp_kwargs})
     ddp = DistributedDataParallel(model, config)
     opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=0.0,
                                                  use_distributed_optimizer=strategy != "no_shard"), ddp)
@@ -169,6 +169,7 @@ def torch_step(reference, torch_opt, loss_fn, micro_batches):
 
 def differences(ddp, reference):
     """({parameter name: max |ours - torch's|}, [names of buffers that differ]) on this rank."""
+    ddp.finish_param_sync()  # overlap_param_gather defers the all-gather of the new weights to the next forward
     with ddp.full_parameters():
         ours = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     theirs = dict(reference.module.named_parameters())
@@ -246,6 +247,25 @@ def test_zero3_whole_model_as_one_unit_matches_torch(case):
     leaving parameters unsharded, ungathered or released too early: same bit-exact comparison as above."""
     for rank, per_step in enumerate(run_distributed(_whole_model_worker, 2, case)):
         assert_matches(rank, per_step)
+
+
+def _tied_across_units_worker(units):
+    try:
+        return _compare_worker("tied_lm", "optim_grads_params", replace(CASES["tied_lm"], units=units))
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("units", [("Linear",), ("Embedding",)], ids=["head_is_a_unit", "embedding_is_a_unit"])
+def test_zero3_tied_parameter_shared_by_a_unit_and_the_root(units):
+    """Would catch a tied parameter given to the one unit that holds it while the root (a module outside every
+    unit) uses it too: the root then reads the released NaN placeholder (found by this file: NaN from the first
+    forward). Correct: the parameter gathered with the root (bit-exact vs torch), or a ValueError naming it."""
+    for rank, result in enumerate(run_distributed(_tied_across_units_worker, 2, units)):
+        if isinstance(result, str):
+            assert "embed.weight" in result, result
+        else:
+            assert_matches(rank, result)
 
 
 # ------------------------------------------------------------------------------ a branch no rank uses
