@@ -79,11 +79,18 @@ def _candidate_units(module: torch.nn.Module) -> str:
 
 
 def unit_of_params(module: torch.nn.Module, units: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, int]:
-    """Parameter -> unit index; len(units) for the root unit (also for a parameter two units share)."""
+    """Parameter -> unit index; len(units) for the root unit, which also takes every parameter two units
+    share or a unit shares with a module outside every unit (a tied embedding / output layer): the root is
+    gathered for the whole forward and backward, so each of its users finds the full values."""
     owner: Dict[torch.nn.Parameter, int] = {}
     for index, unit in enumerate(units):
         for p in unit.parameters():
             owner[p] = index if p not in owner else len(units)
+    in_unit = {id(m) for unit in units for m in unit.modules()}
+    for sub in module.modules():
+        if id(sub) not in in_unit:
+            for p in sub.parameters(recurse=False):
+                owner[p] = len(units)
     return {p: owner.get(p, len(units)) for p in module.parameters()}
 
 
