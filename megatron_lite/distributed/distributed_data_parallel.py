@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .expert_parallel import expert_topology, gradient_scaling_factors, is_expert_param
 from .grad_checks import (
     globally_unused_params, raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed,
     unused_parameters_message,
@@ -50,6 +51,10 @@ class DistributedDataParallel(torch.nn.Module):
             Replicas must start identical (same seed, or call `broadcast_params()`).
         config: a DistributedDataParallelConfig.
         data_parallel_group: process group to average gradients over (default: WORLD).
+        expert_data_parallel_group: this rank's group of ranks holding the same experts: the gradients of
+            parameters marked `param.allreduce = False` (megatron-core's expert marker) are reduced over it
+            instead, in buffers of their own (`expert_parallel_buffers`), see expert_parallel.py. Required
+            when any rank has a marked parameter; None otherwise.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class DistributedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         config: DistributedDataParallelConfig,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
+        expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
     ):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -86,42 +92,59 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = default_bucket_size(self.data_parallel_world_size)
         self.bucket_size = bucket_size if config.overlap_grad_reduce else None
 
-        # Every rank must wrap the same model with the same config, or the collectives pair up wrong buckets.
-        check_replicas_agree(module, config, data_parallel_group)
+        # Expert parameters: validated on every rank at once (one collective), before anything else is.
+        self.expert_data_parallel_group = expert_data_parallel_group
+        self.expert_topology = expert_topology(list(module.named_parameters()), data_parallel_group,
+                                               expert_data_parallel_group)
+        has_experts = self.expert_topology is not None and self.expert_topology.has_expert_params
+        if has_experts and config.num_distributed_optimizer_instances > 1:
+            raise ValueError("num_distributed_optimizer_instances > 1 is not supported with expert parameters "
+                             "(param.allreduce = False) yet: use one distributed-optimizer instance")
+        # Every rank must wrap the same model with the same config, or the collectives pair up wrong buckets
+        # (expert parameters: every rank of the expert data-parallel group).
+        check_replicas_agree(module, config, data_parallel_group, expert_data_parallel_group if has_experts else None)
         # named_parameters() yields a tied parameter once, under its first name.
         # (name, param, requires_grad at wrap time), frozen ones too: a later change is an error.
         self._all_named_params = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.param_to_name: Dict[torch.nn.Parameter, str] = {}
-        dtype_to_params: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+        # Buffers per (param dtype, grad dtype, expert or not), as megatron-core's.
+        dtype_to_params: Dict[Tuple[torch.dtype, torch.dtype, bool], List[torch.nn.Parameter]] = {}
         for name, param, _ in self._all_named_params:
             if not param.requires_grad:
                 continue
             param.grad_added_to_main_grad = False  # megatron-core's flag for fused weight-gradient layers
             self.param_to_name[param] = name
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
-            dtype_to_params.setdefault((param.dtype, grad_dtype), []).append(param)
+            dtype_to_params.setdefault((param.dtype, grad_dtype, is_expert_param(param)), []).append(param)
 
         # Pre-scale by 1/dp and sum = the mean over ranks; a per-token loss is summed (scaled after the reduction).
-        averaged = config.average_in_collective or config.calculate_per_token_loss
-        scaling = 1.0 if averaged else 1.0 / self.data_parallel_world_size
+        # Expert gradients end as their expert group's sum / dp (megatron-core's rule, see expert_parallel.py).
+        scaling, expert_scaling = gradient_scaling_factors(
+            self.data_parallel_world_size, dist.get_world_size(expert_data_parallel_group) if has_experts else 1,
+            config.average_in_collective, config.calculate_per_token_loss)
         self.zero3 = config.data_parallel_sharding_strategy == "optim_grads_params"
         units = find_units(module, config.fsdp_unit_modules) if self.zero3 else []
         unit_of = unit_of_params(module, units) if self.zero3 else None
-        self.param_and_grad_buffers: List[ParamAndGradBuffer] = [
-            ParamAndGradBuffer(
-                config, param_dtype, grad_dtype, params, self.intra_instance_group,
-                self.bucket_size, self.param_to_name, scaling, unit_of, self.inter_instance_group,
-            )
-            for (param_dtype, grad_dtype), params in dtype_to_params.items()
-        ]
+        self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
+        self.expert_parallel_buffers: List[ParamAndGradBuffer] = []  # reduced over expert_data_parallel_group
+        for (param_dtype, grad_dtype, expert), params in dtype_to_params.items():
+            group, inter = (expert_data_parallel_group, None) if expert else (self.intra_instance_group,
+                                                                               self.inter_instance_group)
+            (self.expert_parallel_buffers if expert else self.param_and_grad_buffers).append(ParamAndGradBuffer(
+                config, param_dtype, grad_dtype, params, group, self.bucket_size, self.param_to_name,
+                expert_scaling if expert else scaling, unit_of, inter,
+            ))
+        self.expert_params = frozenset(p for buffer in self.expert_parallel_buffers for p in buffer.params)
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
-        for buffer in self.param_and_grad_buffers:
+        for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
 
         # Launch order: by when a bucket's last gradient is expected (its earliest-registered parameter
-        # arrives last in backward). Within one buffer this is simply bucket order.
+        # arrives last in backward). Within one buffer this is simply bucket order. Dense and expert buckets
+        # interleave, by rank if expert groups hold different experts: deadlock-free all the same, as every
+        # rank issues the dense buckets in one order and every rank of an expert group its buckets in one.
         registration = {p: i for i, p in enumerate(self.param_to_name)}
-        all_buckets = [b for buffer in self.param_and_grad_buffers for b in buffer.buckets]
+        all_buckets = [b for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers for b in buffer.buckets]
         self._launch_order: List[Bucket] = sorted(
             all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
         )
@@ -276,8 +299,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._grads.next_to_launch = len(self._launch_order)
         for bucket in self._launch_order:
             bucket.finish_grad_sync(force_all_reduce)
-        if self._find_unused:
-            self.unused_params = globally_unused_params(self._launch_order, self.data_parallel_group)
+        if self._find_unused:  # no rank of the group that reduces a parameter got a gradient for it
+            expert = [b for b in self._launch_order if b.params_list[0] in self.expert_params]
+            dense = [b for b in self._launch_order if b.params_list[0] not in self.expert_params]
+            self.unused_params = (globally_unused_params(dense, self.data_parallel_group)
+                                  | globally_unused_params(expert, self.expert_data_parallel_group))
         self._grads.finalized = True
         self._grads.unsynchronized = False
         if self.ddp_config.use_distributed_optimizer and self._grads.aliased:
@@ -296,7 +322,8 @@ class DistributedDataParallel(torch.nn.Module):
                     bucket.learn_expected_counts()
         raise_if_requires_grad_changed(self._all_named_params)
         if self.ddp_config.check_for_nan_in_grad:
-            raise_if_any_rank_found_nonfinite(self.param_and_grad_buffers, self.data_parallel_group)
+            raise_if_any_rank_found_nonfinite(self.param_and_grad_buffers + self.expert_parallel_buffers,
+                                              self.data_parallel_group)
 
     # ---------------------------------------------------------------- parameter all-gather
     def start_param_sync(self, force_sync: bool = False):
@@ -334,7 +361,7 @@ class DistributedDataParallel(torch.nn.Module):
         for param in self.param_to_name:
             param.grad = None  # may alias main_grad after an FP32Optimizer step
             param.grad_added_to_main_grad = False
-        for buffer in self.param_and_grad_buffers:
+        for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
             buffer.reset()
         self._grads.next_to_launch = 0
         self._grads.finalized = False
@@ -352,7 +379,8 @@ class DistributedDataParallel(torch.nn.Module):
             )
 
     def _raise_if_params_moved(self):
-        problems = [p for buffer in self.param_and_grad_buffers for p in buffer.misplaced_params()]
+        problems = [p for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers
+                    for p in buffer.misplaced_params()]
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise ValueError(
@@ -364,14 +392,17 @@ class DistributedDataParallel(torch.nn.Module):
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply every main_grad by `scaling_factor`."""
-        for buffer in self.param_and_grad_buffers:
+        for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
             buffer.scale_gradients(scaling_factor)
 
     def broadcast_params(self):
-        """Copy every parameter from data-parallel rank 0 to the other ranks."""
+        """Copy every parameter from data-parallel rank 0 to the other ranks (an expert parameter: from rank 0
+        of its expert data-parallel group)."""
         with self.full_parameters(write_back=True):
             for param in self.module.parameters():
-                collectives.broadcast(param.data, group=self.data_parallel_group)
+                expert = is_expert_param(param) and self.expert_data_parallel_group is not None
+                collectives.broadcast(param.data, group=self.expert_data_parallel_group if expert
+                                      else self.data_parallel_group)
 
     # A Megatron checkpoint holds the bare module's keys, without a `module.` prefix.
     def state_dict(self, *args, **kwargs):

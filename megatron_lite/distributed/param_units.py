@@ -101,6 +101,8 @@ class ParamUnits:
         units: the unit modules, in forward (registration) order.
         buckets_of_unit: per unit index (and len(units) for the root), its buckets.
         group: the group the parameters are sharded over; gathers run on a group of their own with the same ranks.
+            An expert bucket (expert_parallel.py) is sharded over its own group, bucket.data_parallel_group:
+            its gathers, too, get a group of their own, and their sequence is checked over that group.
     """
 
     def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group):
@@ -113,11 +115,19 @@ class ParamUnits:
         # A group of their own: the order of gathers never mixes with the order of gradient collectives.
         self.group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD),
                                     use_local_synchronization=True)
+        # Per sharding group (the dense one first): (its gather group, the buckets' group to check over).
+        self._gather_groups = {id(group): (self.group, group)}
+        for bucket in self.all_buckets():
+            if id(bucket.data_parallel_group) not in self._gather_groups:
+                ranks = dist.get_process_group_ranks(bucket.data_parallel_group)
+                self._gather_groups[id(bucket.data_parallel_group)] = (
+                    dist.new_group(ranks, use_local_synchronization=True), bucket.data_parallel_group)
         forward = list(range(len(units)))
         self._orders = {"forward": forward, "backward": forward[::-1]}
         self._next = {"forward": 0, "backward": 0}
         self._open = set()  # phases begun and not yet completed (see _complete)
-        self._signature = [0, 0]  # gathers issued this iteration: count and a rolling digest of their order
+        # Per sharding group, gathers issued this iteration: count and a rolling digest of their order.
+        self._signature = {key: [0, 0] for key in self._gather_groups}
         self._handles = []
         for index, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
@@ -135,9 +145,10 @@ class ParamUnits:
 
     # ---------------------------------------------------------------- gathering in a fixed order
     def _gather(self, bucket: Bucket, async_op: bool = True):
-        if bucket.gather_params(self.group, async_op):  # a collective was issued: remember it
-            count, digest = self._signature
-            self._signature = [count + 1, (digest * 1_000_003 + self._uid[id(bucket)] + 1) % (1 << 61)]
+        key = id(bucket.data_parallel_group)
+        if bucket.gather_params(self._gather_groups[key][0], async_op):  # a collective was issued: remember it
+            count, digest = self._signature[key]
+            self._signature[key] = [count + 1, (digest * 1_000_003 + self._uid[id(bucket)] + 1) % (1 << 61)]
 
     def _position(self, phase: str, index: int) -> int:
         """Unit `index`'s place in the phase's order: registration order forward, the reverse backward."""
@@ -225,12 +236,16 @@ class ParamUnits:
         self._complete("forward")
         self._complete("backward")
         self.release_all()
-        signature, self._signature = self._signature, [0, 0]
+        signatures, self._signature = self._signature, {key: [0, 0] for key in self._gather_groups}
         if not check or not self.all_buckets():  # the same model everywhere: every rank returns here or none
             return
         device = self.all_buckets()[0].param_shard.device
+        for key, signature in signatures.items():  # the dense group's first, on every rank
+            self._check_sequence(signature, self._gather_groups[key][1], device)
+
+    def _check_sequence(self, signature, group, device):
         values = torch.tensor(signature + [-v for v in signature], dtype=torch.int64, device=device)
-        collectives.all_reduce(values, self.check_group, op=collectives.MAX)
+        collectives.all_reduce(values, group, op=collectives.MAX)
         high, low = values[:2].tolist(), [-v for v in values[2:].tolist()]
         if high != low:
             raise RuntimeError(

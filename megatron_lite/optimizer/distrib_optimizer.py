@@ -50,15 +50,19 @@ class ShardRange:
 
 def shard_ranges(model_chunks, rank: Optional[int] = None) -> List[ShardRange]:
     """The owned ranges of every parameter of this rank (or of data-parallel rank `rank`: the layout is
-    known everywhere), in buffer order."""
+    known everywhere), in buffer order. Expert buffers (sharded over the expert data-parallel group) follow
+    the dense ones; they are described for this rank only."""
     ranges = []
     for chunk in model_chunks:
-        for buffer in chunk.param_and_grad_buffers:
+        if rank is not None and chunk.expert_parallel_buffers:
+            raise ValueError("shard_ranges(rank=...): expert parameters are sharded over the expert data-parallel "
+                             "group, not by data-parallel rank")
+        for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
             dp = buffer.data_parallel_world_size
-            rank = buffer.data_parallel_rank if rank is None else rank
+            owner = buffer.data_parallel_rank if rank is None else rank
             for bucket in buffer.buckets:
                 size = bucket.grad_data.numel() // dp
-                lo_shard, hi_shard = bucket.offset + rank * size, bucket.offset + (rank + 1) * size
+                lo_shard, hi_shard = bucket.offset + owner * size, bucket.offset + (owner + 1) * size
                 for param in bucket.params_list:
                     start, end, _ = buffer.param_index_map[param]
                     lo, hi = max(start, lo_shard), min(end, hi_shard)
@@ -197,14 +201,14 @@ class DistributedOptimizer(MegatronOptimizer):
         """For every buffer, a full fp32 flat tensor assembled from every rank's shards of some value."""
         flats = {}
         for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers:
+            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
                 flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
         for i, s in enumerate(self.shards):
             value = values_of_shard(i)
             if value is not None:
                 flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
         for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers:
+            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
                 flat = flats[id(buffer)]
                 for bucket in buffer.buckets:
                     collectives.all_gather(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()],
@@ -224,7 +228,7 @@ class DistributedOptimizer(MegatronOptimizer):
         steps = self.agreed_param_steps()  # one count, except for parameters that skipped steps
         out = {}
         for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers:
+            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
                 for param, (start, end, _) in buffer.param_index_map.items():
                     entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu() for k in keys}
                     entry["step"] = steps[self.param_to_name[param]]

@@ -33,6 +33,15 @@ class _FullParamOptimizer(MegatronOptimizer):
             main.grad = None if model_param in skipped else model_param.main_grad.float()
         return [main.grad for main in self.main_for.values() if main.grad is not None]
 
+    def _grads_for_stats(self, main_grads):
+        """Dense gradients are the same on every rank: counted locally. Expert gradients are the same only
+        within an expert data-parallel group: rank 0 of each group counts them, summed over all ranks."""
+        if not self.has_expert_params:
+            return main_grads, None
+        dense = [m.grad for p, m in self.main_for.items() if m.grad is not None and p not in self.expert_params]
+        expert = [m.grad for p, m in self.main_for.items() if m.grad is not None and p in self.expert_params]
+        return dense, expert if self._counts_expert_grads else []
+
     def _copy_main_params_to_model_params(self):
         for model_param, main in self.main_for.items():
             copy_main_to_model(main, model_param.data)

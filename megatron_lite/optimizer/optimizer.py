@@ -71,6 +71,14 @@ class MegatronOptimizer:
         # distributed-optimizer instances this rank's instance (the others hold replicas of the same
         # shards, which must not be counted twice in the norm, the zero count or the overflow check).
         self.grad_stats_group = model_chunks[0].intra_instance_group
+        # Expert parameters (allreduce = False): replicated only over their expert data-parallel group, each
+        # group holding other experts. `has_expert_params` is the same on every rank (agreed at wrap time).
+        self.expert_params = frozenset().union(*(getattr(c, "expert_params", ()) for c in model_chunks))
+        topology = getattr(model_chunks[0], "expert_topology", None)
+        self.has_expert_params = topology is not None and topology.has_expert_params
+        self.expert_data_parallel_group = model_chunks[0].expert_data_parallel_group if self.has_expert_params \
+            else None
+        self._counts_expert_grads = self.has_expert_params and topology.expert_data_parallel_rank == 0
         self.param_to_name = qualified_param_names(model_chunks)
         self.device = next(iter(self.param_to_name)).device if self.param_to_name else torch.device("cpu")
         self._loss_scale = None  # (scale, tensor) cache for get_loss_scale
@@ -118,10 +126,13 @@ class MegatronOptimizer:
         # state changes.
         found_inf = self.grad_scaler is not None and self._unscale_and_check_for_inf(main_grads)
         grad_norm = num_zeros = None
+        stats_grads, distinct_grads = self._grads_for_stats(main_grads)
         if not found_inf and (self.config.clip_grad > 0.0 or self.config.log_grad_norm):
-            grad_norm = get_grad_norm_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
+            grad_norm = get_grad_norm_fp32(stats_grads, self.grad_stats_group, self.sharded, self.device,
+                                           distinct_grads)
         if not found_inf and self.config.log_num_zeros_in_grad:
-            num_zeros = count_zeros_fp32(main_grads, self.grad_stats_group, self.sharded, self.device)
+            num_zeros = count_zeros_fp32(stats_grads, self.grad_stats_group, self.sharded, self.device,
+                                         distinct_grads)
         # The update itself is local (no collective): a rank's failure elsewhere never leaves it half done,
         # and a last-words checkpoint (training/last_words.py) waits for it under update_lock.
         with self.update_lock:
@@ -161,6 +172,13 @@ class MegatronOptimizer:
 
     def _copy_model_grads_to_main_grads(self) -> List[torch.Tensor]:
         raise NotImplementedError
+
+    def _grads_for_stats(self, main_grads: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[list]]:
+        """(grads, distinct_grads) for the norm and the zero count (clip_grads.py), so that every element
+        counts once: shards are disjoint over grad_stats_group, expert shards included (they are disjoint
+        over their expert group, and the groups hold different experts), so all are `grads`. The full-
+        gradient optimizers override this for models with expert parameters."""
+        return main_grads, None
 
     def _skipped(self) -> frozenset:
         """Model parameters no rank got a gradient for (find_unused_parameters): their main params keep
@@ -274,13 +292,16 @@ class MegatronOptimizer:
 
     def agreed_param_steps(self) -> Dict[str, int]:
         """param_steps() of every parameter, on every rank (one all-reduce). Collective."""
-        names = list(self.param_to_name.values())
-        index = {name: i for i, name in enumerate(names)}
-        steps = torch.zeros(len(names), dtype=torch.int64, device=self.device)
-        for name, step in self.param_steps().items():
-            steps[index[name]] = step
-        collectives.all_reduce(steps, self.data_parallel_group, op=collectives.MAX)
-        return dict(zip(names, steps.tolist()))
+        mine, agreed = self.param_steps(), {}
+        # Expert parameters over their expert group only: other groups hold (and may name) other experts.
+        for expert, group in ((False, self.data_parallel_group), (True, self.expert_data_parallel_group)):
+            names = [name for p, name in self.param_to_name.items() if (p in self.expert_params) == expert]
+            if expert and not names:
+                continue
+            steps = torch.tensor([mine.get(name, 0) for name in names], dtype=torch.int64, device=self.device)
+            collectives.all_reduce(steps, group, op=collectives.MAX)
+            agreed.update(zip(names, steps.tolist()))
+        return agreed
 
     def lagging_steps(self, steps: Dict[str, int]) -> Dict[str, int]:
         """The entries of `steps` behind local_step(): what a checkpoint stores next to the one step count."""

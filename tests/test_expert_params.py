@@ -1,0 +1,242 @@
+"""Expert parameters (megatron-core's `param.allreduce = False`): reduced over the expert data-parallel group.
+
+Setup, as with expert parallelism: dense parameters are data-parallel over every rank; each expert-parallel
+position k (rank r holds position r % ep) holds experts of its own, replicated over its expert data-parallel
+group {r : r % ep == k}. The single-process reference builds every position's model (the dense part shared)
+and replays each rank's micro-batches: dense gradients are the mean over all ranks, expert gradients
+megatron-core's (sum over the expert group) / dp. Bit-exact where one addition per element is involved (two
+ranks reduce), else to 1e-6 relative (gloo's summation order over four ranks is not ours).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distributed_helper import run_distributed
+
+MICRO_BATCHES = 2
+WIDTH = 12
+EXPERTS = 2  # per position
+
+
+class Expert(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc_in = nn.Linear(width, 2 * width)
+        self.fc_out = nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return self.fc_out(torch.tanh(self.fc_in(h)))
+
+
+class MoEBlock(nn.Module):
+    """A dense layer, a dense router and this position's experts (soft routing: every token to every expert)."""
+
+    def __init__(self, width, expert_names):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.router = nn.Linear(width, len(expert_names), bias=False)
+        self.experts = nn.ModuleDict({name: Expert(width) for name in expert_names})
+
+    def forward(self, h):
+        h = h + torch.tanh(self.dense(h))
+        weights = torch.softmax(self.router(h), dim=-1)
+        return h + sum(weights[:, i:i + 1] * expert(h) for i, expert in enumerate(self.experts.values()))
+
+
+class MoENet(nn.Module):
+    def __init__(self, expert_names, width=WIDTH):
+        super().__init__()
+        self.fc_in = nn.Linear(8, width)
+        self.blocks = nn.ModuleList([MoEBlock(width, expert_names) for _ in range(2)])
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc_in(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def make_moe(position, global_names=False, seed=0):
+    """The model of expert-parallel position `position`: dense parameters the same everywhere, experts of
+    its own (named by global expert index with `global_names`, else 0..EXPERTS-1 on every position) and
+    marked allreduce=False."""
+    names = [str(position * EXPERTS + i if global_names else i) for i in range(EXPERTS)]
+    torch.manual_seed(seed)
+    model = MoENet(names)
+    g = torch.Generator().manual_seed(1000 + 17 * seed + position)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.allreduce = False
+    return model
+
+
+_groups = {}
+
+
+def expert_group(ep):
+    """This rank's expert data-parallel group with `ep` expert-parallel positions: {r : r % ep == rank % ep}
+    (every rank creates every group, once per world)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = (dist.group.WORLD, ep)
+    if key not in _groups:
+        groups = [dist.new_group([r for r in range(world) if r % ep == k]) for k in range(ep)]
+        _groups[key] = groups[rank % ep]
+    return _groups[key]
+
+
+def batches_for(dp, step=0):
+    from ddp_testing import make_batches
+    return make_batches(dp, MICRO_BATCHES, seed=50 + step)
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def rank_grads(model, rank_batches):
+    """Gradients of one rank's micro-batches, accumulated in fp32 like main_grad."""
+    model.zero_grad(set_to_none=True)
+    acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for x, y in rank_batches:
+        model.zero_grad(set_to_none=True)
+        (loss_fn(model, x, y) / len(rank_batches)).backward()
+        for n, p in model.named_parameters():
+            acc[n].add_(p.grad)
+    return acc
+
+
+def reference_grads(models, batches, ep, average=False):
+    """Per position k: {name: reduced gradient} as DDP must produce it (the ranks' arithmetic, in rank order):
+    dense = mean over all ranks, experts of k = sum over the ranks of k's group / dp."""
+    dp = len(batches)
+    per_rank = [rank_grads(models[r % ep], batches[r]) for r in range(dp)]
+    out = []
+    for k in range(ep):
+        members = [r for r in range(dp) if r % ep == k]
+        edp = len(members)
+        ref = {}
+        for n, p in models[k].named_parameters():
+            expert = not getattr(p, "allreduce", True)
+            ranks = members if expert else range(dp)
+            if average:  # pre-scale (experts: edp/dp), then ReduceOp.AVG = sum / group size
+                pre = edp / dp if expert else 1.0
+                total = sum_in_order([per_rank[r][n] * pre if pre != 1.0 else per_rank[r][n] for r in ranks])
+                ref[n] = total / (edp if expert else dp)
+            else:
+                ref[n] = sum_in_order([per_rank[r][n] * (1.0 / dp) for r in ranks])
+        out.append(ref)
+    return out
+
+
+def sum_in_order(tensors):
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
+def ddp_config(strategy, **kwargs):
+    from megatron_lite import DistributedDataParallelConfig
+    return DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy,
+                                         use_distributed_optimizer=strategy != "no_shard", **kwargs)
+
+
+def train_step(ddp, rank_batches):
+    ddp.zero_grad_buffer()
+    for i, (x, y) in enumerate(rank_batches):
+        if i < len(rank_batches) - 1:
+            with ddp.no_sync():
+                (loss_fn(ddp, x, y) / len(rank_batches)).backward()
+        else:
+            (loss_fn(ddp, x, y) / len(rank_batches)).backward()
+    ddp.finish_grad_sync()
+
+
+def reduced_vs_expected(ddp, ref):
+    """(actual, expected) flat tensors of what this rank holds reduced: whole buffers (no_shard), else the
+    rank's shard of every bucket (expert buckets: its shard in the expert group)."""
+    actual, expected = [], []
+    for buffer in ddp.param_and_grad_buffers + ddp.expert_parallel_buffers:
+        flat = torch.zeros(buffer.numel, dtype=buffer.grad_dtype)
+        for param, (start, end, _) in buffer.param_index_map.items():
+            flat[start:end] = ref[ddp.param_to_name[param]].reshape(-1)
+        for bucket in buffer.buckets:
+            if ddp.ddp_config.use_distributed_optimizer:
+                lo = bucket.offset + bucket.shard_offset
+                actual.append(bucket.reduced_grad_shard.detach().clone())
+                expected.append(flat[lo:lo + bucket.shard_size])
+            else:
+                actual.append(bucket.grad_data.detach().clone())
+                expected.append(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()])
+    return torch.cat(actual), torch.cat(expected)
+
+
+def _grads_worker(cases):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    batches = batches_for(dp)
+    results = []
+    for strategy, ep, overlap, average, bucket_size, global_names in cases:
+        models = [make_moe(k, global_names) for k in range(ep)]
+        model = make_moe(rank % ep, global_names)  # (deepcopy would drop the allreduce marker)
+        ddp = DistributedDataParallel(model, ddp_config(strategy, overlap_grad_reduce=overlap, bucket_size=bucket_size,
+                                                        average_in_collective=average),
+                                      expert_data_parallel_group=expert_group(ep))
+        assert ddp.expert_parallel_buffers and ddp.param_and_grad_buffers
+        for _ in range(2):  # the second iteration: hooks launch the buckets (overlap), buffers were reset
+            train_step(ddp, batches[rank])
+        ref = reference_grads(models, batches, ep, average)[rank % ep]
+        actual, expected = reduced_vs_expected(ddp, ref)
+        dense_exact = dp == 2
+        expert_exact = dp // ep <= 2
+        exact = dense_exact and expert_exact
+        if exact:
+            ok = torch.equal(actual, expected)
+        else:
+            ok = torch.allclose(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+        results.append((strategy, ep, overlap, average, bool(ok), (actual - expected).abs().max().item()))
+        # Expert buckets reduce over the expert group only: its rank within it, not the data-parallel rank.
+        assert all(b.data_parallel_world_size == dp // ep for b in ddp.expert_parallel_buffers)
+    return results
+
+
+CASES_4 = [  # (strategy, ep, overlap, average, bucket_size, global expert names)
+    ("no_shard", 2, False, False, None, False),
+    ("no_shard", 2, True, False, 60, True),
+    ("no_shard", 1, True, True, 60, False),
+    ("optim", 2, True, False, 60, False),
+    ("optim", 2, False, True, None, True),
+    ("optim", 4, True, False, 60, False),
+    ("optim_grads", 2, True, False, 60, True),
+    ("optim_grads", 2, False, True, 60, False),
+    ("optim_grads_params", 2, True, False, 60, True),
+    ("optim_grads_params", 4, True, True, None, False),
+]
+CASES_2 = [
+    ("no_shard", 2, True, False, 60, True),
+    ("optim", 2, True, True, 60, False),
+    ("optim", 1, False, False, None, False),
+    ("optim_grads", 2, True, False, 60, False),
+    ("optim_grads_params", 2, True, False, 60, True),
+]
+
+
+@pytest.mark.parametrize("world,cases", [(4, CASES_4), (2, CASES_2)], ids=["dp4", "dp2"])
+def test_expert_grads_reduced_over_expert_group(world, cases):
+    """Would catch expert gradients all-reduced over the whole data-parallel group (other positions' experts
+    summed in), megatron-core's expert scaling got wrong (edp/dp with average_in_collective, 1/dp without),
+    expert buckets sharded by data-parallel rank instead of expert-group rank, and dense gradients disturbed
+    by the split into two kinds of buffers -- on every sharding strategy, with and without overlap."""
+    for per_rank in run_distributed(_grads_worker, world, cases):
+        for strategy, ep, overlap, average, ok, diff in per_rank:
+            assert ok, f"{strategy} ep={ep} overlap={overlap} average={average}: max diff {diff:.3e}"
