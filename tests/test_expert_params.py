@@ -29,6 +29,11 @@ class Expert(nn.Module):
         return self.fc_out(torch.tanh(self.fc_in(h)))
 
 
+def without_first_feature(h):
+    """Feature 0 zeroed: the weights reading it get exact-zero gradients (something for num_zeros to count)."""
+    return torch.cat([torch.zeros_like(h[:, :1]), h[:, 1:]], dim=1)
+
+
 class MoEBlock(nn.Module):
     """A dense layer, a dense router and this position's experts (soft routing: every token to every expert)."""
 
@@ -41,7 +46,8 @@ class MoEBlock(nn.Module):
     def forward(self, h):
         h = h + torch.tanh(self.dense(h))
         weights = torch.softmax(self.router(h), dim=-1)
-        return h + sum(weights[:, i:i + 1] * expert(h) for i, expert in enumerate(self.experts.values()))
+        routed = without_first_feature(h)
+        return h + sum(weights[:, i:i + 1] * expert(routed) for i, expert in enumerate(self.experts.values()))
 
 
 class MoENet(nn.Module):
@@ -53,7 +59,7 @@ class MoENet(nn.Module):
         self.head = nn.Linear(width, 3)
 
     def forward(self, x):
-        h = torch.tanh(self.fc_in(x))
+        h = torch.tanh(self.fc_in(without_first_feature(x)))
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
@@ -240,3 +246,93 @@ def test_expert_grads_reduced_over_expert_group(world, cases):
     for per_rank in run_distributed(_grads_worker, world, cases):
         for strategy, ep, overlap, average, ok, diff in per_rank:
             assert ok, f"{strategy} ep={ep} overlap={overlap} average={average}: max diff {diff:.3e}"
+
+
+# ------------------------------------------------------------------------------------------ optimizer steps
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 0.05
+
+
+def reference_training(models, dp, ep, steps):
+    """torch's AdamW + clip_grad_norm_ over every element once (the dense parameters of models[0], every
+    position's experts); returns the per-step (norm, zero count)."""
+    dense = [p for p in models[0].parameters() if getattr(p, "allreduce", True)]
+    experts = [p for m in models for p in m.parameters() if not getattr(p, "allreduce", True)]
+    params = dense + experts
+    names = {p: n for m in models for n, p in m.named_parameters()}
+    decay = [p for p in params if not (names[p].endswith(".bias") or p.dim() == 1)]
+    no_decay = [p for p in params if names[p].endswith(".bias") or p.dim() == 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR, foreach=True)
+    stats = []
+    for step in range(steps):
+        for m in models[1:]:  # the dense part is one set of parameters
+            with torch.no_grad():
+                for (n, p), q in zip(m.named_parameters(), models[0].parameters()):
+                    if getattr(p, "allreduce", True):
+                        p.copy_(q)
+        refs = reference_grads(models, batches_for(dp, step), ep)
+        for k, m in enumerate(models):
+            for n, p in m.named_parameters():
+                p.grad = refs[k][n].clone()
+        zeros = sum(int((p.grad == 0).sum()) for p in params)
+        norm = torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True).item()
+        optimizer.step()
+        stats.append((norm, zeros))
+    for m in models[1:]:
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), models[0].parameters()):
+                if getattr(p, "allreduce", True):
+                    p.copy_(q)
+    return stats
+
+
+def _steps_worker(cases, steps=3):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    results = []
+    for strategy, ep in cases:
+        models = [make_moe(k) for k in range(ep)]
+        ddp = DistributedDataParallel(make_moe(rank % ep), ddp_config(strategy, overlap_grad_reduce=True,
+                                                                      bucket_size=60),
+                                      expert_data_parallel_group=expert_group(ep))
+        opt = get_megatron_optimizer(OptimizerConfig(
+            lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, log_num_zeros_in_grad=True,
+            use_distributed_optimizer=strategy != "no_shard"), ddp)
+        stats = []
+        for step in range(steps):
+            opt.zero_grad()
+            train_step(ddp, batches_for(dp, step)[rank])
+            ok, norm, zeros = opt.step()
+            assert ok
+            stats.append((norm, zeros))
+        expected_stats = reference_training(models, dp, ep, steps)
+        ddp.finish_param_sync()
+        with ddp.full_parameters():
+            params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        reference = dict(models[rank % ep].named_parameters())
+        worst = max((params[n] - reference[n]).abs().max().item() for n in params)
+        close = all(torch.allclose(params[n], reference[n].detach(), rtol=1e-5, atol=1e-6) for n in params)
+        results.append((strategy, ep, close, worst, stats, expected_stats))
+    return results
+
+
+@pytest.mark.parametrize("world,cases", [
+    (4, [("no_shard", 2), ("optim", 2), ("optim_grads", 2), ("optim_grads_params", 2), ("no_shard", 4),
+         ("optim", 1)]),
+    (2, [("no_shard", 2), ("optim_grads", 2)]),
+], ids=["dp4", "dp2"])
+def test_expert_training_matches_reference_with_clipping(world, cases):
+    """Would catch a grad norm that counts expert elements once per replica (or only this position's
+    experts), or dense elements once per rank; a zero count doing the same; clipping with a rank-dependent
+    coefficient; and the optimizer stepping expert shards laid out by data-parallel rank -- three AdamW steps
+    with clipping active, every strategy, against torch on every element once."""
+    for per_rank in run_distributed(_steps_worker, world, cases):
+        for strategy, ep, close, worst, stats, expected in per_rank:
+            assert close, f"{strategy} ep={ep}: parameters differ from the reference by up to {worst:.3e}"
+            for (norm, zeros), (ref_norm, ref_zeros) in zip(stats, expected):
+                assert ref_norm > CLIP  # clipping active
+                assert norm == pytest.approx(ref_norm, rel=1e-5), f"{strategy} ep={ep}"
+                assert zeros == ref_zeros, f"{strategy} ep={ep}: {zeros} zeros, reference {ref_zeros}"
