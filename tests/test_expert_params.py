@@ -336,3 +336,53 @@ def test_expert_training_matches_reference_with_clipping(world, cases):
                 assert ref_norm > CLIP  # clipping active
                 assert norm == pytest.approx(ref_norm, rel=1e-5), f"{strategy} ep={ep}"
                 assert zeros == ref_zeros, f"{strategy} ep={ep}: {zeros} zeros, reference {ref_zeros}"
+
+
+# ------------------------------------------------------------------------------------------ misuse
+def _misuse_worker(scenario):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, group, config = make_moe(rank % 2), expert_group(2), ddp_config("no_shard")
+    if scenario == "no_group":
+        group = None
+    elif scenario == "marked_on_one_rank":  # the others hold the same parameters unmarked
+        group = None
+        for p in model.parameters():
+            if rank != 1:
+                p.allreduce = True
+    elif scenario == "group_on_some_ranks":
+        group = group if rank % 2 == 0 else None
+    elif scenario == "uneven_groups":
+        uneven = [dist.new_group([0, 1, 2]), dist.new_group([3])]
+        group = uneven[0] if rank < 3 else uneven[1]
+    elif scenario == "instances":
+        config = ddp_config("optim", num_distributed_optimizer_instances=2)
+    elif scenario == "experts_differ_within_group":  # rank 3 names its experts differently from rank 1
+        model = make_moe(rank % 2, global_names=rank == 3)
+    try:
+        DistributedDataParallel(model, config, expert_data_parallel_group=group)
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("scenario,expected", [
+    ("no_group", "pass DistributedDataParallel(..., expert_data_parallel_group="),
+    ("marked_on_one_rank", "rank 1: blocks.0.experts.0.fc_in.weight"),
+    ("group_on_some_ranks", "is None on rank(s) [1, 3]"),
+    ("uneven_groups", "disjoint groups of one size"),
+    ("instances", "num_distributed_optimizer_instances > 1 is not supported with expert parameters"),
+    ("experts_differ_within_group", "blocks.0.experts.2.fc_in.weight"),
+])
+def test_expert_misuse_raises_on_every_rank(scenario, expected):
+    """Would catch marked parameters silently all-reduced over the data-parallel group when no expert group
+    is given (the issue this feature fixes), groups that cannot be reduced over consistently, and a wrap-time
+    error raised on some ranks only (the others would walk into a collective and hang)."""
+    outcomes = run_distributed(_misuse_worker, 4, scenario)
+    assert all(outcome is not None for outcome in outcomes), outcomes
+    assert any(expected in message for _, message in outcomes), outcomes
+    if scenario != "experts_differ_within_group":  # the same verdict everywhere
+        assert all(name == "ValueError" and expected in message for name, message in outcomes), outcomes

@@ -69,7 +69,11 @@ def _problems(everyone: List[dict], dp_ranks: List[int]) -> List[str]:
     """What is wrong with the ranks' expert groups (the same verdict on every rank: same input)."""
     given = [d for d in everyone if d["expert_group"] is not None]
     marked = [(d["rank"], d["marked"]) for d in everyone if d["marked"]]
-    if marked and len(given) < len(everyone):
+    if given and len(given) < len(everyone):
+        missing = [d["rank"] for d in everyone if d["expert_group"] is None]
+        return [f"expert_data_parallel_group was given on some ranks but is None on rank(s) {missing}: pass it "
+                f"on every rank"]
+    if marked and not given:
         names = ", ".join(f"rank {r}: {', '.join(m[:5])}" + (f" (and {len(m) - 5} more)" if len(m) > 5 else "")
                           for r, m in marked[:4])
         return [f"parameters are marked as expert parameters (param.allreduce = False) but no "
@@ -77,10 +81,6 @@ def _problems(everyone: List[dict], dp_ranks: List[int]) -> List[str]:
                 f"ranks holding the same experts: pass DistributedDataParallel(..., expert_data_parallel_group="
                 f"<this rank's group of ranks with the same experts>) on every rank, or remove the marker to "
                 f"treat them as dense parameters"]
-    if given and len(given) < len(everyone):
-        missing = [d["rank"] for d in everyone if d["expert_group"] is None]
-        return [f"expert_data_parallel_group was given on some ranks but is None on rank(s) {missing}: pass it "
-                f"on every rank"]
     problems = []
     groups = {tuple(d["expert_group"]) for d in given}
     for d in given:

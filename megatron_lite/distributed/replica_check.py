@@ -47,9 +47,12 @@ def check_replicas_agree(module: torch.nn.Module, config, group=None, expert_gro
              "numbered in the data-parallel group; each has to build the same model, in the same order and dtypes, "
              "with the same DistributedDataParallelConfig)")
     if expert_group is not None:
-        _compare(describe(module, config, experts=True), expert_group, "expert data-parallel ranks hold "
-                 "different expert parameters (ranks are numbered in the expert data-parallel group; ranks of one "
-                 "group must hold the same experts, in the same order and dtypes)")
+        # Compared within each expert group, the verdict shared over `group`: a group that agrees must not
+        # go on into collectives that the ranks of a disagreeing group will never join.
+        collectives.run_collectively(
+            _compare, describe(module, config, experts=True), expert_group, "expert data-parallel ranks hold "
+            "different expert parameters (ranks are numbered in the expert data-parallel group; ranks of one group "
+            "must hold the same experts, in the same order and dtypes)", group=group)
 
 
 def _compare(lines: List[str], group, what: str):
