@@ -386,3 +386,75 @@ def test_expert_misuse_raises_on_every_rank(scenario, expected):
     assert any(expected in message for _, message in outcomes), outcomes
     if scenario != "experts_differ_within_group":  # the same verdict everywhere
         assert all(name == "ValueError" and expected in message for name, message in outcomes), outcomes
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _checkpoint_worker(root, save_strategy, load_strategy, ep=2):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
+    from megatron_lite.training import checkpointing
+    from megatron_lite.training.last_words import LastWords
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+
+    def build(strategy, seed):
+        ddp = DistributedDataParallel(make_moe(rank % ep, seed=seed),
+                                      ddp_config(strategy, overlap_grad_reduce=True, bucket_size=60),
+                                      expert_data_parallel_group=expert_group(ep))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=None, weight_decay=WEIGHT_DECAY, clip_grad=CLIP,
+                                                     use_distributed_optimizer=strategy != "no_shard"), ddp)
+        return ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+
+    def step(ddp, opt, sched, k):
+        opt.zero_grad()
+        train_step(ddp, batches_for(dp, k)[rank])
+        assert opt.step()[0]
+        sched.step(1)
+
+    def params(ddp):
+        ddp.finish_param_sync()
+        with ddp.full_parameters():
+            return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+    ddp, opt, sched = build(save_strategy, seed=0)
+    for k in range(2):
+        step(ddp, opt, sched, k)
+    checkpointing.save_checkpoint(root, 2, ddp, opt, sched, consumed_train_samples=2 * dp)
+    saved = params(ddp)
+    step(ddp, opt, sched, 2)
+    continued = params(ddp)
+    errors = []
+    for attempt in (lambda: checkpointing.save_checkpoint(root, 3, ddp, opt, sched, 3 * dp, ckpt_format="torch_dist"),
+                    lambda: LastWords(root, opt, sched, 3, 3 * dp)):
+        try:
+            attempt()
+        except ValueError as e:
+            errors.append(str(e))
+
+    ddp, opt, sched = build(load_strategy, seed=1)  # other weights everywhere: all must come from the file
+    loaded = checkpointing.load_checkpoint(root, ddp, opt, sched)
+    restored = params(ddp)
+    step(ddp, opt, sched, 2)
+    resumed = params(ddp)
+    exact = save_strategy == load_strategy
+    return dict(iteration=loaded["iteration"], errors=errors,
+                restored=all(torch.equal(restored[n], saved[n]) for n in saved),
+                resumed=all(torch.equal(resumed[n], continued[n]) if exact else
+                            torch.allclose(resumed[n], continued[n], rtol=1e-5, atol=1e-7) for n in continued))
+
+
+@pytest.mark.parametrize("save_strategy,load_strategy", [
+    ("no_shard", "no_shard"), ("optim", "optim"), ("optim_grads_params", "optim_grads_params"),
+    ("optim_grads", "no_shard"),
+])
+def test_expert_checkpoint_round_trip(tmp_path, save_strategy, load_strategy):
+    """Would catch a torch-format checkpoint that keeps only rank 0's experts (ranks of the other expert-
+    parallel position would resume with them, or with their own fresh weights), loses their optimizer state
+    (the resumed step would differ), and torch_dist saves or last words that silently mix positions up
+    instead of refusing."""
+    for result in run_distributed(_checkpoint_worker, 4, str(tmp_path), save_strategy, load_strategy):
+        assert result["iteration"] == 2
+        assert result["restored"] and result["resumed"], result
+        assert len(result["errors"]) == 2 and all("expert parameters" in e for e in result["errors"]), result

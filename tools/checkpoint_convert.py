@@ -98,6 +98,9 @@ def main(argv=None):
         payload = read(directory)
     except ValueError as e:
         p.error(str(e))
+    if "expert_parallel" in payload:  # per-position experts: not expressible in torch_dist or plain weights yet
+        p.error(f"--input {args.input} holds expert parameters (one set per expert-parallel position): converting "
+                f"or exporting them is not supported yet")
     if args.output:
         write(args.output, payload, args.to)
         print(f"> wrote iteration {payload['iteration']} as {args.to} to {args.output}")

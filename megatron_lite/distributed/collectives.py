@@ -196,6 +196,14 @@ def all_gather_object(obj: Any, group=None) -> list:
     return out
 
 
+def gather_object(obj: Any, group=None, dst_group_rank: int = 0) -> Optional[list]:
+    """Every rank's `obj` (picklable), indexed by rank in the group, on the group's rank `dst_group_rank`;
+    None on the others."""
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst_group_rank else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group or dist.group.WORLD, dst_group_rank), group=group)
+    return out
+
+
 def broadcast_object(obj: Any, group=None, src_group_rank: int = 0) -> Any:
     """The `obj` of the group's rank `src_group_rank`, on every rank."""
     box = [obj]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import checkpoint_files, dist_checkpoint, last_words
+from . import checkpoint_files, dist_checkpoint, expert_checkpoint, last_words
 from .checkpoint_files import find_latest, read_tracker
 
 _serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
@@ -77,17 +77,20 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
     if ckpt_format == "torch_dist":
+        expert_checkpoint.refuse(optimizer, "ckpt_format='torch_dist'")
         return _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_train_samples, args, group,
                                 async_group)
     if async_group is not None:
         raise ValueError("an asynchronous save needs ckpt_format='torch_dist'")
     model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     optimizer_state = optimizer.state_dict()
+    # Expert parameters: every expert-parallel position's, in a section of their own (expert_checkpoint.py).
+    experts = expert_checkpoint.split(model, optimizer, model_state, optimizer_state, group)
     rng_states = collectives.all_gather_object(get_rng_state(), group)
     error = None
     if dist.get_rank(group) == 0:
         try:
-            _refuse_nonfinite(iteration, {"model": model_state, "optimizer": optimizer_state})
+            _refuse_nonfinite(iteration, {"model": model_state, "optimizer": optimizer_state, "experts": experts})
             _write_checkpoint(root, iteration, {
                 "checkpoint_version": CHECKPOINT_VERSION,
                 "iteration": iteration,
@@ -97,6 +100,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
                 "opt_param_scheduler": scheduler.state_dict(),
                 "rng_state": rng_states,
                 "args": args or {},
+                **({} if experts is None else {expert_checkpoint.SECTION: experts}),
             })
         except BaseException as e:  # tell the other ranks instead of leaving them waiting
             error = e
@@ -247,8 +251,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
         if saved is not None and saved != value:
             raise ValueError(f"checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
     if torch_dist:
+        expert_checkpoint.refuse(optimizer, "loading a torch_dist checkpoint")
         dist_checkpoint.load_torch_dist(directory, model, optimizer, state, hyperparameters, group)
     else:
+        expert_checkpoint.merge(model, optimizer, state)  # this rank's expert-parallel position's experts
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
     scheduler.load_state_dict(state["opt_param_scheduler"], hyperparameters=hyperparameters)

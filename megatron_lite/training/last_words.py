@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_files
+from . import checkpoint_files, expert_checkpoint
 
 LAST_WORDS_DIRNAME = "last_words"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -65,6 +65,7 @@ class LastWords:
 
     def __init__(self, root: str, optimizer, scheduler, iteration: int, consumed_train_samples: int,
                  args: Optional[dict] = None):
+        expert_checkpoint.refuse(optimizer, "last words", "train without them (--no-last-words)")
         self.root, self.optimizer, self.scheduler = root, optimizer, scheduler
         self.args = args or {}
         self.rank = dist.get_rank(optimizer.data_parallel_group)
