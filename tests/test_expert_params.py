@@ -42,9 +42,12 @@ class MoEBlock(nn.Module):
         self.dense = nn.Linear(width, width)
         self.router = nn.Linear(width, len(expert_names), bias=False)
         self.experts = nn.ModuleDict({name: Expert(width) for name in expert_names})
+        self.use_experts = True
 
     def forward(self, h):
         h = h + torch.tanh(self.dense(h))
+        if not self.use_experts:  # a position whose experts of this block sit out (find_unused_parameters)
+            return h
         weights = torch.softmax(self.router(h), dim=-1)
         routed = without_first_feature(h)
         return h + sum(weights[:, i:i + 1] * expert(routed) for i, expert in enumerate(self.experts.values()))
@@ -458,3 +461,67 @@ def test_expert_checkpoint_round_trip(tmp_path, save_strategy, load_strategy):
         assert result["iteration"] == 2
         assert result["restored"] and result["resumed"], result
         assert len(result["errors"]) == 2 and all("expert parameters" in e for e in result["errors"]), result
+
+
+# ------------------------------------------------------------------------------------------ the rest of the protocol
+def _protocol_worker(strategy):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # broadcast_params: dense parameters from rank 0, experts from rank 0 of each expert group.
+    ddp = DistributedDataParallel(make_moe(rank % 2, seed=rank), ddp_config(strategy, overlap_grad_reduce=True),
+                                  expert_data_parallel_group=expert_group(2))
+    ddp.broadcast_params()
+    with ddp.full_parameters():
+        out["broadcast"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    out["source"] = {n: p.detach() for n, p in make_moe(rank % 2, seed=rank % 2).named_parameters()}
+
+    # An overflow in one rank's expert gradients skips the step on every rank.
+    ddp = DistributedDataParallel(make_moe(rank % 2), ddp_config(strategy, overlap_grad_reduce=True),
+                                  expert_data_parallel_group=expert_group(2))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, bf16=True, loss_scale=1.0,
+                                                 use_distributed_optimizer=strategy != "no_shard"), ddp)
+    train_step(ddp, batches_for(dp)[rank])
+    if rank == 3:
+        bucket = ddp.expert_parallel_buffers[0].buckets[0]
+        (bucket.reduced_grad_shard if ddp.ddp_config.use_distributed_optimizer else bucket.grad_data)[0] = float("inf")
+    out["overflow_step"] = opt.step()[0]
+
+    # find_unused_parameters: position 1's experts of block 1 sit out; no rank of their expert group got a
+    # gradient, so the optimizer leaves them alone (weight decay included), whatever position 0 did.
+    model = make_moe(rank % 2)
+    model.blocks[1].use_experts = rank % 2 == 0
+    ddp = DistributedDataParallel(model, ddp_config(strategy, overlap_grad_reduce=True, find_unused_parameters=True),
+                                  expert_data_parallel_group=expert_group(2))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY,
+                                                 use_distributed_optimizer=strategy != "no_shard"), ddp)
+    with ddp.full_parameters():
+        before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    opt.zero_grad()
+    train_step(ddp, batches_for(dp)[rank])
+    opt.step()
+    ddp.finish_param_sync()
+    with ddp.full_parameters():
+        out["unchanged"] = sorted(n for n, p in ddp.module.named_parameters() if torch.equal(p, before[n]))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads"])
+def test_expert_broadcast_overflow_and_unused(strategy):
+    """Would catch broadcast_params copying rank 0's experts onto the other expert-parallel position, an
+    overflow in one position's expert gradients skipping the step on some ranks only (divergence), and
+    find_unused_parameters agreeing on expert parameters over the data-parallel group (a parameter unused
+    by its own expert group would be stepped because the other position used its namesake)."""
+    results = run_distributed(_protocol_worker, 4, strategy)
+    for rank, result in enumerate(results):
+        source = results[rank % 2]["source"]
+        dense_source = results[0]["source"]
+        for n, p in result["broadcast"].items():
+            expected = source[n] if ".experts." in n else dense_source[n]
+            assert torch.equal(p, expected), f"rank {rank}: {n} not broadcast from its group's rank 0"
+        assert result["overflow_step"] is False
+        sat_out = sorted(n for n in result["broadcast"] if n.startswith("blocks.1.experts."))
+        assert result["unchanged"] == (sat_out if rank % 2 else []), f"rank {rank}: {result['unchanged']}"
