@@ -144,7 +144,8 @@ class DistributedDataParallel(torch.nn.Module):
         # interleave, by rank if expert groups hold different experts: deadlock-free all the same, as every
         # rank issues the dense buckets in one order and every rank of an expert group its buckets in one.
         registration = {p: i for i, p in enumerate(self.param_to_name)}
-        all_buckets = [b for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers for b in buffer.buckets]
+        all_buffers = self.param_and_grad_buffers + self.expert_parallel_buffers
+        all_buckets = [b for buffer in all_buffers for b in buffer.buckets]
         self._launch_order: List[Bucket] = sorted(
             all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
         )
