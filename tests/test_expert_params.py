@@ -168,11 +168,11 @@ def train_step(ddp, rank_batches):
     ddp.finish_grad_sync()
 
 
-def reduced_vs_expected(ddp, ref):
-    """(actual, expected) flat tensors of what this rank holds reduced: whole buffers (no_shard), else the
-    rank's shard of every bucket (expert buckets: its shard in the expert group)."""
+def reduced_vs_expected(ddp, ref, buffers):
+    """(actual, expected) flat tensors of what this rank holds reduced in `buffers`: whole buffers (no_shard),
+    else the rank's shard of every bucket (expert buckets: its shard in the expert group)."""
     actual, expected = [], []
-    for buffer in ddp.param_and_grad_buffers + ddp.expert_parallel_buffers:
+    for buffer in buffers:
         flat = torch.zeros(buffer.numel, dtype=buffer.grad_dtype)
         for param, (start, end, _) in buffer.param_index_map.items():
             flat[start:end] = ref[ddp.param_to_name[param]].reshape(-1)
@@ -205,15 +205,16 @@ def _grads_worker(cases):
         for _ in range(2):  # the second iteration: hooks launch the buckets (overlap), buffers were reset
             train_step(ddp, batches[rank])
         ref = reference_grads(models, batches, ep, average)[rank % ep]
-        actual, expected = reduced_vs_expected(ddp, ref)
-        dense_exact = dp == 2
-        expert_exact = dp // ep <= 2
-        exact = dense_exact and expert_exact
-        if exact:
-            ok = torch.equal(actual, expected)
-        else:
-            ok = torch.allclose(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
-        results.append((strategy, ep, overlap, average, bool(ok), (actual - expected).abs().max().item()))
+        # Exact where at most two ranks reduce (dense: dp, experts: the expert group's size).
+        for kind, buffers, exact in (("dense", ddp.param_and_grad_buffers, dp == 2),
+                                     ("expert", ddp.expert_parallel_buffers, dp // ep <= 2)):
+            actual, expected = reduced_vs_expected(ddp, ref, buffers)
+            if exact:
+                ok = torch.equal(actual, expected)
+            else:
+                ok = torch.allclose(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+            results.append((f"{strategy} {kind}", ep, overlap, average, bool(ok),
+                            (actual - expected).abs().max().item()))
         # Expert buckets reduce over the expert group only: its rank within it, not the data-parallel rank.
         assert all(b.data_parallel_world_size == dp // ep for b in ddp.expert_parallel_buffers)
     return results
@@ -372,14 +373,14 @@ def _misuse_worker(scenario):
     return None
 
 
-@pytest.mark.parametrize("scenario,expected", [
+@pytest.mark.parametrize("scenario,expected", [pytest.param(scenario, expected, id=scenario) for scenario, expected in [
     ("no_group", "pass DistributedDataParallel(..., expert_data_parallel_group="),
     ("marked_on_one_rank", "rank 1: blocks.0.experts.0.fc_in.weight"),
     ("group_on_some_ranks", "is None on rank(s) [1, 3]"),
     ("uneven_groups", "disjoint groups of one size"),
     ("instances", "num_distributed_optimizer_instances > 1 is not supported with expert parameters"),
     ("experts_differ_within_group", "blocks.0.experts.2.fc_in.weight"),
-])
+]])
 def test_expert_misuse_raises_on_every_rank(scenario, expected):
     """Would catch marked parameters silently all-reduced over the data-parallel group when no expert group
     is given (the issue this feature fixes), groups that cannot be reduced over consistently, and a wrap-time
