@@ -139,6 +139,7 @@ def _save_torch_dist(root, iteration, model, optimizer, scheduler, consumed_trai
     def check_and_prepare():  # every rank checks what it will write; rank 0 makes the directory
         _refuse_nonfinite(iteration, {"model": dist_checkpoint.local_tensors(model, optimizer)})
         return checkpoint_files.new_directory(root, iteration) if rank == 0 else None
+    dist_checkpoint.check_replicas(model, optimizer, group)  # several data-parallel groups: one replica is saved
     tmp_dir = collectives.broadcast_object(collectives.run_collectively(check_and_prepare, group=group), group)
     future = collectives.run_collectively(dist_checkpoint.save_torch_dist, tmp_dir, model, optimizer, common,
                                           group, async_group, group=group)

@@ -15,12 +15,27 @@ parameters, the non-sharded optimizers' state) is a plain tensor, which DCP writ
 same description for the *current* layout and lets DCP read the overlapping pieces: a checkpoint saved at
 one data-parallel size and sharding strategy loads at any other. Plain data goes into common.pt, read with
 `torch.load(weights_only=True)`.
+
+Several data-parallel groups (DDP's data_parallel_group smaller than the checkpoint's process group, as
+under tensor or pipeline parallelism), e.g. groups {0,1} and {2,3} of a save over ranks 0-3::
+
+    replica_id (see replica_id):   rank 0 (0,0)   rank 1 (0,0)   rank 2 (1,0)   rank 3 (1,0)
+    writes:                        its shards     its shards     nothing        nothing
+
+megatron-lite splits no tensor over model-parallel ranks, so every data-parallel group holds a replica of
+the one model, as megatron-core's layer norms are replicated over tensor-parallel ranks: the group holding
+the checkpoint group's rank 0 writes (megatron-core's replica_id 0), and before a save check_replicas
+compares every rank's state, bit for bit, with that of the rank at its position in the writing group,
+raising on every rank where they differ (a group holding other weights would otherwise resume from the
+first group's). Groups that really hold different models save each into a directory of its own, with their
+data-parallel group as the checkpoint group. Loading needs no such rule: every rank reads its own pieces.
 """
 
 import concurrent.futures
 import os
 import pickle
-from typing import Dict, List, Tuple
+import zlib
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,52 +86,38 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor]],
-             ranges_of_rank: List[List[Tuple[int, int]]]) -> ShardedTensor:
-    """A 1-D ShardedTensor of `numel` elements: this rank's pieces `local` = [(offset, tensor)], every
-    rank's ranges `ranges_of_rank[r]` (all ranks know the layout, so no collective is needed)."""
+def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor]]) -> ShardedTensor:
+    """A 1-D ShardedTensor of `numel` elements holding this rank's pieces `local` = [(offset, tensor)],
+    placed at its *global* rank (ShardedTensor's placements are global ranks, whatever the process group).
+
+    DCP reads nothing of a ShardedTensor but its local shards, so no rank needs another's layout: the rest
+    of the tensor is described as held by some other rank, as torch's own _flatten_sharded_tensors does
+    (ShardedTensor insists that the shards cover the tensor). At a save, DCP's coordinator checks that the
+    pieces the ranks actually write tile every tensor exactly once."""
     rank = dist.get_rank()
-    device = local[0][1].device if local else torch.device("cpu")
-    where = "cuda" if device.type == "cuda" else "cpu"
-
-    def meta(r, start, end):
-        return ShardMetadata([start], [end - start], f"rank:{r}/{where}:{device.index or 0}" if where == "cuda"
-                             else f"rank:{r}/cpu")
-    shards = [Shard(t, meta(rank, start, start + t.numel())) for start, t in local]
-    everyone = [meta(r, s, e) for r, ranges in enumerate(ranges_of_rank) for s, e in ranges]
-    properties = TensorProperties(dtype=dtype)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(everyone, torch.Size([numel]), properties))
-
-
-def _ranges_of_every_rank(optimizer, world: int, per_instance: int, instance: int
-                          ) -> Dict[str, List[List[Tuple[int, int]]]]:
-    """name -> per data-parallel rank, the ranges of the parameter it holds, for the ranks of distributed-
-    optimizer instance `instance` (rank r holds the shards of position r % per_instance): the ranks of one
-    instance cover every parameter exactly once (a ShardedTensor's shards must not overlap). A save
-    describes, and writes, the first instance's; a load describes the loading rank's own instance."""
-    out: Dict[str, List[List[Tuple[int, int]]]] = {}
-    for r in range(instance * per_instance, (instance + 1) * per_instance):
-        for name, start, end, _ in optimizer.local_chunks(rank=r % per_instance):
-            out.setdefault(name, [[] for _ in range(world)])[r].append((start, end))
-    return out
+    device = local[0][1].device
+    where = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
+    shards = [Shard(t, ShardMetadata([start], [t.numel()], f"rank:{rank}/{where}")) for start, t in local]
+    elsewhere, covered = [], 0  # the gaps between this rank's pieces, attributed to another rank
+    for start, t in sorted(local, key=lambda piece: piece[0]) + [(numel, None)]:
+        if start > covered:
+            elsewhere.append(ShardMetadata([covered], [start - covered], f"rank:{int(rank == 0)}/{where}"))
+        covered = max(covered, start + (t.numel() if t is not None else 0))
+    metadata = ShardedTensorMetadata([s.metadata for s in shards] + elsewhere, torch.Size([numel]),
+                                     TensorProperties(dtype=dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
 
 
 def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
-    """The DCP state dict of this rank (see the module docstring). With `fill` = 'zeros' the tensors are
-    empty placeholders for loading, shaped for the current layout."""
-    world = dist.get_world_size(optimizer.data_parallel_group)
-    per_instance = dist.get_world_size(optimizer.grad_stats_group)
-    sharded = optimizer.sharded
-    instance = dist.get_rank(optimizer.data_parallel_group) // per_instance
-    ranges = _ranges_of_every_rank(optimizer, world, per_instance, instance if fill else 0) if sharded else {}
-    replica = sharded and not fill and instance > 0  # writes nothing: the first instance writes it all
+    """Every piece of state this rank holds, as the DCP state dict (see the module docstring): replicas
+    included, whether or not this rank writes them (see replica_id). A ShardedTensor appears only where the
+    rank holds a piece of it. With `fill` = 'zeros' the tensors are empty placeholders for loading, shaped
+    for the current layout."""
     shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}
     dtypes = {name: p.dtype for p, name in optimizer.param_to_name.items()}
-    keys = ["param", *STATE_KEYS[optimizer.config.optimizer]]
     state: Dict[str, object] = {}
-    chunks = [] if replica else optimizer.local_chunks()
-    for key in keys:
+    chunks = optimizer.local_chunks()
+    for key in ["param", *STATE_KEYS[optimizer.config.optimizer]]:
         pieces: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for name, start, end, main in chunks:
             if fill:
@@ -128,21 +129,19 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
                 value = value.float()
             pieces.setdefault(name, []).append((start, value))
         for name, local in pieces.items():
-            numel = shapes[name].numel()
-            state[f"optimizer.{name}.{key}"] = (_sharded(numel, torch.float32, local, ranges[name]) if sharded
-                                                else local[0][1])
+            state[f"optimizer.{name}.{key}"] = (_sharded(shapes[name].numel(), torch.float32, local)
+                                                if optimizer.sharded else local[0][1])
     # The model: ZeRO-3 ranks hold ranges of the parameters (those of the optimizer's shards), others all.
-    zero3 = any(getattr(chunk, "zero3", False) for chunk in optimizer.model_chunks)
-    if zero3:
+    if _zero3(optimizer):
         from ..optimizer.distrib_optimizer import shard_ranges
         pieces = {}
-        for s in [] if replica else shard_ranges(optimizer.model_chunks):
+        for s in shard_ranges(optimizer.model_chunks):
             name = optimizer.param_to_name[s.model_param]
             value = torch.zeros(s.param_end - s.param_start, dtype=dtypes[name], device=optimizer.device) \
                 if fill else s.params.detach()
             pieces.setdefault(name, []).append((s.param_start, value))
-        for name in shapes:
-            state[f"model.{name}"] = _sharded(shapes[name].numel(), dtypes[name], pieces.get(name, []), ranges[name])
+        for name, local in pieces.items():
+            state[f"model.{name}"] = _sharded(shapes[name].numel(), dtypes[name], local)
     else:
         for p, name in optimizer.param_to_name.items():
             state[f"model.{name}"] = torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if fill \
@@ -152,12 +151,17 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     return state
 
 
+def _zero3(optimizer) -> bool:
+    return any(getattr(chunk, "zero3", False) for chunk in optimizer.model_chunks)
+
+
 def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in model.untrained_state_dict().items() if k not in trainable}
 
 
 def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:
-    """This rank's tensors to be written, by key (for checks such as finiteness)."""
+    """This rank's pieces of every tensor (written if it is replica (0, 0)), by key, for checks such as
+    finiteness."""
     out = {}
     for key, value in _tensors(model, optimizer).items():
         pieces = [s.tensor for s in value.local_shards()] if isinstance(value, ShardedTensor) else [value]
@@ -166,15 +170,103 @@ def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ replicas
+def replica_id(optimizer, group=None) -> Tuple[int, int]:
+    """(data-parallel replica, distributed-optimizer instance) of this rank's state in a save over `group`.
+
+    megatron-core's replica_id, for state that no model-parallel dimension splits: the data-parallel group
+    holding `group`'s rank 0 is replica 0 (megatron-core: the lowest tensor/pipeline-parallel rank), every
+    other data-parallel group 1; inside a group, instance i of the distributed optimizer holds a copy of
+    instance 0's shards. Only (0, 0) writes sharded pieces; whole tensors are written by the ranks of data-
+    parallel replica 0 (DCP stores each once)."""
+    dp_group = optimizer.data_parallel_group
+    first = dist.get_global_rank(group or dist.group.WORLD, 0)
+    replica = 0 if first in dist.get_process_group_ranks(dp_group or dist.group.WORLD) else 1
+    instance = dist.get_rank(dp_group) // dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 0
+    return replica, instance
+
+
+def _written(state: Dict[str, object], replica: Tuple[int, int]) -> Dict[str, object]:
+    """The part of this rank's `state` that it writes (see replica_id)."""
+    if replica[0]:
+        return {}
+    if replica[1]:
+        return {k: v for k, v in state.items() if not isinstance(v, ShardedTensor)}
+    return state
+
+
+def _fingerprint(value) -> Tuple[tuple, ...]:
+    """(offset, shape, dtype, CRC-32 of the bytes) of every local piece of a DCP value."""
+    pieces = [(s.metadata.shard_offsets[0], s.tensor) for s in value.local_shards()] \
+        if isinstance(value, ShardedTensor) else [(None, value)]
+    return tuple((offset, tuple(t.shape), str(t.dtype),
+                  zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()))
+                 for offset, t in pieces)
+
+
+def _describe(model, optimizer) -> dict:
+    """This rank's place (global rank, its data-parallel group's global ranks, its rank there) and the
+    fingerprints of the state it holds."""
+    dp_group = optimizer.data_parallel_group
+    return {"rank": dist.get_rank(), "group": tuple(dist.get_process_group_ranks(dp_group or dist.group.WORLD)),
+            "position": dist.get_rank(dp_group),
+            "tensors": {key: _fingerprint(value) for key, value in _tensors(model, optimizer).items()}}
+
+
+def disagreement(everyone: List[dict]) -> Optional[str]:
+    """Why the data-parallel groups of a checkpoint group cannot be saved as replicas of one state, or None.
+
+    Args:
+        everyone: _describe() of every rank, indexed by rank in the checkpoint group (entry 0 is in
+            data-parallel replica 0). Pure: every rank computes the same verdict from the same list.
+    """
+    by_rank = {e["rank"]: e for e in everyone}
+    for e in everyone:
+        if any(by_rank.get(m, {}).get("group") != e["group"] for m in e["group"]):
+            return (f"global rank {e['rank']} names its data-parallel group {list(e['group'])}, which its members "
+                    f"do not all name: every rank of a data-parallel group must pass the same group to DDP")
+    groups = sorted({e["group"] for e in everyone})
+    if len({len(g) for g in groups}) > 1:
+        return (f"the data-parallel groups differ in size ({', '.join(str(list(g)) for g in groups)}): their "
+                f"replicas are compared rank by rank with the writing group's, so all must be the same size")
+    reference = {by_rank[r]["position"]: by_rank[r] for r in everyone[0]["group"]}
+    for e in everyone:
+        ref = reference[e["position"]]
+        for key in sorted(set(ref["tensors"]) | set(e["tensors"])):
+            if ref["tensors"].get(key) != e["tensors"].get(key):
+                return (f"data-parallel group {list(e['group'])} holds another {key} than group {list(ref['group'])} "
+                        f"(global ranks {e['rank']} and {ref['rank']}, both data-parallel rank {e['position']}): "
+                        f"megatron-lite has no tensor/pipeline-parallel sharding, so a torch_dist checkpoint over "
+                        f"several data-parallel groups keeps one replica of the state, and the groups must hold the "
+                        f"same model and optimizer state. Keep them in sync (same weights, data and steps), or save "
+                        f"each group into a directory of its own (save_checkpoint(..., group=its data-parallel "
+                        f"group) and load_checkpoint(..., group=...) alike)")
+    return None
+
+
+def check_replicas(model, optimizer, group=None):
+    """Before a save over `group` (every rank): when `group` holds several data-parallel groups, raise
+    ValueError on every rank unless they hold bitwise-identical state, position by position (see
+    disagreement). Nothing to do (no collective) when the data-parallel group is `group` itself."""
+    if dist.get_world_size(optimizer.data_parallel_group) == dist.get_world_size(group):
+        return
+    mine = collectives.run_collectively(_describe, model, optimizer, group=group)  # a local failure: every rank
+    problem = disagreement(collectives.all_gather_object(mine, group))
+    if problem is not None:
+        raise ValueError(f"cannot save a torch_dist checkpoint: {problem}")
+
+
 def save_torch_dist(directory: str, model, optimizer, common: dict, group=None, async_group=None):
-    """Every rank: its tensors into `directory` through DCP; rank 0: the plain data (common.pt).
+    """Every rank: what it writes of its tensors (see replica_id) into `directory` through DCP; `group`'s
+    rank 0: the plain data (common.pt). Call check_replicas first when `group` holds several data-parallel
+    groups: only replica 0's state is written.
 
     With `async_group` (a process group of its own, so that the background writer's collectives never
     interleave with training's) the tensors are copied to host memory now and written by a background
     thread: returns the future of that write (None when synchronous)."""
     with torch.no_grad():
         model.finish_param_sync()
-        state = _tensors(model, optimizer)
+        state = _written(_tensors(model, optimizer), replica_id(optimizer, group))
     if dist.get_rank(group) == 0:
         torch.save(common, os.path.join(directory, COMMON_FILENAME))
     if async_group is None:
@@ -207,13 +299,9 @@ def read_common(directory: str) -> dict:
 @torch.no_grad()
 def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparameters: str = "check", group=None):
     """Read this rank's part of every tensor for the current layout (any DP size and strategy) and load
-    it into the model and the optimizer."""
-    state = _tensors(model, optimizer, fill="zeros")
-    available = set(SafeReader(directory).read_metadata().state_dict_metadata)
-    missing = [k for k in state if k.startswith("model.") and k not in available]
-    if missing:
-        raise ValueError(f"checkpoint {directory} has no {missing[0]}: it was saved from another model")
-    state = {k: v for k, v in state.items() if k in available}  # moments exist only after a first step
+    it into the model and the optimizer. A model the checkpoint does not fit raises ValueError on every
+    rank of `group` (also when only some data-parallel groups build another model)."""
+    state = collectives.run_collectively(_placeholders, directory, model, optimizer, common, group=group)
     dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
     shapes = common["shapes"]
 
@@ -232,9 +320,8 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparamet
     optimizer.load_common_state_dict(common["optimizer"], hyperparameters)
     optimizer.load_chunks(values, common["optimizer_step"], common.get("optimizer_lagging_steps"))
     # The model: whole parameters, or (ZeRO-3) the rank's ranges, written through the optimizer's views.
-    zero3 = any(getattr(chunk, "zero3", False) for chunk in optimizer.model_chunks)
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
-    if zero3:
+    if _zero3(optimizer):
         from ..optimizer.distrib_optimizer import shard_ranges
         for s in shard_ranges(optimizer.model_chunks):
             pieces = local_pieces(state[f"model.{optimizer.param_to_name[s.model_param]}"])
@@ -243,3 +330,19 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparamet
     else:
         model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others})
     collectives.barrier(group)
+
+
+def _placeholders(directory: str, model, optimizer, common: dict) -> Dict[str, object]:
+    """The zero-filled pieces this rank reads, after checking that the checkpoint holds every tensor of
+    the model (whatever this rank's layout) with the model's shapes."""
+    available = set(SafeReader(directory).read_metadata().state_dict_metadata)
+    trainable = {name: list(p.shape) for p, name in optimizer.param_to_name.items()}
+    for name in [*trainable, *_other_entries(model, trainable)]:
+        if f"model.{name}" not in available:
+            raise ValueError(f"checkpoint {directory} has no model.{name}: it was saved from another model")
+    for name, shape in trainable.items():
+        if list(common["shapes"].get(name, shape)) != shape:
+            raise ValueError(f"checkpoint {directory} holds {name} of shape {common['shapes'][name]}, the model's "
+                             f"is {shape}: it was saved from another model")
+    state = _tensors(model, optimizer, fill="zeros")
+    return {k: v for k, v in state.items() if k in available}  # moments exist only after a first step
