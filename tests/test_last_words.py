@@ -161,3 +161,31 @@ def test_rank_raising_an_exception_restarts_and_continues(soak, tmp_path):
     assert soak.loaded_from(log) == "last words" and "at iteration 12 " in log.split("> resumed from", 1)[1]
     losses = {r["iteration"]: r["lm_loss"] for r in soak.records(str(tmp_path / "job" / "metrics.jsonl"))}
     assert sorted(losses) == list(range(1, iters + 1)) and losses == reference
+
+
+def _subgroup_worker(root):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import get_megatron_optimizer
+    from megatron_lite.training.last_words import LastWords
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from ddp_testing import make_model
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ddp = DistributedDataParallel(make_model(), DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                  data_parallel_group=groups[rank // 2])
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), ddp)
+    try:
+        LastWords(root, opt, OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant"), 0, 0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_last_words_refuse_several_data_parallel_groups(tmp_path):
+    """Would catch last words written with two data-parallel groups: files are named by data-parallel rank, so
+    each group's rank r would overwrite the other's file (a resume would mix two groups' shards)."""
+    for error in run_distributed(_subgroup_worker, 4, str(tmp_path)):
+        assert error is not None and "--no-last-words" in error

@@ -66,6 +66,13 @@ class LastWords:
     def __init__(self, root: str, optimizer, scheduler, iteration: int, consumed_train_samples: int,
                  args: Optional[dict] = None):
         expert_checkpoint.refuse(optimizer, "last words", "train without them (--no-last-words)")
+        if dist.get_world_size(optimizer.data_parallel_group) != dist.get_world_size():
+            # Files are named by data-parallel rank: two groups' rank 0 would write the same file.
+            raise ValueError(
+                f"last words need the data-parallel group to be the whole job ({dist.get_world_size()} ranks), "
+                f"this one has {dist.get_world_size(optimizer.data_parallel_group)}: train without them "
+                f"(--no-last-words) and rely on periodic checkpoints (torch_dist handles several groups)"
+            )
         self.root, self.optimizer, self.scheduler = root, optimizer, scheduler
         self.args = args or {}
         self.rank = dist.get_rank(optimizer.data_parallel_group)
