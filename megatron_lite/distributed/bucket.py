@@ -34,6 +34,9 @@ class Bucket:
         param_to_name: parameter names for error messages.
         inter_instance_group: the same shard's holders in the other distributed-optimizer instances: the
             reduce-scattered shard is all-reduced over it. None with one instance.
+        extra_main_grads: parameters whose main_grad is a separate fp32 tensor
+            (param_name_patterns_for_fp32_local_accumulation), each with its slice of grad_data: that slice
+            is filled from main_grad when the bucket is launched, and copied back when it is reduced.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class Bucket:
         bucket_id: int = 0,
         param_to_name: Optional[Dict[torch.nn.Parameter, str]] = None,
         inter_instance_group=None,
+        extra_main_grads: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None,
     ):
         self.ddp_config = ddp_config
         self.params_list = params
@@ -61,6 +65,7 @@ class Bucket:
         self.bucket_id = bucket_id
         self.param_to_name = param_to_name or {}
         self.inter_instance_group = inter_instance_group
+        self.extra_main_grads = extra_main_grads or {}  # param -> its slice of grad_data (fp32 main_grad apart)
         self.param_gather_handle = None
         # megatron-core's map: parameter -> its (start, end) elements within the bucket.
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
@@ -114,6 +119,8 @@ class Bucket:
         self.communication_handle = None
         self._finished = False
         self.nonfinite_params: List[str] = []
+        for param in self.extra_main_grads:
+            param.main_grad.zero_()
         if self.shards_grads:
             self.grad_shard.zero_()
             self._free_grad_storage()  # unreduced leftovers of an interrupted iteration, if any
@@ -189,22 +196,26 @@ class Bucket:
         with overlap_grad_reduce."""
         assert self.communication_handle is None, "bucket communication launched twice"
         self.ensure_grad_storage()  # ZeRO-2: a bucket none of whose gradients arrived is all zeros
+        for param, sent in self.extra_main_grads.items():
+            sent.copy_(param.main_grad)  # the one rounding of the fp32 accumulation (an overflow becomes inf)
         if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(self.grad_data).all():
             # Record, but still communicate: the other ranks are already in (or on their way to) this
             # collective. DistributedDataParallel.finish_grad_sync raises on every rank afterwards.
             self.nonfinite_params = [
-                self.name(p) for p in self.params_list if not torch.isfinite(p.main_grad).all()
+                self.name(p) for p in self.params_list
+                if not torch.isfinite(self.extra_main_grads.get(p, p.main_grad)).all()
             ]
         if self.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(self.gradient_scaling_factor)
         self._all_reduced = force_all_reduce or not self.ddp_config.use_distributed_optimizer
-        collective = collectives.all_reduce if self._all_reduced else collectives.reduce_scatter
-        self.communication_handle = collective(
-            self.grad_data,
-            group=self.data_parallel_group,
-            op=collectives.reduce_op(self.ddp_config.average_in_collective),
-            async_op=self.ddp_config.overlap_grad_reduce,
-        )
+        kwargs = dict(group=self.data_parallel_group, async_op=self.ddp_config.overlap_grad_reduce)
+        op = collectives.reduce_op(self.ddp_config.average_in_collective)
+        if self._all_reduced:
+            self.communication_handle = collectives.all_reduce(self.grad_data, op=op, **kwargs)
+        elif self.ddp_config.reduce_scatter_with_fp32_accumulation:  # SUM only (the config checks)
+            self.communication_handle = collectives.reduce_scatter_with_fp32_accumulation(self.grad_data, **kwargs)
+        else:
+            self.communication_handle = collectives.reduce_scatter(self.grad_data, op=op, **kwargs)
 
     def finish_grad_sync(self, force_all_reduce: bool = False):
         """Wait for the bucket's collective (launching it first if it has not been). ZeRO-2: then keep
@@ -223,6 +234,10 @@ class Bucket:
                                    op=collectives.reduce_op(self.ddp_config.average_in_collective))
         if force_all_reduce and (not self._all_reduced or self.inter_instance_group is not None):
             collectives.all_gather(self.grad_data, group=self.data_parallel_group)  # every rank's final shard
+        for param, sent in self.extra_main_grads.items():
+            # The reduced values, exactly, in fp32 (sharded: in this rank's shard only, like the buffer). The
+            # full-parameter optimizers read main_grad; the distributed one this bucket's reduced shard.
+            param.main_grad.copy_(sent)
         self._finished = True
         if self.shards_grads:
             with torch.no_grad():

@@ -8,7 +8,9 @@ Backend choices (measured with benchmarks/collectives_gloo.py, 2 gloo ranks, tor
   * gloo's reduce-scatter costs ~2.3x an all-reduce of the same bucket (16M fp32: 145 ms vs 63 ms), so on
     gloo `reduce_scatter` all-reduces the whole bucket, which leaves the rank's shard with exactly the
     values a reduce-scatter would produce (the other shards are reduced too, which is harmless);
-  * NCCL (and anything else) uses the native in-place reduce-scatter / all-gather.
+  * NCCL (and anything else) uses the native in-place reduce-scatter / all-gather;
+  * `reduce_scatter_with_fp32_accumulation` is an all-to-all plus a local fp32 sum on every backend (gloo
+    runs all_to_all_single on CPU tensors of any dtype, bf16 included).
 
 Observers (`observe`) see every tensor collective as it is issued, with the bytes it moves: benchmarks
 count communication through them instead of patching torch.distributed.
@@ -52,7 +54,7 @@ _observers: List[Callable[[str, torch.Tensor, int], None]] = []
 def observe(callback: Callable[[str, torch.Tensor, int], None]):
     """Within the context, call `callback(name, full_tensor, group_size)` for every tensor collective
     issued, before it is issued. `name` is what actually runs ('all_reduce', 'reduce_scatter',
-    'all_gather', 'broadcast', 'send'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
+    'all_gather', 'all_to_all', 'broadcast', 'send'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
     all-gather's output). Collectives skipped on one-rank groups are not reported."""
     _observers.append(callback)
     try:
@@ -103,6 +105,50 @@ def reduce_scatter(bucket: torch.Tensor, group=None, op: dist.ReduceOp = SUM, as
     _notify("reduce_scatter", bucket, world_size)
     own = shard(bucket, world_size, rank)
     return _handle(_reduce_scatter_single(own, bucket, op=op, group=group, async_op=async_op))
+
+
+class _Fp32AccumulationHandle:
+    """Handle of `reduce_scatter_with_fp32_accumulation`: `wait()` waits for the all-to-all, then sums the
+    received pieces in fp32 into the rank's shard (once; later calls do nothing)."""
+
+    def __init__(self, work, received: torch.Tensor, own: torch.Tensor, world_size: int):
+        self._work, self._received, self._own, self._world_size = work, received, own, world_size
+
+    def wait(self):
+        if self._received is None:
+            return True
+        self._work.wait()
+        pieces = self._received.view(self._world_size, -1)  # piece i: shard r as rank i holds it
+        total = pieces[0].float()
+        for piece in pieces[1:]:  # fp32 adds in rank order: the result does not depend on the backend
+            total.add_(piece)
+        self._own.copy_(total)  # the one rounding back to the bucket's dtype
+        self._received = None  # free the scratch now, not when the handle goes
+        return True
+
+    def is_completed(self):
+        return self._received is None
+
+
+def reduce_scatter_with_fp32_accumulation(bucket: torch.Tensor, group=None, async_op: bool = False):
+    """In place: rank r's shard r of `bucket` ends with the sum of shard r over the group, added up in fp32
+    in rank order and rounded once to the bucket's dtype (megatron-core's reduce_scatter_with_fp32_accumulation).
+
+    What travels is the bucket in its own dtype: an all-to-all sends shard j to rank j, (N-1)/N of the
+    bucket out and in per rank, what a ring reduce-scatter moves. The received copies need one bucket-sized
+    scratch tensor until `wait()`. Only SUM (pre-scale for a mean). The other shards keep the rank's own,
+    unreduced values, on every backend.
+    """
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world_size == 1:
+        return DONE
+    _notify("all_to_all", bucket, world_size)
+    received = torch.empty_like(bucket)
+    work = _handle(dist.all_to_all_single(received, bucket, group=group, async_op=async_op))
+    handle = _Fp32AccumulationHandle(work, received, shard(bucket, world_size, rank), world_size)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):

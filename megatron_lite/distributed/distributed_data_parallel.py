@@ -33,7 +33,7 @@ from .grad_checks import (
     unused_parameters_message,
 )
 from .layout import default_bucket_size
-from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_gather import ParamGatherSchedule
 from .param_units import ParamUnits, find_units, unit_of_params
 from .replica_check import check_replicas_agree
@@ -107,7 +107,11 @@ class DistributedDataParallel(torch.nn.Module):
         # (name, param, requires_grad at wrap time), frozen ones too: a later change is an error.
         self._all_named_params = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.param_to_name: Dict[torch.nn.Parameter, str] = {}
-        # Buffers per (param dtype, grad dtype, expert or not), as megatron-core's.
+        # Buffers per (param dtype, grad dtype, expert or not), as megatron-core's. The grad dtype is what the
+        # buffer communicates; a parameter matched by param_name_patterns_for_fp32_local_accumulation keeps
+        # that grad dtype but accumulates into an fp32 main_grad of its own (param_and_grad_buffer.py).
+        fp32_accumulation = fp32_local_accumulation_params(
+            [(n, p) for n, p, _ in self._all_named_params], config, data_parallel_group)
         dtype_to_params: Dict[Tuple[torch.dtype, torch.dtype, bool], List[torch.nn.Parameter]] = {}
         for name, param, _ in self._all_named_params:
             if not param.requires_grad:
@@ -132,7 +136,7 @@ class DistributedDataParallel(torch.nn.Module):
                                                                                self.inter_instance_group)
             (self.expert_parallel_buffers if expert else self.param_and_grad_buffers).append(ParamAndGradBuffer(
                 config, param_dtype, grad_dtype, params, group, self.bucket_size, self.param_to_name,
-                expert_scaling if expert else scaling, unit_of, inter,
+                expert_scaling if expert else scaling, unit_of, inter, fp32_local_accumulation=fp32_accumulation,
             ))
         self.expert_params = frozenset(p for buffer in self.expert_parallel_buffers for p in buffer.params)
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}

@@ -1,5 +1,6 @@
 """Configuration of the data-parallel wrapper (field names and meanings follow megatron.core)."""
 
+import fnmatch
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
@@ -40,6 +41,22 @@ class DistributedDataParallelConfig:
     nn.ModuleList. `()`: no units, the whole model gathered at once. Parameters outside any unit form the
     root unit, gathered for the whole forward and backward. A name matching no submodule, or None on a
     model without an nn.ModuleList, is an error at wrap time listing the model's candidate classes."""
+
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """megatron-core's reduce-scatter that sends gradients in their own (low) precision but sums them in fp32:
+    an all-to-all hands every rank the other ranks' copies of its shard, which it adds up in fp32, in rank
+    order, and rounds once to the grad dtype (a ring reduce-scatter rounds after every hop). Same bytes as a
+    ring reduce-scatter, plus one bucket-sized scratch per bucket in flight; the same on gloo and NCCL. Needs a
+    sharded strategy (no_shard all-reduces), SUM (not average_in_collective), one distributed-optimizer
+    instance, and low-precision gradients (not grad_reduce_in_fp32). docs/performance.md has bytes and error."""
+
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
+    """Parameters (fnmatch patterns on their names, 'all' for every one) whose main_grad is a separate fp32
+    tensor that gradients accumulate into over the micro-batches (megatron-core's field), while their bucket
+    still communicates in the grad dtype: the fp32 sum is rounded into the bucket when it is launched, and the
+    reduced value copied back into main_grad (fp32) when it is done. Costs 4 bytes per matched element. Not
+    with grad_reduce_in_fp32 (main_grad is fp32 already); a pattern matching no trainable parameter is an
+    error at wrap time."""
 
     num_distributed_optimizer_instances: int = 1
     """Split the data-parallel ranks into this many instances of the distributed optimizer (contiguous
@@ -110,6 +127,11 @@ class DistributedDataParallelConfig:
             raise ValueError("data_parallel_sharding_strategy='optim_grads_params' needs overlap_grad_reduce=True: "
                              "a unit's gradients are reduced, and its parameters released, as soon as its "
                              "backward is done")
+        patterns = self.param_name_patterns_for_fp32_local_accumulation
+        if isinstance(patterns, str) or not all(isinstance(n, str) for n in patterns):
+            raise TypeError(f"param_name_patterns_for_fp32_local_accumulation must be a sequence of fnmatch "
+                            f"patterns (e.g. ('*.router.weight',) or ('all',)), got {patterns!r}")
+        self.param_name_patterns_for_fp32_local_accumulation = tuple(patterns)
         if self.fsdp_unit_modules is not None:
             if isinstance(self.fsdp_unit_modules, str) or not all(isinstance(n, str) for n in self.fsdp_unit_modules):
                 raise TypeError(f"fsdp_unit_modules must be a sequence of module class names, got "
@@ -117,7 +139,8 @@ class DistributedDataParallelConfig:
             self.fsdp_unit_modules = tuple(self.fsdp_unit_modules)
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("data_parallel_sharding_strategy", "fsdp_unit_modules"):
+            if f.name in ("data_parallel_sharding_strategy", "fsdp_unit_modules",
+                          "param_name_patterns_for_fp32_local_accumulation"):
                 continue
             if f.name == "num_distributed_optimizer_instances":
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -152,3 +175,37 @@ class DistributedDataParallelConfig:
                 "pad_buckets_for_high_nccl_busbw=True requires use_distributed_optimizer=True: buckets are "
                 "only padded for the distributed optimizer"
             )
+        self._check_low_precision_reduction()
+
+    def _check_low_precision_reduction(self):
+        """The combinations megatron-core refuses (asserts) or ignores, as errors naming the fields."""
+        if self.param_name_patterns_for_fp32_local_accumulation and self.grad_reduce_in_fp32:
+            raise ValueError("param_name_patterns_for_fp32_local_accumulation with grad_reduce_in_fp32=True: every "
+                             "main_grad is fp32 already; drop the patterns, or reduce in the parameter dtype")
+        if not self.reduce_scatter_with_fp32_accumulation:
+            return
+        if self.grad_reduce_in_fp32:
+            raise ValueError("reduce_scatter_with_fp32_accumulation=True with grad_reduce_in_fp32=True: the "
+                             "gradients already travel and add up in fp32; drop one of them")
+        if not self.use_distributed_optimizer:
+            raise ValueError("reduce_scatter_with_fp32_accumulation=True needs a sharded "
+                             "data_parallel_sharding_strategy (use_distributed_optimizer=True): under 'no_shard' "
+                             "gradients are all-reduced, never reduce-scattered")
+        if self.average_in_collective:
+            raise ValueError("reduce_scatter_with_fp32_accumulation=True sums in its own fp32 accumulation: "
+                             "average_in_collective=True (ReduceOp.AVG) is not supported with it; drop it "
+                             "(gradients are then pre-scaled by 1/dp)")
+        if self.num_distributed_optimizer_instances > 1:
+            raise ValueError("reduce_scatter_with_fp32_accumulation=True with num_distributed_optimizer_instances > "
+                             "1: the all-reduce across instances would sum in the low precision again; use one "
+                             "instance")
+
+    def accumulates_in_fp32(self, param_name: str) -> bool:
+        """Whether `param_name` matches param_name_patterns_for_fp32_local_accumulation."""
+        return any(pattern_matches(p, param_name) for p in self.param_name_patterns_for_fp32_local_accumulation)
+
+
+def pattern_matches(pattern: str, param_name: str) -> bool:
+    """megatron-core's rule for param_name_patterns_for_fp32_local_accumulation: fnmatch (case-sensitive on
+    every OS here), and the special pattern 'all'."""
+    return pattern == "all" or fnmatch.fnmatchcase(param_name, pattern)

@@ -11,15 +11,21 @@ distributed optimizer `param.data` is a view into `param_data` as well, so the o
 rank's shard of updated parameters straight into the buffer and all-gather it. With ZeRO-2 (ZeRO-3)
 there is no contiguous grad_data (param_data): each bucket's storage is its own, so that it can be freed
 on its own; the layout, and so every offset, is the same.
+
+Exception (param_name_patterns_for_fp32_local_accumulation): a matched low-precision parameter's main_grad
+is a tensor of its own, in fp32, where its gradients accumulate; its slice of grad_data is only the
+communication copy, filled from main_grad when the bucket is launched and copied back when it is reduced.
 """
 
-from typing import Dict, List, Optional
+from typing import AbstractSet, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 from .bucket import Bucket
-from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .distributed_data_parallel_config import DistributedDataParallelConfig, pattern_matches
 from .layout import compute_buffer_layout
 
 __all__ = ["Bucket", "ParamAndGradBuffer"]
@@ -40,6 +46,8 @@ class ParamAndGradBuffer:
         unit_of: ZeRO-3: each parameter's unit of gathering (a bucket never spans two units).
         inter_instance_group: with several distributed-optimizer instances, the ranks holding the same
             shards in the other instances (each reduced shard is all-reduced over it); else None.
+        fp32_local_accumulation: parameters whose main_grad is a separate fp32 tensor (see the module
+            docstring); ignored where grad_dtype is fp32 already.
     """
 
     def __init__(
@@ -54,6 +62,7 @@ class ParamAndGradBuffer:
         gradient_scaling_factor: float,
         unit_of: Optional[Dict[torch.nn.Parameter, int]] = None,
         inter_instance_group=None,
+        fp32_local_accumulation: AbstractSet[torch.nn.Parameter] = frozenset(),
     ):
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
@@ -101,6 +110,7 @@ class ParamAndGradBuffer:
                              else self.param_data[b.start:b.end] for b in layout.buckets]
 
         self.param_index_map = {}
+        extra_main_grads = [{} for _ in layout.buckets]  # per bucket: param -> its slice of grad_data
         self._shapes = {param: tuple(param.shape) for param in self.params}
         self._param_to_name = param_to_name
         for param, (start, end, bucket_id) in zip(self.params, layout.param_ranges):
@@ -111,6 +121,10 @@ class ParamAndGradBuffer:
                 view.copy_(param.data)
                 param.data = view
             param.main_grad = bucket_grads[bucket_id][start - bucket_start:end - bucket_start].view(param.shape)
+            if param in fp32_local_accumulation and grad_dtype != torch.float32:
+                # megatron-core's "extra main_grad": accumulate here in fp32, communicate the buffer slice.
+                extra_main_grads[bucket_id][param] = param.main_grad
+                param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=device)
 
         self.buckets = []
         for bucket_id, b in enumerate(layout.buckets):
@@ -127,6 +141,7 @@ class ParamAndGradBuffer:
                     bucket_id=bucket_id,
                     param_to_name=param_to_name,
                     inter_instance_group=inter_instance_group,
+                    extra_main_grads=extra_main_grads[bucket_id],
                 )
             )
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
@@ -153,7 +168,11 @@ class ParamAndGradBuffer:
         return problems
 
     def scale_gradients(self, scaling_factor: float):
-        """Multiply all gradients in the buffer by `scaling_factor` (in place; ZeRO-2: the reduced shards)."""
+        """Multiply all gradients in the buffer by `scaling_factor` (in place; ZeRO-2: the reduced shards), and
+        the separate fp32 main_grads (as megatron-core)."""
+        for bucket in self.buckets:
+            for param in bucket.extra_main_grads:
+                param.main_grad.mul_(scaling_factor)
         if self.shards_grads:
             for bucket in self.buckets:
                 bucket.grad_shard.mul_(scaling_factor)
@@ -166,3 +185,23 @@ class ParamAndGradBuffer:
             self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.reset()
+
+
+def fp32_local_accumulation_params(named_params, config: DistributedDataParallelConfig, group=None) -> frozenset:
+    """The trainable parameters of `named_params` ((name, param) pairs) whose names match
+    `config.param_name_patterns_for_fp32_local_accumulation`. A pattern that matches no trainable parameter
+    on any rank of `group` (a typo would silently turn the feature off) raises ValueError on every rank;
+    ranks may match different parameters (expert parameters named per rank). One small collective, only
+    when patterns are given."""
+    patterns = config.param_name_patterns_for_fp32_local_accumulation
+    if not patterns:
+        return frozenset()
+    trainable = [(name, p) for name, p in named_params if p.requires_grad]
+    hits = [pattern for pattern in patterns if any(pattern_matches(pattern, name) for name, _ in trainable)]
+    hit_anywhere = set().union(*collectives.all_gather_object(hits, group))
+    unmatched = [pattern for pattern in patterns if pattern not in hit_anywhere]
+    if unmatched:
+        raise ValueError(f"param_name_patterns_for_fp32_local_accumulation: {unmatched} match no trainable "
+                         f"parameter (fnmatch on names such as {[name for name, _ in trainable[:3]]}); fix "
+                         f"or drop them")
+    return frozenset(p for name, p in trainable if config.accumulates_in_fp32(name))
