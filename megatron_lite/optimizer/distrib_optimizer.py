@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, main_param
+from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param
 
 
 @dataclass
@@ -115,6 +115,11 @@ class DistributedOptimizer(MegatronOptimizer):
             copy_main_to_model(self.main_of[i], s.params)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
+
+    def _copy_model_params_to_main_params(self):
+        # Each rank its own shards: ZeRO-1/2 read the full parameters' ranges, ZeRO-3 the shards it keeps.
+        for i, s in enumerate(self.shards):
+            copy_model_to_main(s.params, self.main_of[i])
 
     # ------------------------------------------------------------------ replicas (fault tolerance)
     def holds_same_shards(self, rank: int) -> bool:

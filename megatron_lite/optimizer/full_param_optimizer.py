@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, main_param, qualified_param_names
+from .optimizer import (STATE_KEYS, MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param,
+                        qualified_param_names)
 
 
 class _FullParamOptimizer(MegatronOptimizer):
@@ -45,6 +46,10 @@ class _FullParamOptimizer(MegatronOptimizer):
     def _copy_main_params_to_model_params(self):
         for model_param, main in self.main_for.items():
             copy_main_to_model(main, model_param.data)
+
+    def _copy_model_params_to_main_params(self):
+        for model_param, main in self.main_for.items():
+            copy_model_to_main(model_param.data, main)
 
     def local_chunks(self, rank: Optional[int] = None):
         # Every rank steps every parameter, whole.

@@ -191,6 +191,23 @@ class MegatronOptimizer:
     def _copy_main_params_to_model_params(self):
         raise NotImplementedError
 
+    def _copy_model_params_to_main_params(self):
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        """Take the model's current parameters as the main params (megatron-core's call after weights were
+        written into the model behind the optimizer's back, e.g. model.load_state_dict for fine-tuning):
+        fp16/bf16 models have fp32 main copies, which the next step() would otherwise write back over
+        the new weights. fp32 main params are the model's own storage: nothing to copy. The optimizer state
+        (moments, step counts, loss scale) is kept, as in megatron-core; build a new optimizer for a fresh
+        one. Local (no collective): every rank must hold the new weights of its own parameters or shards.
+        """
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()  # a pending all-gather must not land after the copy
+        with self.update_lock:  # a last-words record reads the main params under it
+            self._copy_model_params_to_main_params()
+
     # ------------------------------------------------------------------ checkpointing
     def _full_main_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """Per parameter name: full fp32 'param' and full optimizer-state tensors, plus 'step'."""
@@ -339,6 +356,12 @@ def copy_main_to_model(main: torch.Tensor, model_data: torch.Tensor):
     """Write an updated main param back into the model (a cast); nothing to do when it is the model's data."""
     if model_data.dtype != torch.float32:
         model_data.copy_(main)
+
+
+def copy_model_to_main(model_data: torch.Tensor, main: torch.Tensor):
+    """The reverse of copy_main_to_model: the model's (fp16/bf16) values into its fp32 main copy."""
+    if model_data.dtype != torch.float32:
+        main.data.copy_(model_data)
 
 
 def qualified_param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:
