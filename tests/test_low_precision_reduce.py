@@ -173,3 +173,226 @@ def test_reduced_gradients_are_bit_exact(dp):
             if mismatches:
                 failures[f"{dp_kwargs} {patterns} rank {rank}"] = mismatches[:3]
     assert not failures, failures
+
+
+# ------------------------------------------------------------------------------------------ error bounds
+BIG_SIZES = (1000, 777, 2048)
+MODES = {  # name -> (DDP config on 'optim', patterns); 'bound': the documented |err| / (u S), see the docstring
+    "fp32": (dict(grad_reduce_in_fp32=True), ()),
+    "bf16": ({}, ()),
+    "fp32_local_accumulation": ({}, ("all",)),
+    "reduce_scatter_fp32": (dict(reduce_scatter_with_fp32_accumulation=True), ()),
+    "both": (dict(reduce_scatter_with_fp32_accumulation=True), ("all",)),
+}
+
+
+def error_bound(mode, dp, micro_batches):
+    """The documented bound on |reduced - exact mean| in units of u S (module docstring)."""
+    return {"fp32": 2.0 ** -20 / U, "both": 2.01, "fp32_local_accumulation": 1.01 * dp,
+            "reduce_scatter_fp32": 1.01 * micro_batches, "bf16": 1.01 * (micro_batches + dp - 2)}[mode]
+
+
+def _error_worker(mode, micro_batches):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    dp_kwargs, patterns = MODES[mode]
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy="optim",
+                                           param_name_patterns_for_fp32_local_accumulation=patterns, **dp_kwargs)
+    ddp = DistributedDataParallel(Probe(BIG_SIZES), config)
+    targets = make_targets(dp, micro_batches, BIG_SIZES, seed=3)
+    run_iteration(ddp, targets, rank)
+    worst, err_sum, mag_sum = 0.0, 0.0, 0.0
+    for i, _, start, end, got in reduced_pieces(ddp):
+        per_rank = [sum(mb[i][start:end].double() for mb in rank_targets) for rank_targets in targets]
+        exact = sum(per_rank) / dp
+        magnitude = sum(sum(mb[i][start:end].double().abs() for mb in rank_targets) for rank_targets in targets) / dp
+        err = (got.double() - exact).abs()
+        worst = max(worst, (err / (U * magnitude)).max().item())
+        err_sum, mag_sum = err_sum + err.sum().item(), mag_sum + magnitude.sum().item()
+    return worst, err_sum, mag_sum
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_error_against_an_fp32_reduction_stays_within_the_documented_bounds(dp):
+    """Each mode's reduced gradient vs the exact mean of the same bf16 micro-batch gradients (4 micro-batches,
+    magnitudes over 12 binades), elementwise within the bounds of the module docstring, and the modes ordered
+    as their arithmetic says (mean error relative to S): fp32 < both < either one alone < bf16, except that at
+    dp=2 the fp32 reduce-scatter is one addition like bf16's (identical results). Would catch a mode that rounds
+    more often than documented (e.g. the bucket slice filled from main_grad after every micro-batch, or the
+    received copies summed in bf16), or one silently doing nothing (the ordering)."""
+    micro_batches = 4
+    mean_error, worst = {}, {}
+    for mode in MODES:
+        results = run_distributed(_error_worker, dp, mode, micro_batches)
+        worst[mode] = max(r[0] for r in results) / error_bound(mode, dp, micro_batches)
+        mean_error[mode] = sum(r[1] for r in results) / sum(r[2] for r in results)
+    assert all(ratio <= 1.0 for ratio in worst.values()), worst
+    # fp32 local accumulation pays off with micro-batches, the fp32 reduce-scatter from 3 ranks on (with 2 it
+    # is one addition, the same arithmetic as bf16's: identical results).
+    assert mean_error["fp32"] < mean_error["both"] < mean_error["reduce_scatter_fp32"], mean_error
+    assert mean_error["fp32_local_accumulation"] < mean_error["bf16"], mean_error
+    if dp == 2:
+        assert mean_error["both"] == mean_error["fp32_local_accumulation"], mean_error
+        assert mean_error["reduce_scatter_fp32"] == mean_error["bf16"], mean_error
+    else:
+        assert mean_error["both"] < mean_error["fp32_local_accumulation"], mean_error
+        assert mean_error["reduce_scatter_fp32"] < mean_error["bf16"], mean_error
+
+
+# ------------------------------------------------------------------------------------------ the collective
+def _collective_worker(async_op):
+    import torch.distributed as dist
+
+    from megatron_lite.distributed import collectives
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    shard = 6
+    # Rank 0 holds 1, the others 2^-9: bf16 adding in turn stays at 1 (1 + 2^-9 rounds back to 1), an fp32
+    # sum of 1 + 3 x 2^-9 rounds once, to 1 + 2^-7.
+    bucket = torch.full((dp * shard,), 1.0 if rank == 0 else 2.0 ** -9, dtype=torch.bfloat16)
+    bucket += torch.arange(dp * shard, dtype=torch.bfloat16) * 0  # same values, an ordinary (non-expanded) tensor
+    before = bucket.clone()
+    seen = []
+    with collectives.observe(lambda name, tensor, size: seen.append((name, tensor.numel(), tensor.dtype, size))):
+        handle = collectives.reduce_scatter_with_fp32_accumulation(bucket, async_op=async_op)
+    handle.wait()
+    handle.wait()  # a second wait changes nothing
+    own = slice(rank * shard, (rank + 1) * shard)
+    expected = torch.tensor(1.0 + (dp - 1) * 2.0 ** -9).bfloat16()
+    others = torch.cat([bucket[:own.start], bucket[own.stop:]])
+    return (torch.equal(bucket[own], expected.expand(shard)), torch.equal(others, torch.cat([before[:own.start],
+            before[own.stop:]])), seen)
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_reduce_scatter_with_fp32_accumulation_sums_in_fp32_and_sends_bf16(async_op):
+    """On 4 ranks: the rank's shard is the fp32 sum rounded once (1 + 3 x 2^-9 -> 1 + 2^-7, where bf16 addition
+    in turn gives 1), the other shards keep the rank's own values, and what is sent is one all-to-all of the
+    bf16 bucket. Would catch a bf16 accumulation, a result written to the wrong shard, a collective sending
+    fp32 (twice the bytes), or an async handle that returns before the sum."""
+    for own_ok, others_ok, seen in run_distributed(_collective_worker, 4, async_op):
+        assert own_ok and others_ok
+        assert seen == [("all_to_all", 24, torch.bfloat16, 4)]
+
+
+# ------------------------------------------------------------------------------------------ misuse
+def test_config_refuses_what_megatron_core_refuses():
+    """Would catch a combination megatron-core asserts against or ignores (fp32 patterns with fp32 grads,
+    the fp32 reduce-scatter without a reduce-scatter, with AVG, with several optimizer instances or with fp32
+    grads) being accepted silently, and a bare string taken as a sequence of one-letter patterns."""
+    from megatron_lite import DistributedDataParallelConfig as Config
+
+    rs = dict(reduce_scatter_with_fp32_accumulation=True)
+    cases = [
+        (dict(param_name_patterns_for_fp32_local_accumulation=("all",), grad_reduce_in_fp32=True),
+         ("param_name_patterns_for_fp32_local_accumulation", "grad_reduce_in_fp32")),
+        (dict(rs, grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+         ("reduce_scatter_with_fp32_accumulation", "grad_reduce_in_fp32")),
+        (rs, ("reduce_scatter_with_fp32_accumulation", "data_parallel_sharding_strategy")),
+        (dict(rs, use_distributed_optimizer=True, average_in_collective=True),
+         ("reduce_scatter_with_fp32_accumulation", "average_in_collective")),
+        (dict(rs, use_distributed_optimizer=True, num_distributed_optimizer_instances=2),
+         ("reduce_scatter_with_fp32_accumulation", "num_distributed_optimizer_instances")),
+    ]
+    for kwargs, names in cases:
+        with pytest.raises(ValueError) as error:
+            Config(**kwargs)
+        assert all(name in str(error.value) for name in names), (kwargs, str(error.value))
+    with pytest.raises(TypeError, match="param_name_patterns_for_fp32_local_accumulation"):
+        Config(param_name_patterns_for_fp32_local_accumulation="all")
+    assert Config(param_name_patterns_for_fp32_local_accumulation=["a.*"]).param_name_patterns_for_fp32_local_accumulation \
+        == ("a.*",)
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        Config(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, **rs)
+
+
+def _unmatched_pattern_worker():
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(param_name_patterns_for_fp32_local_accumulation=("layers.1.*", "layer.*"))
+    try:
+        DistributedDataParallel(Probe(), config)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_a_pattern_matching_no_parameter_raises_on_every_rank():
+    """Would catch a typo in a pattern silently turning fp32 accumulation off (megatron-core matches nothing
+    and says nothing), or the error raised on some ranks only (the others would hang in their next collective)."""
+    for message in run_distributed(_unmatched_pattern_worker, 2):
+        assert message is not None and "'layer.*'" in message and "layers.1.*" not in message.split("]")[0], message
+
+
+def _overflow_worker():
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(param_name_patterns_for_fp32_local_accumulation=("layers.2.*",),
+                                           check_for_nan_in_grad=True)
+    ddp = DistributedDataParallel(Probe(dtype=torch.float16), config)
+    # Two micro-batches of 40000: finite in the fp32 main_grad, infinite once rounded into the fp16 bucket.
+    targets = [[[torch.full((n,), 40000.0 if i == 2 and r == 0 else 0.0) for i, n in enumerate(SIZES)]
+                for _ in range(2)] for r in range(dist.get_world_size())]
+    try:
+        run_iteration(ddp, targets, dist.get_rank())
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_nan_check_sees_what_is_sent_not_the_fp32_accumulation():
+    """fp16 parameters, fp32 local accumulation of 2 x 40000 (fp16's largest is 65504). Would catch the NaN/Inf
+    check reading the finite fp32 main_grad instead of the bucket slice that overflowed (an inf sent unnoticed)."""
+    messages = run_distributed(_overflow_worker, 2)
+    assert all(m is not None and "layers.2.weight" in m.split("finite")[0] for m in messages[:1]), messages
+    assert all(m is not None and "rank(s) [0]" in m for m in messages), messages
+
+
+def _step_worker(dp_kwargs, patterns):
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import get_megatron_optimizer
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    config = DistributedDataParallelConfig(param_name_patterns_for_fp32_local_accumulation=patterns, **dp_kwargs)
+    ddp = DistributedDataParallel(Probe(), config)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0, bf16=True,
+        params_dtype=torch.bfloat16, use_distributed_optimizer=config.use_distributed_optimizer), [ddp])
+    promoted = {i for i in range(len(SIZES)) if config.accumulates_in_fp32(f"layers.{i}.weight")}
+    targets = make_targets(dp, 3, seed=7)
+    want = [w.float() * (1.0 / 3) for w in expected_grads(targets, promoted,
+                                                         config.reduce_scatter_with_fp32_accumulation)]
+    opt.zero_grad()
+    run_iteration(ddp, targets, rank)
+    ddp.scale_gradients(1.0 / 3)  # as the per-token loss does: megatron-core scales the fp32 main_grads too
+    problems = [f"leaf {i}: fp32 main_grad not scaled in fp32" for i, p, start, end, _ in reduced_pieces(ddp)
+                if i in promoted and not torch.equal(p.main_grad.view(-1)[start:end], want[i][start:end])]
+    opt.step()
+    ddp.finish_param_sync()
+    with ddp.full_parameters():  # SGD from zero with lr 1: the parameters are minus the gradient, rounded
+        problems += [f"leaf {i}: parameter after the step" for i, layer in enumerate(ddp.module.layers)
+                     if not torch.equal(layer.weight.view(-1), (-want[i]).bfloat16())]
+    return problems
+
+
+@pytest.mark.parametrize("dp_kwargs, patterns", [
+    (dict(data_parallel_sharding_strategy="no_shard"), ("layers.1.*", "layers.3.weight")),
+    (dict(data_parallel_sharding_strategy="optim", reduce_scatter_with_fp32_accumulation=True), ("all",)),
+    (dict(data_parallel_sharding_strategy="optim_grads", reduce_scatter_with_fp32_accumulation=True,
+          overlap_grad_reduce=True, bucket_size=60), ("layers.1.*",)),
+    (dict(data_parallel_sharding_strategy="optim_grads_params", reduce_scatter_with_fp32_accumulation=True,
+          overlap_grad_reduce=True), ("layers.0.*", "layers.3.*")),
+])
+def test_optimizer_steps_on_the_reduced_gradient(dp_kwargs, patterns):
+    """One SGD step (lr 1, from zero) through get_megatron_optimizer after scale_gradients(1/3), on 2 ranks.
+    Would catch scale_gradients missing the separate fp32 main_grads, or an optimizer (full or distributed,
+    every strategy) stepping on anything but the reduced gradient."""
+    for problems in run_distributed(_step_worker, 2, dp_kwargs, patterns):
+        assert not problems, problems
