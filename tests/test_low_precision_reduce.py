@@ -303,8 +303,8 @@ def test_config_refuses_what_megatron_core_refuses():
         assert all(name in str(error.value) for name in names), (kwargs, str(error.value))
     with pytest.raises(TypeError, match="param_name_patterns_for_fp32_local_accumulation"):
         Config(param_name_patterns_for_fp32_local_accumulation="all")
-    assert Config(param_name_patterns_for_fp32_local_accumulation=["a.*"]).param_name_patterns_for_fp32_local_accumulation \
-        == ("a.*",)
+    listed = Config(param_name_patterns_for_fp32_local_accumulation=["a.*"])
+    assert listed.param_name_patterns_for_fp32_local_accumulation == ("a.*",)
     for strategy in ("optim", "optim_grads", "optim_grads_params"):
         Config(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, **rs)
 

@@ -53,8 +53,8 @@ _observers: List[Callable[[str, torch.Tensor, int], None]] = []
 @contextlib.contextmanager
 def observe(callback: Callable[[str, torch.Tensor, int], None]):
     """Within the context, call `callback(name, full_tensor, group_size)` for every tensor collective
-    issued, before it is issued. `name` is what actually runs ('all_reduce', 'reduce_scatter',
-    'all_gather', 'all_to_all', 'broadcast', 'send'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
+    issued, before it is issued. `name` is what actually runs ('all_reduce', 'reduce_scatter', 'all_gather',
+    'all_to_all', 'broadcast', 'send'); `full_tensor` is the full-size buffer (a reduce-scatter's input, an
     all-gather's output). Collectives skipped on one-rank groups are not reported."""
     _observers.append(callback)
     try:

@@ -33,6 +33,11 @@ DDP_FLAGS = {
     "check_for_nan_in_grad": "--check-for-nan-in-loss-and-grad",
     "calculate_per_token_loss": "--calculate-per-token-loss",
     "num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
+    "reduce_scatter_with_fp32_accumulation": "--ddp-reduce-scatter-with-fp32-accumulation",
+}
+# Sequence-valued DDP fields: one flag taking several values (nargs='+'), added and mapped by hand.
+DDP_LIST_FLAGS = {
+    "param_name_patterns_for_fp32_local_accumulation": "--ddp-param-name-patterns-for-fp32-local-accumulation",
 }
 OPTIMIZER_FLAGS = {  # params_dtype follows from --fp16 / --bf16
     "optimizer": "--optimizer", "lr": "--lr", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
@@ -75,9 +80,19 @@ def params_dtype_from_args(args) -> torch.dtype:
 
 
 def ddp_config_from_args(args) -> DistributedDataParallelConfig:
-    # --bf16 implies fp32 gradient accumulation and reduction, as in Megatron.
-    return config_from_args(DistributedDataParallelConfig, DDP_FLAGS, args,
-                            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16)
+    # --bf16 implies fp32 gradient accumulation and reduction, as in Megatron, unless --grad-reduce-in-bf16.
+    bf16_reduce = getattr(args, "grad_reduce_in_bf16", False)
+    if bf16_reduce and (not args.bf16 or args.accumulate_allreduce_grads_in_fp32):
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16, and contradicts --accumulate-allreduce-grads-in-fp32")
+    patterns = tuple(getattr(args, "ddp_param_name_patterns_for_fp32_local_accumulation", None) or ())
+    fp32_reduce_scatter = getattr(args, "ddp_reduce_scatter_with_fp32_accumulation", False)
+    if args.bf16 and not bf16_reduce and (patterns or fp32_reduce_scatter):
+        raise ValueError("--bf16 accumulates and reduces gradients in fp32 (Megatron's rule): add "
+                         "--grad-reduce-in-bf16 to reduce them in bfloat16 with --ddp-reduce-scatter-with-fp32-"
+                         "accumulation or --ddp-param-name-patterns-for-fp32-local-accumulation")
+    fp32 = args.accumulate_allreduce_grads_in_fp32 or (args.bf16 and not bf16_reduce)
+    return config_from_args(DistributedDataParallelConfig, DDP_FLAGS, args, grad_reduce_in_fp32=fp32,
+                            param_name_patterns_for_fp32_local_accumulation=patterns)
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
@@ -96,7 +111,7 @@ def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
 def flag_error_message(error: ValueError) -> str:
     """A config's message with its field names replaced by the flags that set them ('overlap_param_gather
     =True requires use_distributed_optimizer=True' -> '--overlap-param-gather requires ...')."""
-    table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS}
+    table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS, **DDP_LIST_FLAGS}
     table.pop("optimizer")  # also an English word in messages; argparse's choices guard its values
     return rewrite_field_names(str(error), table)
 
@@ -149,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     precision = ("fp16", "bf16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
                  "hysteresis")
     add_config_arguments(g, OptimizerConfig, {k: OPTIMIZER_FLAGS[k] for k in precision})
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: keep and reduce gradients in bf16 instead of fp32 (Megatron's flag; "
+                        "docs/performance.md has the error it costs)")
 
     g = p.add_argument_group("optimizer (OptimizerConfig) and learning-rate schedule")
     add_config_arguments(g, OptimizerConfig, {k: v for k, v in OPTIMIZER_FLAGS.items() if k not in precision},
@@ -168,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=field_docs(DistributedDataParallelConfig)["check_for_nan_in_grad"] + " The loss is checked too; all "
              "ranks stop together (default: on, except with --fp16 dynamic loss scaling, whose overflows produce "
              "Inf on purpose)"))
+    add_config_arguments(g, DistributedDataParallelConfig, DDP_LIST_FLAGS,
+                         param_name_patterns_for_fp32_local_accumulation=dict(nargs="+", metavar="PATTERN",
+                                                                              default=None))
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, else gloo")
     g.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
