@@ -236,6 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with an error when the directory holds no checkpoint, instead of "
                         "training from scratch")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: load the model weights only (not the optimizer state, the learning-rate "
+                        "schedule or the RNG state) and start a new run at iteration 0, with the data from the "
+                        "beginning (Megatron's --finetune); save into another directory than the checkpoint's")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="with --load: do not load the optimizer state (moments, step counts, loss scale) nor, as "
+                        "in Megatron, the learning-rate schedule's position: both start fresh (its warmup "
+                        "included) while the iteration count and the data position continue")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="with --load: do not restore the RNG state (dropout and other random draws go on as in a "
+                        "fresh start from --seed)")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="on resume, use this run's learning-rate schedule and optimizer hyperparameters where "
                         "the checkpoint's differ (default: a difference is an error)")
@@ -326,6 +337,12 @@ def validate_args(args, world_size: int):
         raise ValueError("--async-save needs --ckpt-format torch_dist")
     if args.exit_on_missing_checkpoint and not args.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load")
+    for flag in ("finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) and not args.load:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint directory to load from)")
+    if args.use_checkpoint_opt_param_scheduler and (args.finetune or args.no_load_optim):
+        raise ValueError("--use-checkpoint-opt_param-scheduler takes the schedule from the checkpoint, which "
+                         f"--{'finetune' if args.finetune else 'no-load-optim'} does not load: drop one of them")
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ValueError("--exit-interval must be > 0")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:

@@ -196,10 +196,16 @@ def _report_skipped(problems: dict, loaded: int, group):
 
 def refuse_to_shadow(save_dir: str, loaded: Optional[dict]):
     """Before a run writes into `save_dir`: every checkpoint there must be one this run resumed from (or
-    older), else its saves would overwrite or shadow checkpoints it never loaded. Raises ValueError."""
+    older), else its saves would overwrite or shadow checkpoints it never loaded. A fine-tuning run
+    (loaded['finetune']) resumed from nothing: it starts again at iteration 0. Raises ValueError."""
     existing = checkpoint_files.complete_checkpoints(save_dir)
     words = last_words.scan(save_dir)[0]
     newest = max([*existing, *words]) if existing or words else None
+    if newest is not None and loaded is not None and loaded.get("finetune"):
+        raise ValueError(
+            f"--save {save_dir} already holds checkpoints (newest: iteration {newest}); a --finetune run starts "
+            f"again at iteration 0, so its saves would overwrite or be shadowed by them. Save into another "
+            f"directory (to continue an interrupted fine-tuning, --load its --save directory without --finetune).")
     source = None if loaded is None else last_words.directory(save_dir, loaded["iteration"]) \
         if loaded.get("last_words") else existing.get(loaded["iteration"], "")
     resumed_here = loaded is not None and os.path.realpath(os.path.dirname(loaded["path"])) == os.path.realpath(source)
@@ -211,26 +217,49 @@ def refuse_to_shadow(save_dir: str, loaded: Optional[dict]):
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_args: Optional[dict] = None,
-                    hyperparameters: str = "check") -> Optional[dict]:
+                    hyperparameters: str = "check", finetune: bool = False, load_optim: bool = True,
+                    load_rng: bool = True) -> Optional[dict]:
     """Load the newest complete checkpoint under `root` into model/optimizer/scheduler and restore RNG.
 
     Args:
         hyperparameters: how the schedule and optimizer hyperparameters stored in the checkpoint meet this
             run's: 'check' (a difference is an error), 'override' (this run's win) or 'checkpoint' (the
             checkpoint's win); Megatron's --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
+        finetune: Megatron's --finetune: the model weights only (as load_optim=False, load_rng=False), and a
+            new run begins: the returned iteration and consumed_train_samples are 0.
+        load_optim: False is Megatron's --no-load-optim: neither the optimizer state (moments, step counts,
+            loss scale, hyperparameters) nor the learning-rate schedule's position is loaded, both stay as
+            built; the main params are taken from the loaded model (optimizer.reload_model_params()).
+        load_rng: False is Megatron's --no-load-rng: the RNG state is not restored.
     Returns:
-        {'iteration', 'consumed_train_samples', 'args', 'path'} or None when `root` holds no checkpoint.
+        {'iteration', 'consumed_train_samples', 'args', 'path', 'checkpoint_iteration' (the iteration the
+        checkpoint was saved at), 'finetune'} or None when `root` holds no checkpoint.
     Raises:
         ValueError when a file fails its checksum, or the checkpoint's architecture (check_args keys) or
         hyperparameters differ from this run's.
     """
+    load_optim, load_rng = load_optim and not finetune, load_rng and not finetune
+    loaded = _load(root, model, optimizer, scheduler, group, check_args, hyperparameters, load_optim, load_rng)
+    if loaded is None:
+        return None
+    if not load_optim:  # fp16/bf16 main params still hold the weights the model was built with
+        optimizer.reload_model_params()
+    loaded.update(checkpoint_iteration=loaded["iteration"], finetune=finetune)
+    if finetune:
+        loaded.update(iteration=0, consumed_train_samples=0)
+    return loaded
+
+
+def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters, load_optim, load_rng):
+    """load_checkpoint's reading: whichever of a last-words set and a periodic checkpoint is newer."""
     iteration, directory = find_latest(root)
     words, problems = last_words.scan(root)  # sets written by the survivors of a failure
     newest_words = max(words, default=None)
     from_words = newest_words is not None and (iteration is None or newest_words > iteration)
     _report_skipped(problems, newest_words if from_words else -1 if iteration is None else iteration, group)
     if from_words:
-        return last_words.load(words[newest_words], model, optimizer, scheduler, check_args, hyperparameters, group)
+        return last_words.load(words[newest_words], model, optimizer, scheduler, check_args, hyperparameters, group,
+                               load_optim, load_rng)
     if iteration is None:
         return None
     try:
@@ -253,14 +282,17 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
             raise ValueError(f"checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
     if torch_dist:
         expert_checkpoint.refuse(optimizer, "loading a torch_dist checkpoint")
-        dist_checkpoint.load_torch_dist(directory, model, optimizer, state, hyperparameters, group)
+        dist_checkpoint.load_torch_dist(directory, model, optimizer, state, hyperparameters, group, load_optim)
     else:
         expert_checkpoint.merge(model, optimizer, state)  # this rank's expert-parallel position's experts
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
-    scheduler.load_state_dict(state["opt_param_scheduler"], hyperparameters=hyperparameters)
-    rng_states = state["rng_state"]
-    rank = dist.get_rank(group)
-    set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
+        if load_optim:
+            optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
+    if load_optim:  # Megatron loads the schedule with the optimizer, or neither
+        scheduler.load_state_dict(state["opt_param_scheduler"], hyperparameters=hyperparameters)
+    if load_rng:
+        rng_states = state["rng_state"]
+        rank = dist.get_rank(group)
+        set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
     return {"iteration": state["iteration"], "consumed_train_samples": state["consumed_train_samples"],
             "args": state["args"], "path": path}

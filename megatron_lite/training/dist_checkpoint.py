@@ -297,11 +297,15 @@ def read_common(directory: str) -> dict:
 
 
 @torch.no_grad()
-def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparameters: str = "check", group=None):
+def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparameters: str = "check", group=None,
+                    load_optim: bool = True):
     """Read this rank's part of every tensor for the current layout (any DP size and strategy) and load
-    it into the model and the optimizer. A model the checkpoint does not fit raises ValueError on every
-    rank of `group` (also when only some data-parallel groups build another model)."""
+    it into the model and the optimizer (with `load_optim` False the model only: the caller refreshes the
+    main params, optimizer.reload_model_params()). A model the checkpoint does not fit raises ValueError on
+    every rank of `group` (also when only some data-parallel groups build another model)."""
     state = collectives.run_collectively(_placeholders, directory, model, optimizer, common, group=group)
+    if not load_optim:  # every rank drops the same keys: DCP reads only what is asked for
+        state = {k: v for k, v in state.items() if not k.startswith("optimizer.")}
     dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
     shapes = common["shapes"]
 
@@ -317,8 +321,9 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparamet
             name, field = key[len("optimizer."):].rsplit(".", 1)
             for start, tensor in local_pieces(value).items():
                 values.setdefault((name, start), {})[field] = tensor
-    optimizer.load_common_state_dict(common["optimizer"], hyperparameters)
-    optimizer.load_chunks(values, common["optimizer_step"], common.get("optimizer_lagging_steps"))
+    if load_optim:
+        optimizer.load_common_state_dict(common["optimizer"], hyperparameters)
+        optimizer.load_chunks(values, common["optimizer_step"], common.get("optimizer_lagging_steps"))
     # The model: whole parameters, or (ZeRO-3) the rank's ranges, written through the optimizer's views.
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
     if _zero3(optimizer):

@@ -254,9 +254,11 @@ def _valid_header(path: str) -> Optional[dict]:
 
 @torch.no_grad()
 def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: Optional[dict] = None,
-         hyperparameters: str = "check", group=None) -> dict:
+         hyperparameters: str = "check", group=None, load_optim: bool = True, load_rng: bool = True) -> dict:
     """Every rank: load the last words of this rank's position (its own file if it survived, else a
-    replica's) into the optimizer (and, through the main params, the model), the scheduler and the RNG."""
+    replica's) into the optimizer (and, through the main params, the model), the scheduler and the RNG.
+    With `load_optim` False only the parameters (no moments, step, hyperparameters or schedule); with
+    `load_rng` False not the RNG state (checkpointing.load_checkpoint's --no-load-optim / --no-load-rng)."""
     from .checkpointing import set_rng_state
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
@@ -278,10 +280,14 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
     if set(payload["chunks"]) != expected:
         raise ValueError(f"{path} holds other shards than this rank's layout (bucket size or model differs)")
     values = {(key.rsplit("@", 1)[0], int(key.rsplit("@", 1)[1])): entry for key, entry in payload["chunks"].items()}
-    optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
-    optimizer.load_chunks(values, payload["step"], payload.get("lagging_steps"))
-    scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
-    set_rng_state(payload["rng_state"])
+    if load_optim:
+        optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
+        optimizer.load_chunks(values, payload["step"], payload.get("lagging_steps"))
+        scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
+    else:  # the parameters only, into the fresh optimizer (its step stays 0)
+        optimizer.load_chunks({key: {"param": entry["param"]} for key, entry in values.items()}, 0)
+    if load_rng:
+        set_rng_state(payload["rng_state"])
     model.finish_param_sync()
     return {"iteration": payload["iteration"], "consumed_train_samples": payload["consumed_train_samples"],
             "args": payload["args"], "path": path, "last_words": True}

@@ -189,14 +189,22 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         policy = ("override" if args.override_opt_param_scheduler else
                   "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
         loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
-                                              checkpoint_args(args), policy)
+                                              checkpoint_args(args), policy, args.finetune, not args.no_load_optim,
+                                              not args.no_load_rng)
         if loaded is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
         if loaded is None:
-            print_rank_0(f"> no checkpoint found in {args.load}: training from scratch")
+            print_rank_0(f"> no checkpoint found in {args.load}: training from scratch"
+                         + (" (--finetune: nothing to fine-tune)" if args.finetune else ""))
+        elif args.finetune:
+            print_rank_0(f"> --finetune: model weights from {loaded['path']} (iteration "
+                         f"{loaded['checkpoint_iteration']}); fresh optimizer, schedule and RNG, from iteration 0")
         else:
             iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
-            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)")
+            fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
+                                             ("RNG", args.no_load_rng)) if flag]
+            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
+                         + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else ""))
     if args.save:  # every rank stops, also where only rank 0 (the writer) can see the directory
         collectives.run_collectively(refuse_to_shadow, args.save, loaded)
     last_saved = iteration if loaded else None
