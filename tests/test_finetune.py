@@ -79,3 +79,188 @@ def test_reload_model_params_starts_from_the_loaded_weights(strategy, dtype_name
     for fresh, kept in run_distributed(_reload_worker, 2, strategy, dtype_name):
         assert fresh == dict(weights=True, state=True), fresh
         assert kept == dict(params=True, moments=True, step=True), kept
+
+
+# ------------------------------------------------------------------------------------------ pretrain_gpt.py
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-warmup-iters", "2", "--log-interval", "4", "--eval-interval", "1000", "--eval-iters", "1",
+        "--hidden-dropout", "0.1"]  # dropout: the RNG state matters
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+def _pretrain_worker(argv, weights=None):
+    """pretrain_gpt's pretrain() on this rank; with `weights` (a model state dict) the model provider loads
+    them into the freshly built GPT: a run that starts from those weights without any checkpoint.
+    Returns {iteration: lm loss}."""
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron_lite.training import parse_args, pretrain
+
+    def provider(args):
+        model = pretrain_gpt.model_provider(args)  # the same RNG draws as the run it is compared with
+        model.load_state_dict(weights)
+        return model
+
+    args = parse_args(argv, world_size=dist.get_world_size())
+    result = pretrain(args, pretrain_gpt.train_valid_test_datasets_provider,
+                      pretrain_gpt.model_provider if weights is None else provider, pretrain_gpt.forward_step)
+    return {iteration: reported["lm loss"] for iteration, reported in result["losses"].items()}
+
+
+def _checkpoint(save_dir):
+    """The newest checkpoint under save_dir in the `torch` format's layout, whichever format wrote it."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import checkpoint_convert
+
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read())
+    return checkpoint_convert.read(os.path.join(save_dir, f"iter_{iteration:07d}"))
+
+
+@pytest.mark.parametrize("flags", [
+    ["--use-distributed-optimizer"],  # the torch_dist format (the default), fp32
+    ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce", "--bf16", "--ckpt-format",
+     "torch"],
+], ids=["zero1-fp32-torch_dist", "zero3-bf16-torch"])
+def test_finetune_loads_the_weights_only_and_starts_at_iteration_0(data_cache, tmp_path, flags):
+    """--finetune --load DIR (a checkpoint at iteration 4 with moments, a schedule past its warmup and a
+    used RNG) logs iterations 1..4 with the losses, bit for bit, of a run whose model provider hands out
+    the checkpoint's weights: fresh optimizer and schedule, data from the beginning, RNG of a fresh start.
+    Would catch any of those loaded, the iteration or data position taken from the checkpoint (nothing to
+    train: it is at 4 already), or (bf16) stale fp32 main params written over the loaded weights."""
+    common = TINY + flags + ["--train-iters", "4", "--data-cache-path", data_cache]
+    run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "pre")])
+    weights = _checkpoint(tmp_path / "pre")["model"]
+    reference = run_distributed(_pretrain_worker, 2, common, weights)[0]
+    finetuned = run_distributed(_pretrain_worker, 2, common + ["--finetune", "--load", str(tmp_path / "pre"),
+                                                               "--save", str(tmp_path / "ft")])[0]
+    assert sorted(finetuned) == [1, 2, 3, 4]
+    assert finetuned == reference
+    saved = _checkpoint(tmp_path / "ft")
+    assert saved["iteration"] == 4 and saved["consumed_train_samples"] == 32
+    assert saved["opt_param_scheduler"]["num_steps"] == 4
+
+
+
+def test_finetune_into_the_checkpoints_directory_is_refused(data_cache, tmp_path):
+    """--finetune --load DIR --save DIR: the run restarts at iteration 0, so its checkpoints would overwrite
+    DIR's or be shadowed by them (the newest is loaded). Would catch a fine-tuning run treated as a resume
+    from DIR by the shadowing check. Every rank raises."""
+    common = TINY + ["--train-iters", "2", "--data-cache-path", data_cache, "--ckpt-format", "torch"]
+    pre = str(tmp_path / "pre")
+    run_distributed(_pretrain_worker, 2, common + ["--save", pre])
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(_pretrain_worker, 2, common + ["--finetune", "--load", pre, "--save", pre])
+    assert str(failure.value).count("a --finetune run starts again at iteration 0") == 2
+
+
+def test_no_load_optim_and_no_load_rng(data_cache, tmp_path):
+    """A checkpoint at iteration 4 of 8, resumed three ways. --no-load-optim: iterations 5..8 on the same
+    data; iteration 5's loss (computed before any update: weights, data and RNG only) equals the plain
+    resume's, later ones differ; the saved optimizer has taken 4 steps and the schedule 4 (both fresh, as
+    in Megatron). --no-load-rng: the optimizer and schedule continue (8 steps) but iteration 5's dropout
+    draws differ. Would catch a flag that is ignored, or one that also drops the iteration count or the
+    data position."""
+    common = TINY + ["--use-distributed-optimizer", "--train-iters", "8", "--data-cache-path", data_cache]
+    pre = str(tmp_path / "pre")
+    run_distributed(_pretrain_worker, 2, common + ["--save", pre, "--exit-interval", "4"])
+    runs = {}
+    for name, extra in (("resume", []), ("no_optim", ["--no-load-optim"]), ("no_rng", ["--no-load-rng"])):
+        runs[name] = run_distributed(_pretrain_worker, 2, common + extra + ["--load", pre, "--save",
+                                                                            str(tmp_path / name)])[0]
+        assert sorted(runs[name]) == [5, 6, 7, 8], (name, runs[name])
+    assert runs["no_optim"][5] == runs["resume"][5] and runs["no_optim"][6] != runs["resume"][6]
+    assert runs["no_rng"][5] != runs["resume"][5]
+    for name, steps in (("resume", 8), ("no_optim", 4), ("no_rng", 8)):
+        saved = _checkpoint(tmp_path / name)
+        assert (saved["iteration"], saved["consumed_train_samples"]) == (8, 64), name
+        assert saved["opt_param_scheduler"]["num_steps"] == steps, name
+        assert {entry["step"] for entry in saved["optimizer"]["state"].values()} == {steps}, name
+
+
+# ------------------------------------------------------------------------------------------ from last words
+def _last_words_worker(root, strategy):
+    """bf16, 2 steps with last words written; a fresh model, optimizer and schedule loaded from them with
+    load_checkpoint(finetune=True); and a fourth with load_optim=False only (the iteration kept)."""
+    import torch.distributed as dist
+
+    from megatron_lite.training import checkpointing, last_words
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import full_state, megatron_steps
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    ddp, opt = _build(strategy, torch.bfloat16)
+    scheduler = OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
+    words = last_words.LastWords(root, opt, scheduler, 0, 0)
+    for k in range(2):
+        words.stage(k + 1, (k + 1) * 8)
+        megatron_steps(ddp, opt, rank, dp, 1, first_step=k, dtype=torch.bfloat16)
+        scheduler.step()
+        words.commit()
+    expected = _weights(ddp)
+    words.write("test: a peer died")
+    dist.barrier()
+    out = {}
+    for name, kwargs in (("finetune", dict(finetune=True)), ("no_load_optim", dict(load_optim=False))):
+        ddp, opt = _build(strategy, torch.bfloat16, seed=3)
+        scheduler = OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
+        loaded = checkpointing.load_checkpoint(root, ddp, opt, scheduler, **kwargs)
+        state = full_state(opt)
+        out[name] = dict(iteration=(loaded["iteration"], loaded["checkpoint_iteration"]),
+                         weights=all(torch.equal(a, b) for a, b in zip(_weights(ddp).values(), expected.values())),
+                         main=all(torch.equal(state[n]["param"], expected[n].float()) for n in state),
+                         fresh=(opt.update_count, scheduler.num_steps, len(opt.optimizer.state)))
+    return out
+
+
+def test_finetune_and_no_load_optim_from_last_words(tmp_path):
+    """--load takes a last-words set when it is the newest state; --finetune and --no-load-optim take only
+    its parameters from it (bf16 model = the cast of the saved fp32 main params, main params = the model's)
+    and leave the optimizer and the schedule fresh. Would catch the last-words path loading moments, step or
+    schedule anyway, or main params left at the fresh model's initial weights."""
+    for out in run_distributed(_last_words_worker, 2, str(tmp_path), "optim"):
+        assert out["finetune"] == dict(iteration=(0, 2), weights=True, main=True, fresh=(0, 0, 0))
+        assert out["no_load_optim"] == dict(iteration=(2, 2), weights=True, main=True, fresh=(0, 0, 0))
+
+
+# ------------------------------------------------------------------------------------------ flags
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--finetune"], "--finetune needs --load"),
+        (["--no-load-optim"], "--no-load-optim needs --load"),
+        (["--no-load-rng"], "--no-load-rng needs --load"),
+        (["--load", "d", "--finetune", "--use-checkpoint-opt_param-scheduler"], "--finetune does not load"),
+        (["--load", "d", "--no-load-optim", "--use-checkpoint-opt_param-scheduler"], "--no-load-optim does not"),
+    ],
+)
+def test_bad_load_flags_fail_at_start_up(argv, message, capsys):
+    """Would catch a flag that silently does nothing: without --load there is nothing to leave out, and the
+    checkpoint's schedule cannot be taken when it is not loaded."""
+    from megatron_lite.training import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_load_flags_are_documented():
+    """--help and docs/pretrain_gpt.md describe the three flags (would catch a flag added without its docs)."""
+    from megatron_lite.training import build_parser, parse_args
+
+    help_text = " ".join(build_parser().format_help().split())
+    docs = open(os.path.join(REPO, "docs", "pretrain_gpt.md")).read()
+    for flag, words in (("--finetune", "load the model weights only"), ("--no-load-optim", "learning-rate "
+                        "schedule's position"), ("--no-load-rng", "do not restore the RNG state")):
+        assert f"{flag} " in help_text and words in help_text and f"`{flag}`" in docs, flag
+    args = parse_args(["--load", "d", "--finetune", "--no-load-optim", "--no-load-rng"], world_size=1)
+    assert (args.finetune, args.no_load_optim, args.no_load_rng) == (True, True, True)
