@@ -396,3 +396,40 @@ def test_optimizer_steps_on_the_reduced_gradient(dp_kwargs, patterns):
     every strategy) stepping on anything but the reduced gradient."""
     for problems in run_distributed(_step_worker, 2, dp_kwargs, patterns):
         assert not problems, problems
+
+
+# ------------------------------------------------------------------------------------------ command line, benchmark
+def test_pretrain_flags_set_both_modes():
+    """Would catch Megatron's flags not reaching the config (or the patterns arriving as one string), and
+    --bf16 (which reduces in fp32, Megatron's rule) combined with them failing with a message that does not say
+    to add --grad-reduce-in-bf16."""
+    from megatron_lite.training.arguments import ddp_config_from_args, parse_args
+
+    args = parse_args(["--bf16", "--grad-reduce-in-bf16", "--use-distributed-optimizer",
+                       "--ddp-reduce-scatter-with-fp32-accumulation",
+                       "--ddp-param-name-patterns-for-fp32-local-accumulation", "*.bias", "layers.0.*"], world_size=2)
+    config = ddp_config_from_args(args)
+    assert not config.grad_reduce_in_fp32 and config.reduce_scatter_with_fp32_accumulation
+    assert config.param_name_patterns_for_fp32_local_accumulation == ("*.bias", "layers.0.*")
+    assert ddp_config_from_args(parse_args(["--bf16"], world_size=2)).grad_reduce_in_fp32
+    args = parse_args(["--bf16", "--use-distributed-optimizer"], world_size=2)
+    args.ddp_reduce_scatter_with_fp32_accumulation = True  # what parse_args itself turns into a usage error
+    with pytest.raises(ValueError, match="add --grad-reduce-in-bf16"):
+        ddp_config_from_args(args)
+
+
+def test_benchmark_prints_every_mode(tmp_path):
+    """Smoke test of the command docs/performance.md quotes: would catch the benchmark failing to run, or a
+    mode missing from its table."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "low_precision_reduce.py"),
+                          "--world-size", "2", "--micro-batches", "2", "--num-layers", "1", "--hidden-size", "32",
+                          "--vocab-size", "64", "--seq-length", "8"], capture_output=True, text=True, timeout=120,
+                         cwd=repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "mode" not in line]
+    assert len(rows) == 5, out.stdout
