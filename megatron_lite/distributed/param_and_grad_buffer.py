@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-
 from .bucket import Bucket
 from .distributed_data_parallel_config import DistributedDataParallelConfig, pattern_matches
 from .layout import compute_buffer_layout
