@@ -48,6 +48,8 @@ def parse_args():
     add_config_arguments(g, OptimizerConfig, {k: OPTIMIZER_FLAGS[k] for k in fields}, defaults=dict(lr=1e-2))
     add_config_arguments(p.add_argument_group("DistributedDataParallelConfig"), DistributedDataParallelConfig,
                          DDP_FLAGS)
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: keep and reduce gradients in bf16 instead of fp32 (as pretrain_gpt.py)")
     g = p.add_argument_group("distributed")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo (CPU)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, help="timeout of init and of collectives")
