@@ -15,6 +15,9 @@ setup(
         "bench": ["matplotlib"],  # benchmark and bucket-sweep plots
         "tensorboard": ["tensorboard"],
         "hf": ["tokenizers"],  # --tokenizer-type HuggingFaceTokenizer
+        # transformers / peft versions of the third-party-model tests (pinned: newer releases may ask for a newer
+        # torch, which pip would fetch as a multi-GB CUDA build)
+        "thirdparty": ["transformers==5.24.0", "peft==0.21.2", "accelerate==1.15.0"],
         "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm"],
     },
 )
