@@ -22,7 +22,7 @@ class Branchy(nn.Module):
         return self.head(self.blocks[branch](torch.tanh(self.trunk(x))))
 
 
-def _branch_worker(widths, strategy, steps=3):
+def _branch_worker(widths, strategy, steps=3, bucket_size=40):
     """megatron_lite and torch DDP + AdamW on the same model, rank r taking branch (r + step) % 2."""
     import copy
 
@@ -35,7 +35,7 @@ def _branch_worker(widths, strategy, steps=3):
     model = Branchy(widths)
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=40,
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=bucket_size,
         find_unused_parameters=True))
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
                                                  use_distributed_optimizer=strategy != "no_shard"), ddp)
@@ -57,12 +57,15 @@ def _branch_worker(widths, strategy, steps=3):
     return {n: (ours[n] - theirs[n]).abs().max().item() for n in ours}
 
 
+@pytest.mark.parametrize("bucket_size", [40, 10_000], ids=["bucket_per_param", "bucket_per_unit"])
 @pytest.mark.parametrize("widths", [(8, 8), (8, 12)], ids=["equal_branches", "unequal_branches"])
-def test_zero3_rank_dependent_branches_match_torch_ddp(widths):
+def test_zero3_rank_dependent_branches_match_torch_ddp(widths, bucket_size):
     """Would catch ZeRO-3 gathers that pair different units across ranks when ranks use different blocks
     (equal sizes: silently wrong parameters; unequal sizes: a gloo size mismatch), and units released in
-    backward before all their gradients were computed (a unit unused in the first iteration expects 0)."""
-    for diffs in run_distributed(_branch_worker, 2, widths, "optim_grads_params"):
+    backward before all their gradients were computed (a unit unused in the first iteration expects 0; a
+    bucket of several parameters released at its first gradient: the unit's first layer then back-propagates
+    through the placeholder)."""
+    for diffs in run_distributed(_branch_worker, 2, widths, "optim_grads_params", 3, bucket_size):
         assert max(diffs.values()) == 0.0, diffs
 
 
@@ -125,3 +128,81 @@ def test_unit_discovery_refuses_to_gather_everything_silently():
     assert find_units(model, ()) == []  # explicitly the whole model
     assert find_units(model, ("Block",)) == [model[1], model[2]]
     assert len(find_units(Branchy(), None)) == 2  # ModuleList children, as before
+
+
+class _Probe(torch.autograd.Function):
+    """Identity; its backward (after the next block's backward) calls `probe`."""
+
+    @staticmethod
+    def forward(ctx, x, probe):
+        ctx.probe = probe
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.probe()
+        return grad, None
+
+
+class ProbedBlock(nn.Module):
+    def __init__(self, index):
+        super().__init__()
+        self.index, self.probe = index, None
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.probe is not None:
+            self.probe("forward", self.index)
+        return torch.tanh(self.fc(x))
+
+
+class ProbedChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(ProbedBlock(k) for k in range(4))
+        self.probe = None
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(_Probe.apply(x, lambda k=block.index: self.probe("backward", k)))
+        return x
+
+
+def _prefetch_worker():
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    torch.manual_seed(0)
+    model = ProbedChain()
+    blocks = model.blocks
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True))
+    units = ddp.param_units
+
+    def dispatched(unit):
+        return all(b.params_gathered or b.param_gather_handle is not None for b in units.buckets[unit])
+
+    seen = []
+
+    def probe(phase, k):
+        nxt = k + 1 if phase == "forward" else k - 1
+        if 0 <= nxt < len(blocks):
+            seen.append((phase, k, dispatched(nxt)))
+
+    model.probe = probe
+    for block in blocks:
+        block.probe = probe
+    for _ in range(2):  # the second iteration releases units as their backward completes
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(4, 6)).sum().backward()
+        ddp.finish_grad_sync()
+    return seen
+
+
+def test_zero3_prefetches_the_next_unit():
+    """Would catch the prefetch silently dropped (only a speed loss, no wrong number): in unit k's forward the
+    gather of unit k+1 must already be in flight (or done), and after unit k's backward that of unit k-1."""
+    for seen in run_distributed(_prefetch_worker, 2):
+        assert {phase for phase, _, _ in seen} == {"forward", "backward"} and len(seen) == 12
+        assert all(ok for _, _, ok in seen), seen
