@@ -10,11 +10,14 @@ What a document is:
     one or more blank (empty or whitespace-only) lines separate documents. Line breaks inside a
     paragraph are kept ('\\r\\n' is read as '\\n'); the newline ending its last line is not.
   * `builtin`: the standard library's docstrings (megatron_lite.data.corpus), nothing to download.
-Empty documents are skipped. With --append-eod (the default) every document ends in the tokenizer's
-eod token, which is how GPTDataset tells documents apart. Output order is input order for any --workers.
+Empty documents are skipped; an input that holds no document at all (an empty file, only blank lines,
+only empty JSON fields) is an error naming it, and nothing is written. With --append-eod (the default)
+every document ends in the tokenizer's eod token, which is how GPTDataset tells documents apart. Output
+order is input order for any --workers.
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -61,6 +64,12 @@ def get_args(argv=None):
     for path in args.input:
         if path != BUILTIN and not os.path.isfile(path):
             parser.error(f"--input {path!r}: no such file")
+    for path in args.input:
+        # Before any output exists: a wrong file or --json-key would otherwise give a 0-document dataset
+        # that fails only later, in training. Reads up to the file's first document.
+        if path != BUILTIN and not has_documents(path, args.json_key):
+            what = f"only blank lines or empty {args.json_key!r} fields" if _is_json(path) else "only blank lines"
+            parser.error(f"--input {path!r}: no documents (the file is empty or holds {what})")
     try:
         args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except ValueError as e:
@@ -100,18 +109,33 @@ def _json_lines(path, key):
             yield text
 
 
+def _is_json(path):
+    return path.endswith((".jsonl", ".json"))
+
+
+def _documents(path, json_key):
+    """Yields the texts of one input's non-empty documents, in order."""
+    if path == BUILTIN:
+        documents = builtin_corpus_documents()
+    elif _is_json(path):
+        documents = _json_lines(path, json_key)
+    else:
+        documents = _paragraphs(path)
+    for text in documents:
+        if text:
+            yield text
+
+
+def has_documents(path, json_key):
+    """Whether the input holds at least one non-empty document (reads up to the first)."""
+    with contextlib.closing(_documents(path, json_key)) as documents:
+        return next(documents, None) is not None
+
+
 def read_documents(paths, json_key):
     """Yields every document's text, in input order (empty ones skipped)."""
     for path in paths:
-        if path == BUILTIN:
-            documents = builtin_corpus_documents()
-        elif path.endswith((".jsonl", ".json")):
-            documents = _json_lines(path, json_key)
-        else:
-            documents = _paragraphs(path)
-        for text in documents:
-            if text:
-                yield text
+        yield from _documents(path, json_key)
 
 
 # Per-process tokenizer state: set in the main process for --workers 1, by the initializer otherwise.

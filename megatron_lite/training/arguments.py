@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ..data.gpt_dataset import split_documents
 from ..distributed import DistributedDataParallelConfig
 from ..distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from ..models import GPTConfig
@@ -205,8 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how text was turned into token ids (must match tools/preprocess_data.py)")
     g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
     g.add_argument("--vocab-size", type=int,
-                   help="vocabulary of --tokenizer-type NullTokenizer (use it with --mock-data for a custom size)")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test document split weights")
+                   help="vocabulary of --tokenizer-type NullTokenizer, >= 2 (use it with --mock-data for a custom "
+                        "size); the other tokenizers define their own")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test document split weights: 1 to 3 non-negative numbers separated by ',' or "
+                        "'/', missing ones 0, the train weight positive")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="no loss on the token that follows an end-of-document token (Megatron's loss mask)")
 
@@ -273,6 +277,29 @@ def parse_args(argv=None, world_size=None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(flag_error_message(e))
     return args
+
+
+def check_data_args(args):
+    """The data flags that would otherwise fail only once the process group and the datasets exist: --split,
+    --vocab-size against --tokenizer-type, --seed. Raises ValueError naming the flag."""
+    # The data code's own parser, on one document: it accepts exactly the --split values a run accepts.
+    split_documents(1, args.split)
+    if args.vocab_size is not None:
+        if args.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be an integer >= 2 (NullTokenizer's eod takes the last id), "
+                             f"got {args.vocab_size}")
+        if args.tokenizer_type != "NullTokenizer":  # silently ignoring it would build another model than asked
+            raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; "
+                             f"{args.tokenizer_type} defines its own: drop --vocab-size or add --tokenizer-type "
+                             "NullTokenizer")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        if not args.mock_data and not args.data_path:
+            raise ValueError("--tokenizer-type NullTokenizer cannot tokenize the built-in corpus: add --mock-data, "
+                             "or --data-path to a dataset of token ids below --vocab-size")
+    if not 0 <= args.seed < 2 ** 64:  # torch.manual_seed's range, non-negative for numpy's shuffling
+        raise ValueError(f"--seed must be an integer in [0, 2**64), got {args.seed}")
 
 
 def validate_args(args, world_size: int):
@@ -345,8 +372,7 @@ def validate_args(args, world_size: int):
                          f"--{'finetune' if args.finetune else 'no-load-optim'} does not load: drop one of them")
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ValueError("--exit-interval must be > 0")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    check_data_args(args)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
     if args.device == "cuda" and not torch.cuda.is_available():
