@@ -186,11 +186,11 @@ def _write_checkpoint(root: str, iteration: int, payload: dict):
     last_words.prune(root, iteration)  # superseded by this checkpoint
 
 
-def _report_skipped(problems: dict, loaded: int, group):
-    """Rank 0 says which last-words sets newer than what is loaded could not be used, and why."""
+def _report_skipped(problems: dict, newer_than: int, group):
+    """Rank 0 says which last-words sets newer than `newer_than` cannot be used, and why."""
     if dist.get_rank(group) == 0:
         for iteration in sorted(problems):
-            if iteration > loaded:
+            if iteration > newer_than:
                 print(f"> skipping {problems[iteration]}", flush=True)
 
 
@@ -251,15 +251,18 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
 
 
 def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters, load_optim, load_rng):
-    """load_checkpoint's reading: whichever of a last-words set and a periodic checkpoint is newer."""
-    iteration, directory = find_latest(root)
-    words, problems = last_words.scan(root)  # sets written by the survivors of a failure
-    newest_words = max(words, default=None)
-    from_words = newest_words is not None and (iteration is None or newest_words > iteration)
-    _report_skipped(problems, newest_words if from_words else -1 if iteration is None else iteration, group)
-    if from_words:
-        return last_words.load(words[newest_words], model, optimizer, scheduler, check_args, hyperparameters, group,
-                               load_optim, load_rng)
+    """load_checkpoint's reading: the newest last-words set every rank can read, else the newest periodic
+    checkpoint. Every step that reads files ends in an agreement of all ranks (run_collectively): a file one
+    rank cannot read ends every rank with its cause, or (last words) makes every rank fall back together,
+    never leaves the others waiting in the next collective."""
+    iteration, directory, words, problems = collectives.run_collectively(_survey, root, group=group)
+    _agree_on_survey(root, iteration, words, group)
+    _report_skipped(problems, -1 if iteration is None else iteration, group)
+    for newest in sorted((i for i in words if iteration is None or i > iteration), reverse=True):
+        loaded = last_words.load(words[newest], model, optimizer, scheduler, check_args, hyperparameters, group,
+                                 load_optim, load_rng)
+        if loaded is not None:
+            return loaded
     if iteration is None:
         return None
     try:
@@ -269,30 +272,89 @@ def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters,
     if tracker != iteration and dist.get_rank(group) == 0:
         print(f"> {root}: the tracker says {tracker}, the newest complete checkpoint is iteration {iteration}: "
               f"loading it", flush=True)
-    checkpoint_files.verify(directory)
     torch_dist = dist_checkpoint.is_torch_dist(directory)
     path = f"{directory}/{dist_checkpoint.COMMON_FILENAME if torch_dist else CHECKPOINT_FILENAME}"
+    state = collectives.run_collectively(_read_verified, directory, path, check_args, group=group)
+    if torch_dist:  # DCP's reads agree across ranks, and no tensor is written before all read theirs
+        expert_checkpoint.refuse(optimizer, "loading a torch_dist checkpoint")
+        dist_checkpoint.load_torch_dist(directory, model, optimizer, state, group, load_optim)
+    else:
+        collectives.run_collectively(_check_fits, path, model, optimizer, state, load_optim, group=group)
+    # The small state, checked on every rank (a hyperparameter may differ from this run's) before any
+    # tensor of a 'torch' checkpoint is written: those writes include collectives.
+    collectives.run_collectively(_load_small_state, state, optimizer, scheduler, hyperparameters, load_optim,
+                                 load_rng, dist.get_rank(group), group=group)
+    if not torch_dist:
+        model.load_state_dict(state["model"])
+        if load_optim:
+            optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
+    return {"iteration": state["iteration"], "consumed_train_samples": state["consumed_train_samples"],
+            "args": state["args"], "path": path}
+
+
+def _survey(root: str):
+    """What `root` holds, read by this rank: (newest periodic iteration, its directory, complete last-words
+    sets, problems of the others)."""
+    iteration, directory = find_latest(root)
+    words, problems = last_words.scan(root)  # sets written by the survivors of a failure
+    return iteration, directory, words, problems
+
+
+def _agree_on_survey(root: str, iteration, words, group):
+    """Every rank must find the same checkpoints: ranks reading different directories (no shared
+    filesystem, or a save landing while the job starts) would load different states."""
+    mine = (iteration, sorted(words))
+    everyone = collectives.all_gather_object(mine, group)
+    if any(seen != mine for seen in everyone) or any(seen != everyone[0] for seen in everyone):
+        seen = "; ".join(f"rank {r}: periodic {s[0]}, last words {s[1]}" for r, s in enumerate(everyone))
+        raise ValueError(f"the ranks find different checkpoints under {root} ({seen}): --load must name a "
+                         f"directory that every rank reads alike (a shared filesystem), with no save writing to it")
+
+
+def _read_verified(directory: str, path: str, check_args: Optional[dict]) -> dict:
+    """This rank's read of a periodic checkpoint: every file checked against the manifest, the state file
+    loaded without running code, the architecture compared with this run's."""
+    checkpoint_files.verify(directory)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"checkpoint file {path} cannot be read: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or not {"iteration", "consumed_train_samples", "args"} <= set(state):
+        raise ValueError(f"checkpoint file {path} holds no megatron_lite training state")
     for key, value in (check_args or {}).items():
         saved = state["args"].get(key)
         if saved is not None and saved != value:
             raise ValueError(f"checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
-    if torch_dist:
-        expert_checkpoint.refuse(optimizer, "loading a torch_dist checkpoint")
-        dist_checkpoint.load_torch_dist(directory, model, optimizer, state, hyperparameters, group, load_optim)
-    else:
-        expert_checkpoint.merge(model, optimizer, state)  # this rank's expert-parallel position's experts
-        model.load_state_dict(state["model"])
-        if load_optim:
-            optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
+    return state
+
+
+def _check_fits(path: str, model, optimizer, state: dict, load_optim: bool):
+    """A 'torch' checkpoint holds every tensor of this model with the model's shapes (checked before any
+    is written: the writes include collectives, which a rank raising half-way would leave waiting)."""
+    expert_checkpoint.merge(model, optimizer, state)  # this rank's expert-parallel position's experts
+    shapes = {name: tuple(p.shape) for p, name in optimizer.param_to_name.items()}
+    expected = set(shapes) | set(model.untrained_state_dict())
+    missing, unexpected = sorted(expected - set(state["model"])), sorted(set(state["model"]) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} was saved from another model: it lacks {missing[:5]} and holds "
+                         f"{unexpected[:5]}, which this model has not")
+    for name, shape in shapes.items():
+        if tuple(state["model"][name].shape) != shape:
+            raise ValueError(f"checkpoint {path} holds {name} of shape {list(state['model'][name].shape)}, the "
+                             f"model's is {list(shape)}: it was saved from another model")
+    if load_optim:
+        lacking = sorted(set(optimizer.param_to_name.values()) - set(state["optimizer"]["state"]))
+        if lacking:
+            raise ValueError(f"checkpoint {path} lacks the optimizer state of {lacking[:5]}")
+
+
+def _load_small_state(state: dict, optimizer, scheduler, hyperparameters: str, load_optim: bool, load_rng: bool,
+                      rank: int):
+    """The hyperparameters, the schedule's position and the RNG: local, and where they can fail (a
+    hyperparameter that differs from this run's), before any tensor is written."""
     if load_optim:  # Megatron loads the schedule with the optimizer, or neither
+        optimizer.load_common_state_dict(state["optimizer"], hyperparameters)
         scheduler.load_state_dict(state["opt_param_scheduler"], hyperparameters=hyperparameters)
     if load_rng:
         rng_states = state["rng_state"]
-        rank = dist.get_rank(group)
         set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
-    return {"iteration": state["iteration"], "consumed_train_samples": state["consumed_train_samples"],
-            "args": state["args"], "path": path}

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
@@ -297,44 +298,56 @@ def read_common(directory: str) -> dict:
 
 
 @torch.no_grad()
-def load_torch_dist(directory: str, model, optimizer, common: dict, hyperparameters: str = "check", group=None,
-                    load_optim: bool = True):
+def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, load_optim: bool = True):
     """Read this rank's part of every tensor for the current layout (any DP size and strategy) and load
     it into the model and the optimizer (with `load_optim` False the model only: the caller refreshes the
-    main params, optimizer.reload_model_params()). A model the checkpoint does not fit raises ValueError on
-    every rank of `group` (also when only some data-parallel groups build another model)."""
+    main params, optimizer.reload_model_params()). The optimizer's hyperparameters and loss scale are the
+    caller's (optimizer.load_common_state_dict(common['optimizer'])). A model the checkpoint does not fit,
+    or a read failing on any rank, raises on every rank of `group`, before any tensor is written."""
     state = collectives.run_collectively(_placeholders, directory, model, optimizer, common, group=group)
     if not load_optim:  # every rank drops the same keys: DCP reads only what is asked for
         state = {k: v for k, v in state.items() if not k.startswith("optimizer.")}
-    dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
-    shapes = common["shapes"]
-
-    def local_pieces(value) -> Dict[int, torch.Tensor]:
-        if isinstance(value, ShardedTensor):
-            return {s.metadata.shard_offsets[0]: s.tensor for s in value.local_shards()}
-        return {0: value}
-
-    # The optimizer: main params and moments of this rank's chunks.
-    values: Dict[Tuple[str, int], Dict[str, torch.Tensor]] = {}
-    for key, value in state.items():
-        if key.startswith("optimizer."):
-            name, field = key[len("optimizer."):].rsplit(".", 1)
-            for start, tensor in local_pieces(value).items():
-                values.setdefault((name, start), {})[field] = tensor
+    try:  # DCP agrees on the success of its read steps itself: a failure on any rank raises on every rank
+        dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
+    except CheckpointException as e:
+        raise ValueError(f"reading torch_dist checkpoint {directory} failed: {e}") from e
+    values = collectives.run_collectively(_optimizer_values, state, optimizer, group=group)
     if load_optim:
-        optimizer.load_common_state_dict(common["optimizer"], hyperparameters)
         optimizer.load_chunks(values, common["optimizer_step"], common.get("optimizer_lagging_steps"))
     # The model: whole parameters, or (ZeRO-3) the rank's ranges, written through the optimizer's views.
+    shapes = common["shapes"]
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
     if _zero3(optimizer):
         from ..optimizer.distrib_optimizer import shard_ranges
         for s in shard_ranges(optimizer.model_chunks):
-            pieces = local_pieces(state[f"model.{optimizer.param_to_name[s.model_param]}"])
+            pieces = _local_pieces(state[f"model.{optimizer.param_to_name[s.model_param]}"])
             s.params.copy_(pieces[s.param_start])
         model.module.load_state_dict(others, strict=False)
     else:
         model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others})
-    collectives.barrier(group)
+
+
+def _local_pieces(value) -> Dict[int, torch.Tensor]:
+    """offset -> tensor of this rank's pieces of a DCP value."""
+    if isinstance(value, ShardedTensor):
+        return {s.metadata.shard_offsets[0]: s.tensor for s in value.local_shards()}
+    return {0: value}
+
+
+def _optimizer_values(state: Dict[str, object], optimizer) -> Dict[Tuple[str, int], Dict[str, torch.Tensor]]:
+    """(name, offset) -> {'param', moments...} of the optimizer entries read, checked to cover every chunk
+    of this rank (load_chunks writes, and gathers, only after every rank found all of its own)."""
+    values: Dict[Tuple[str, int], Dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key.startswith("optimizer."):
+            name, field = key[len("optimizer."):].rsplit(".", 1)
+            for start, tensor in _local_pieces(value).items():
+                values.setdefault((name, start), {})[field] = tensor
+    for name, start, end, _ in optimizer.local_chunks():
+        entry = values.get((name, start), {})
+        if values and ("param" not in entry or any(t.numel() != end - start for t in entry.values())):
+            raise ValueError(f"the checkpoint's optimizer state does not cover {name}[{start}:{end}]")
+    return values
 
 
 def _placeholders(directory: str, model, optimizer, common: dict) -> Dict[str, object]:

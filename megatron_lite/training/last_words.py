@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..distributed import collectives
 from . import checkpoint_files, expert_checkpoint
 
 LAST_WORDS_DIRNAME = "last_words"
@@ -254,43 +255,110 @@ def _valid_header(path: str) -> Optional[dict]:
 
 @torch.no_grad()
 def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: Optional[dict] = None,
-         hyperparameters: str = "check", group=None, load_optim: bool = True, load_rng: bool = True) -> dict:
-    """Every rank: load the last words of this rank's position (its own file if it survived, else a
+         hyperparameters: str = "check", group=None, load_optim: bool = True, load_rng: bool = True) -> Optional[dict]:
+    """Every rank: load the last words of this rank's position (its own file if it can be read, else a
     replica's) into the optimizer (and, through the main params, the model), the scheduler and the RNG.
     With `load_optim` False only the parameters (no moments, step, hyperparameters or schedule); with
-    `load_rng` False not the RNG state (checkpointing.load_checkpoint's --no-load-optim / --no-load-rng)."""
+    `load_rng` False not the RNG state (checkpointing.load_checkpoint's --no-load-optim / --no-load-rng).
+
+    Every rank reads and checks its file before any collective, then all agree: a file that cannot be
+    read is replaced by a replica's (said in the log); a position no rank can read makes every rank return
+    None (the caller falls back to an older checkpoint; rank 0 names the files); a set that does not fit
+    this run (data-parallel size, instances, architecture, layout) is a ValueError on every rank."""
     from .checkpointing import set_rng_state
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
-    candidates = files.get(rank % per_instance, [])
-    own = [p for p in candidates if os.path.basename(p) == f"rank_{rank:05d}.pt"]
-    path = (own or candidates or [None])[0]
-    payload = torch.load(path, map_location="cpu", weights_only=True) if path else None
-    if payload is None or payload["world"] != world or payload["per_instance"] != per_instance:
-        saved = "nothing" if payload is None else f"{payload['world']} ranks, {payload['per_instance']} per instance"
-        raise ValueError(f"the last-words checkpoint in {os.path.dirname(path or '?')} was written by {saved}; this "
-                         f"job has {world} ranks, {per_instance} per instance: resume with the same data-parallel "
-                         f"size and --num-distributed-optimizer-instances, or move the last_words directory away "
-                         f"to resume from the periodic checkpoint")
-    for key, value in (check_args or {}).items():
-        saved = payload["args"].get(key)
-        if saved is not None and saved != value:
-            raise ValueError(f"last-words checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
-    expected = {f"{name}@{start}" for name, start, _, _ in optimizer.local_chunks()}
-    if set(payload["chunks"]) != expected:
-        raise ValueError(f"{path} holds other shards than this rank's layout (bucket size or model differs)")
+    where = os.path.dirname(next(p for paths in files.values() for p in paths))
+    try:
+        with open(next(p for paths in files.values() for p in paths)[:-3] + ".json") as f:
+            header = json.load(f)  # scan checked it: the set's layout, the same in every file
+        payload, path, unreadable, error = None, None, [], _misfit(header, where, world, per_instance)
+        if error is None:
+            payload, path, unreadable = _read_position(files, rank, per_instance)
+        if payload is not None:
+            error = _misfit(payload, where, world, per_instance) or _unfit(payload, path, check_args, optimizer)
+    except Exception as e:  # anything else a rank meets while reading: the others must hear of it
+        payload, path, unreadable, error = None, None, [], f"{type(e).__name__}: {e}"
+    everyone = collectives.all_gather_object({"error": error, "read": path, "unreadable": unreadable}, group)
+    errors = {r: e["error"] for r, e in enumerate(everyone) if e["error"] is not None}
+    if errors:
+        raise ValueError("cannot resume from the last words in " + where + ": "
+                         + "; ".join(f"rank {r}: {text}" for r, text in errors.items()))
+    if rank == 0:
+        used = {os.path.basename(p) for paths in files.values() for p in paths}
+        for name in sorted(set(os.listdir(where)) - used):
+            if _RANK_FILE.match(name):  # scan left it out: a replica holds its shards
+                print(f"> last-words file {os.path.join(where, name)} is damaged (it does not match its .json): "
+                      f"its shards are read from a replica", flush=True)
+        for r, e in enumerate(everyone):
+            for problem in e["unreadable"]:
+                print(f"> {problem}" + (f"; rank {r} uses {e['read']}" if e["read"] else ""), flush=True)
+    lost = [r for r, e in enumerate(everyone) if e["read"] is None]
+    if lost:
+        if rank == 0:
+            print(f"> skipping the last words in {where}: no file of the shards of rank(s) {lost} can be read; "
+                  f"falling back to an older checkpoint", flush=True)
+        return None
     values = {(key.rsplit("@", 1)[0], int(key.rsplit("@", 1)[1])): entry for key, entry in payload["chunks"].items()}
+
+    def small_state():  # local, and where it can fail (a hyperparameter differs), before any tensor is written
+        if load_optim:
+            optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
+            scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
+        if load_rng:
+            set_rng_state(payload["rng_state"])
+    collectives.run_collectively(small_state, group=group)
     if load_optim:
-        optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
         optimizer.load_chunks(values, payload["step"], payload.get("lagging_steps"))
-        scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
     else:  # the parameters only, into the fresh optimizer (its step stays 0)
         optimizer.load_chunks({key: {"param": entry["param"]} for key, entry in values.items()}, 0)
-    if load_rng:
-        set_rng_state(payload["rng_state"])
     model.finish_param_sync()
     return {"iteration": payload["iteration"], "consumed_train_samples": payload["consumed_train_samples"],
             "args": payload["args"], "path": path, "last_words": True}
+
+
+_PAYLOAD_KEYS = {"world", "per_instance", "iteration", "consumed_train_samples", "args", "chunks", "optimizer", "step",
+                 "opt_param_scheduler", "rng_state"}
+
+
+def _read_position(files: Dict[int, List[str]], rank: int, per_instance: int):
+    """(payload, path, [what was wrong with each file tried before]) of this rank's position: its own file
+    first, then the replicas'; (None, None, ...) when none can be read. Local: no collective."""
+    own = f"rank_{rank:05d}.pt"
+    unreadable = []
+    for path in sorted(files.get(rank % per_instance, []), key=lambda p: os.path.basename(p) != own):
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(payload, dict) or not _PAYLOAD_KEYS <= set(payload):
+                raise ValueError("not a last-words record")
+            return payload, path, unreadable
+        except Exception as e:  # a damaged file is one of the failures last words exist for
+            unreadable.append(f"last-words file {path} passes its checksum but cannot be loaded "
+                              f"({type(e).__name__}: {e})")
+    return None, None, unreadable
+
+
+def _misfit(record: dict, where: str, world: int, per_instance: int) -> Optional[str]:
+    """Why last words written by another layout cannot be loaded (a header or a payload), or None."""
+    if record["world"] != world or record["per_instance"] != per_instance:
+        return (f"the last words in {where} were written by {record['world']} ranks, {record['per_instance']} "
+                f"per instance; this job has {world} ranks, {per_instance} per instance: resume with the same "
+                f"data-parallel size and --num-distributed-optimizer-instances, or move the last_words directory "
+                f"away to resume from the periodic checkpoint")
+    return None
+
+
+def _unfit(payload: dict, path: str, check_args: Optional[dict], optimizer) -> Optional[str]:
+    """Why a readable record cannot be loaded into this run's model (the same for every file of a set, so
+    no replica helps: the user must change the run), or None."""
+    for key, value in (check_args or {}).items():
+        saved = payload["args"].get(key)
+        if saved is not None and saved != value:
+            return f"last-words checkpoint {path} was trained with {key}={saved}, this run has {key}={value}"
+    expected = {f"{name}@{start}" for name, start, _, _ in optimizer.local_chunks()}
+    if set(payload["chunks"]) != expected:
+        return f"{path} holds other shards than this rank's layout (bucket size or model differs)"
+    return None
 
 
 def prune(root: str, upto: int):

@@ -1,0 +1,167 @@
+"""Loading agrees across ranks: a file that one rank cannot read ends every rank with its cause, or (last
+words) makes every rank fall back together to a replica's file or the periodic checkpoint; never a hang."""
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+
+import pytest
+
+from distributed_helper import run_distributed
+from optim_testing import full_state, states_equal
+
+
+def _fresh():
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    _, ddp, opt = build(dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
+                             num_distributed_optimizer_instances=2), dict(lr=1e-2, use_distributed_optimizer=True))
+    return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
+
+
+def _steps(ddp, opt, scheduler, first, n, words=None):
+    import torch.distributed as dist
+
+    from optim_testing import megatron_steps
+
+    for k in range(first, first + n):
+        if words is not None:
+            words.stage(k + 1, (k + 1) * 8)
+        megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 1, first_step=k)
+        scheduler.step()
+        if words is not None:
+            words.commit()
+
+
+def _unloadable(path):
+    """Replace a last-words file by bytes torch.load refuses, with a .json that matches them (a file that
+    passes its checksum but cannot be loaded: a bug in the writer, a forged file)."""
+    data = b"PK\x03\x04 not a torch checkpoint"
+    open(path, "wb").write(data)
+    header = json.load(open(path[:-3] + ".json"))
+    header.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    json.dump(header, open(path[:-3] + ".json", "w"))
+
+
+def _damaged(path):
+    """Flip a byte: the file no longer matches its .json."""
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _fallback_worker(root, unloadable, damaged):
+    """dp=4, R=2: 6 uninterrupted steps vs a periodic checkpoint at 1 and last words at 3 (some files then
+    made unloadable or damaged by rank 0), a fresh model loaded by load_checkpoint, trained on to 6."""
+    import torch.distributed as dist
+
+    from megatron_lite.training import last_words
+    from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    ddp, opt, scheduler = _fresh()
+    _steps(ddp, opt, scheduler, 0, 6)
+    reference = full_state(opt)
+
+    ddp, opt, scheduler = _fresh()
+    words = last_words.LastWords(root, opt, scheduler, 0, 0)
+    _steps(ddp, opt, scheduler, 0, 1, words)
+    save_checkpoint(root, 1, ddp, opt, scheduler, 8)
+    _steps(ddp, opt, scheduler, 1, 2, words)
+    words.write("test: the job died")
+    dist.barrier()
+    if rank == 0:
+        for r in unloadable:
+            _unloadable(os.path.join(last_words.directory(root, 3), f"rank_{r:05d}.pt"))
+        for r in damaged:
+            _damaged(os.path.join(last_words.directory(root, 3), f"rank_{r:05d}.pt"))
+    dist.barrier()
+
+    ddp, opt, scheduler = _fresh()
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        loaded = load_checkpoint(root, ddp, opt, scheduler)
+    _steps(ddp, opt, scheduler, loaded["iteration"], 6 - loaded["iteration"])
+    return dict(iteration=loaded["iteration"], path=loaded["path"], log=log.getvalue(),
+                same=states_equal(full_state(opt), reference))
+
+
+@pytest.mark.parametrize("unloadable,damaged,iteration", [
+    ((3,), (), 3),  # rank 3's own file cannot be loaded: rank 1's (same shards) replaces it
+    ((), (3,), 3),  # rank 3's file fails its checksum: the same, and the log says so
+    ((1, 3), (), 1),  # neither holder of shard position 1 can be read: every rank falls back to iteration 1
+])
+def test_unreadable_last_words_fall_back_on_every_rank_naming_the_file(tmp_path, unloadable, damaged, iteration):
+    """Would catch the ranks that read an unloadable last-words file failing while the others wait in the
+    next collective (a hang until the process-group timeout, the cause printed nowhere), a damaged file
+    replaced by its replica without a word in the log, or a fallback taken by some ranks only. The run
+    continued from whatever was loaded must be bitwise the uninterrupted one."""
+    results = run_distributed(_fallback_worker, 4, str(tmp_path), unloadable, damaged)
+    assert all(r["iteration"] == iteration and r["same"] for r in results)
+    log = results[0]["log"]
+    for r in (*unloadable, *damaged):
+        assert f"rank_{r:05d}.pt" in log
+    if iteration == 3:
+        assert results[3]["path"].endswith("rank_00001.pt")
+        assert ("read from a replica" if damaged else "rank 3 uses") in log
+    else:
+        assert "skipping the last words" in log and "falling back" in log
+        assert all(r["path"].endswith("model_optim_rng.pt") for r in results)
+
+
+# ---------------------------------------------------------------------------------------- periodic checkpoints
+def _failing_read_worker(root, ckpt_format, victim):
+    """dp=2: save at 2 steps, then load with a read failing on rank `victim` only (in DCP's read of the
+    tensor data, or in the check of the files); returns the error each rank raised, and whether the ranks
+    are still in step afterwards (a collective completes)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.training import checkpoint_files, checkpointing, dist_checkpoint
+    from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    def fresh():
+        _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
+        return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
+
+    ddp, opt, scheduler = fresh()
+    _steps(ddp, opt, scheduler, 0, 2)
+    save_checkpoint(root, 2, ddp, opt, scheduler, 16, ckpt_format=ckpt_format)
+    ddp, opt, scheduler = fresh()
+    patches = []
+    if dist.get_rank() == victim:
+        def fail(*args, **kwargs):
+            raise OSError("injected: input/output error")
+        if ckpt_format == "torch_dist":
+            patches.append((dist_checkpoint.SafeReader, "read_data", fail))
+        else:
+            patches.append((checkpoint_files, "verify", fail))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        load_checkpoint(root, ddp, opt, scheduler)
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    in_step = torch.ones(1)
+    dist.all_reduce(in_step)
+    return dict(error=error, in_step=int(in_step.item()), checkpointing=checkpointing.__name__)
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_a_read_failing_on_one_rank_ends_every_rank_with_its_cause(tmp_path, ckpt_format):
+    """Would catch a load that fails on one rank mid-way (a disk error inside torch.distributed.checkpoint's
+    read, or in the checksum pass) while the other ranks go on into the next collective: the job would end
+    only at the process-group timeout, with the original error in no rank's output."""
+    results = run_distributed(_failing_read_worker, 2, str(tmp_path), ckpt_format, 1)
+    assert all(r["error"] is not None and "injected: input/output error" in r["error"] for r in results)
+    assert all(r["in_step"] == 2 for r in results)
