@@ -165,3 +165,34 @@ def test_a_read_failing_on_one_rank_ends_every_rank_with_its_cause(tmp_path, ckp
     results = run_distributed(_failing_read_worker, 2, str(tmp_path), ckpt_format, 1)
     assert all(r["error"] is not None and "injected: input/output error" in r["error"] for r in results)
     assert all(r["in_step"] == 2 for r in results)
+
+
+def _other_layout_worker(root):
+    """dp=4: last words written with R=2 instances, loaded by a job with R=1; returns each rank's error."""
+    import torch.distributed as dist
+
+    from megatron_lite.training import last_words
+    from megatron_lite.training.checkpointing import load_checkpoint
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    ddp, opt, scheduler = _fresh()
+    words = last_words.LastWords(root, opt, scheduler, 0, 0)
+    _steps(ddp, opt, scheduler, 0, 2, words)
+    words.write("test: the job died")
+    dist.barrier()
+    _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
+    try:
+        load_checkpoint(root, ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine"))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_last_words_of_another_layout_are_an_error_naming_them_on_every_rank(tmp_path):
+    """Would catch the ranks whose shard position the set does not have failing differently from the others
+    (an empty path in their message, or a hang while the others wait), instead of one error on every rank
+    that names the directory and the two layouts."""
+    errors = run_distributed(_other_layout_worker, 4, str(tmp_path))
+    where = os.path.join(str(tmp_path), "last_words", "iter_0000002")
+    assert all(e is not None and where in e and "2 per instance" in e and "4 per instance" in e for e in errors)
