@@ -200,6 +200,8 @@ def refuse_to_shadow(save_dir: str, loaded: Optional[dict]):
     (loaded['finetune']) resumed from nothing: it starts again at iteration 0. Raises ValueError."""
     existing = checkpoint_files.complete_checkpoints(save_dir)
     words = last_words.scan(save_dir)[0]
+    for iteration in (loaded or {}).get("unreadable_last_words", ()):  # skipped on load; a later save prunes them
+        words.pop(iteration, None)
     newest = max([*existing, *words]) if existing or words else None
     if newest is not None and loaded is not None and loaded.get("finetune"):
         raise ValueError(
@@ -233,7 +235,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, group=None, check_ar
         load_rng: False is Megatron's --no-load-rng: the RNG state is not restored.
     Returns:
         {'iteration', 'consumed_train_samples', 'args', 'path', 'checkpoint_iteration' (the iteration the
-        checkpoint was saved at), 'finetune'} or None when `root` holds no checkpoint.
+        checkpoint was saved at), 'finetune', 'unreadable_last_words' (newer last-words sets skipped because
+        some shard could not be read on any rank)} or None when `root` holds no checkpoint.
     Raises:
         ValueError when a file fails its checksum, or the checkpoint's architecture (check_args keys) or
         hyperparameters differ from this run's.
@@ -258,11 +261,13 @@ def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters,
     iteration, directory, words, problems = collectives.run_collectively(_survey, root, group=group)
     _agree_on_survey(root, iteration, words, group)
     _report_skipped(problems, -1 if iteration is None else iteration, group)
+    unreadable = []  # last-words sets skipped because a position could not be read on any rank
     for newest in sorted((i for i in words if iteration is None or i > iteration), reverse=True):
         loaded = last_words.load(words[newest], model, optimizer, scheduler, check_args, hyperparameters, group,
                                  load_optim, load_rng)
         if loaded is not None:
-            return loaded
+            return {**loaded, "unreadable_last_words": unreadable}
+        unreadable.append(newest)
     if iteration is None:
         return None
     try:
@@ -289,7 +294,7 @@ def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters,
         if load_optim:
             optimizer.load_state_dict(state["optimizer"], hyperparameters=hyperparameters)
     return {"iteration": state["iteration"], "consumed_train_samples": state["consumed_train_samples"],
-            "args": state["args"], "path": path}
+            "args": state["args"], "path": path, "unreadable_last_words": unreadable}
 
 
 def _survey(root: str):
