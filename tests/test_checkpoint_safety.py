@@ -229,33 +229,3 @@ def test_async_torch_dist_save_resumes_bit_exact(tmp_path):
     status, resumed = _run(argv + ["--save", save, "--load", save, "--async-save"])[0]
     assert status == "ok" and [resumed[5], resumed[6]] == [straight[5], straight[6]]
     assert os.path.exists(os.path.join(save, "iter_0000006", "manifest.json"))
-
-
-class _Exploit:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))  # would create a file when unpickled
-
-
-def test_torch_dist_metadata_is_never_unpickled_freely(tmp_path):
-    """DCP's .metadata is a pickle: would catch loading it with pickle.load (arbitrary code from a forged
-    checkpoint, even one whose manifest was forged to match)."""
-    import hashlib
-    import json
-    import pickle
-
-    save = str(tmp_path / "ck")
-    _run(TINY + ["--save", save], world=1)
-    directory = os.path.join(save, "iter_0000004")
-    marker = str(tmp_path / "pwned")
-    with open(os.path.join(directory, ".metadata"), "wb") as f:
-        pickle.dump(_Exploit(marker), f)
-    manifest_path = os.path.join(directory, "manifest.json")
-    manifest = json.load(open(manifest_path))
-    data = open(os.path.join(directory, ".metadata"), "rb").read()
-    manifest["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    json.dump(manifest, open(manifest_path, "w"))
-    status, message = _run(TINY + ["--train-iters", "6", "--save", save, "--load", save], world=1)[0]
-    assert status == "error" and "cannot be read safely" in message and not os.path.exists(marker)

@@ -33,7 +33,6 @@ data-parallel group as the checkpoint group. Loading needs no such rule: every r
 
 import concurrent.futures
 import os
-import pickle
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -46,46 +45,9 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 
 from ..distributed import collectives
 from ..optimizer.optimizer import STATE_KEYS
+from .checkpoint_metadata import SafeReader  # .metadata is a pickle: read only through it
 
 COMMON_FILENAME = "common.pt"
-# What DCP's .metadata (a pickle) may contain: its own metadata classes and torch's plain value types.
-_SAFE_TORCH_TYPES = (torch.Size, torch.dtype, torch.layout, torch.memory_format)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata without running arbitrary code: only DCP's metadata classes, torch's
-    Size / dtype / layout / memory_format and plain builtin containers are allowed (the weights_only idea)."""
-
-    def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if isinstance(value, _SAFE_TORCH_TYPES) or value is torch.Size:
-                return value
-        if (module, name) in (("torch.serialization", "_get_layout"),  # a layout's name -> the layout
-                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")):  # the checkpoint id
-            return super().find_class(module, name)
-        if module in ("builtins", "collections") and name in ("set", "frozenset", "OrderedDict", "slice"):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata unpickled by _MetadataUnpickler (tensor data is raw storage)."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = os.path.join(self.path, ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-            raise ValueError(f"checkpoint metadata {path} cannot be read safely: {e}") from e
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
 
 def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor]]) -> ShardedTensor:
     """A 1-D ShardedTensor of `numel` elements holding this rank's pieces `local` = [(offset, tensor)],
