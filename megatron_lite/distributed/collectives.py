@@ -278,10 +278,12 @@ def run_collectively(fn: Callable, *args, group=None):
 
 def rank_zero_first(fn: Callable, *args, group=None):
     """`fn(*args)` on the group's rank 0 first (e.g. to build a cache), then on the others; returns its
-    result on every rank. A failure on rank 0 reaches every rank at once (the others do not start)."""
+    result on every rank. A failure on rank 0 reaches every rank at once (the others do not start), and so
+    does one on any other rank (e.g. a file that only it cannot read)."""
     first = dist.get_rank(group) == 0
     result = run_collectively(fn if first else _nothing, *args, group=group)
-    return result if first else fn(*args)
+    later = run_collectively(_nothing if first else fn, *args, group=group)
+    return result if first else later
 
 
 def _nothing(*args):
