@@ -82,3 +82,33 @@ def _one_rank_worker():
 def test_one_rank_groups_send_nothing():
     """Would catch collectives on a one-rank group reaching gloo (milliseconds of copying for nothing)."""
     assert run_distributed(_one_rank_worker, 2) == [[], []]
+
+
+def _rank_zero_first_worker(failing_rank):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.distributed import collectives
+
+    def build(rank):
+        if dist.get_rank() == failing_rank:
+            raise OSError(f"injected: rank {failing_rank} cannot read the cache")
+        return rank
+
+    try:
+        collectives.rank_zero_first(build, 7)
+        error = None
+    except (OSError, RuntimeError) as e:
+        error = str(e)
+    in_step = torch.ones(1)
+    dist.all_reduce(in_step)  # the ranks are still in step: the same collectives were issued
+    return error, int(in_step.item())
+
+
+def test_rank_zero_first_failure_on_any_rank_reaches_every_rank():
+    """Would catch rank_zero_first agreeing only on rank 0's call: a rank failing in the later call (a file
+    only it cannot read) would leave the others walking into the next collective, waiting there until the
+    process-group timeout, with the cause printed nowhere."""
+    for failing in (0, 1):
+        results = run_distributed(_rank_zero_first_worker, 2, failing)
+        assert all(f"injected: rank {failing}" in (error or "") and in_step == 2 for error, in_step in results)
