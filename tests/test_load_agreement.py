@@ -254,3 +254,38 @@ def test_pretrain_falls_back_past_unreadable_last_words_and_trains_on_exactly(tm
     assert isinstance(losses, dict), losses
     assert sorted(losses) == [3, 4, 5, 6] and all(losses[i] == straight[i] for i in losses)
     assert "rank_00001.pt" in log and "rank_00003.pt" in log and "falling back" in log
+
+
+def _different_views_worker(root):
+    """dp=2: a checkpoint at 2 that rank 1 does not see (as on a node without the shared filesystem)."""
+    import torch.distributed as dist
+
+    from megatron_lite.training import checkpointing
+    from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+    from optim_testing import build
+
+    def fresh():
+        _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
+        return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
+
+    ddp, opt, scheduler = fresh()
+    _steps(ddp, opt, scheduler, 0, 2)
+    save_checkpoint(root, 2, ddp, opt, scheduler, 16)
+    original = checkpointing.find_latest
+    if dist.get_rank() == 1:
+        checkpointing.find_latest = lambda path: (None, None)
+    try:
+        load_checkpoint(root, *fresh())
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        checkpointing.find_latest = original
+
+
+def test_ranks_that_find_different_checkpoints_all_stop_naming_what_each_found(tmp_path):
+    """Would catch a rank that sees no checkpoint (or another one) starting from scratch while the others
+    load: the ranks would train from different states, or wait for each other in different collectives."""
+    errors = run_distributed(_different_views_worker, 2, str(tmp_path))
+    assert all(e is not None and "rank 0: periodic 2" in e and "rank 1: periodic None" in e for e in errors)

@@ -308,9 +308,8 @@ def _survey(root: str):
 def _agree_on_survey(root: str, iteration, words, group):
     """Every rank must find the same checkpoints: ranks reading different directories (no shared
     filesystem, or a save landing while the job starts) would load different states."""
-    mine = (iteration, sorted(words))
-    everyone = collectives.all_gather_object(mine, group)
-    if any(seen != mine for seen in everyone) or any(seen != everyone[0] for seen in everyone):
+    everyone = collectives.all_gather_object((iteration, sorted(words)), group)
+    if any(seen != everyone[0] for seen in everyone):
         seen = "; ".join(f"rank {r}: periodic {s[0]}, last words {s[1]}" for r, s in enumerate(everyone))
         raise ValueError(f"the ranks find different checkpoints under {root} ({seen}): --load must name a "
                          f"directory that every rank reads alike (a shared filesystem), with no save writing to it")
