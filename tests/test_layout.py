@@ -8,9 +8,11 @@ bucket divisor, or a shared embedding sharing a bucket.
 import pytest
 
 from megatron_lite.distributed.layout import (
+    DataParallelTopology,
     bucket_end_divisor,
     compute_buffer_layout,
     default_bucket_size,
+    shard_range,
 )
 
 # (numels in registration order, kwargs) -> (param_ranges per param, bucket (start, end, numel_unpadded), numel)
@@ -169,3 +171,94 @@ def test_buckets_never_span_units():
     assert all(b.end % 128 == 0 for b in layout.buckets)
     for b in layout.buckets:  # every parameter inside its own bucket
         assert all(b.start <= layout.param_ranges[i][0] < layout.param_ranges[i][1] <= b.end for i in b.param_indices)
+
+
+# ------------------------------------------------------------------------------------------ ownership
+# Derived by hand from megatron-core's rule: instance i = data-parallel ranks [i*m, (i+1)*m), m = dp / R;
+# position = index inside the instance; the holders of position j are j, j+m, ... (one per instance).
+# (dp, R) -> (position of every rank, instance of every rank, holders of every position, ranks of every instance)
+TOPOLOGIES = [
+    pytest.param(1, 1, [0], [0], [(0,)], [(0,)], id="dp1"),
+    pytest.param(4, 1, [0, 1, 2, 3], [0, 0, 0, 0], [(0,), (1,), (2,), (3,)], [(0, 1, 2, 3)], id="dp4-R1"),
+    pytest.param(4, 2, [0, 1, 0, 1], [0, 0, 1, 1], [(0, 2), (1, 3)], [(0, 1), (2, 3)], id="dp4-R2"),
+    pytest.param(4, 4, [0, 0, 0, 0], [0, 1, 2, 3], [(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)], id="dp4-R4"),
+    pytest.param(8, 4, [0, 1, 0, 1, 0, 1, 0, 1], [0, 0, 1, 1, 2, 2, 3, 3], [(0, 2, 4, 6), (1, 3, 5, 7)],
+                 [(0, 1), (2, 3), (4, 5), (6, 7)], id="dp8-R4"),
+    pytest.param(8, 2, [0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 0, 0, 1, 1, 1, 1], [(0, 4), (1, 5), (2, 6), (3, 7)],
+                 [(0, 1, 2, 3), (4, 5, 6, 7)], id="dp8-R2"),
+]
+
+
+@pytest.mark.parametrize("dp, instances, positions, rank_instances, holders, instance_ranks", TOPOLOGIES)
+def test_golden_topologies(dp, instances, positions, rank_instances, holders, instance_ranks):
+    """Would catch instances laid out strided instead of contiguous (megatron-core's groups are blocks of
+    consecutive ranks), position and instance swapped, or a holder set missing an instance."""
+    topology = DataParallelTopology(dp, instances)
+    assert topology.intra_distributed_optimizer_instance_size == len(holders)
+    assert [topology.position(r) for r in range(dp)] == positions
+    assert [topology.instance(r) for r in range(dp)] == rank_instances
+    assert [topology.holders(p) for p in range(len(holders))] == holders
+    assert [topology.instance_ranks(i) for i in range(instances)] == instance_ranks
+
+
+# (dp, R, bucket (start, end)) -> the elements [lo, hi) every data-parallel rank owns, by rank
+OWNERSHIP = [
+    pytest.param(1, 1, (0, 128), [(0, 128)], id="dp1"),
+    pytest.param(1, 1, (128, 384), [(128, 384)], id="dp1-second-bucket"),
+    pytest.param(3, 1, (0, 384), [(0, 128), (128, 256), (256, 384)], id="dp3"),
+    pytest.param(4, 2, (0, 256), [(0, 128), (128, 256), (0, 128), (128, 256)], id="dp4-R2"),
+    pytest.param(4, 2, (256, 640), [(256, 448), (448, 640), (256, 448), (448, 640)], id="dp4-R2-offset-bucket"),
+    pytest.param(4, 1, (256, 768), [(256, 384), (384, 512), (512, 640), (640, 768)], id="dp4-R1"),
+    pytest.param(8, 4, (128, 384), [(128, 256), (256, 384)] * 4, id="dp8-R4"),
+    pytest.param(8, 2, (512, 1024), [(512, 640), (640, 768), (768, 896), (896, 1024)] * 2, id="dp8-R2"),
+]
+
+
+@pytest.mark.parametrize("dp, instances, bucket, owned", OWNERSHIP)
+def test_golden_element_ownership(dp, instances, bucket, owned):
+    """Would catch a shard offset counted from the buffer start instead of the bucket's, a bucket split
+    into dp instead of dp / R shards, or a replica in another instance owning other elements."""
+    topology = DataParallelTopology(dp, instances)
+    assert [topology.owned_range(*bucket, rank) for rank in range(dp)] == owned
+    m = topology.intra_distributed_optimizer_instance_size
+    assert [shard_range(*bucket, m, p) for p in range(m)] == owned[:m]
+
+
+def test_topology_rejects_bad_sizes():
+    """Would catch a topology with ranks left over (R not dividing dp) or empty, accepted silently."""
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
+        DataParallelTopology(0, 1)
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances must be >= 1, got 0"):
+        DataParallelTopology(4, 0)
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances=3 does not divide the data-parallel "
+                                         "size 4"):
+        DataParallelTopology(4, 3)
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances=4 does not divide"):
+        DataParallelTopology(2, 4)
+    with pytest.raises(TypeError, match="data_parallel_size must be an int"):
+        DataParallelTopology(2.0, 1)
+    with pytest.raises(TypeError, match="num_distributed_optimizer_instances must be an int"):
+        DataParallelTopology(2, True)
+
+
+def test_topology_rejects_out_of_range_questions():
+    """Would catch a rank of another group (or a position past the instance) answered by wrapping around."""
+    topology = DataParallelTopology(4, 2)
+    for question, argument, name in [(topology.position, 4, "rank"), (topology.instance, -1, "rank"),
+                                     (topology.holders, 2, "position"), (topology.instance_ranks, 2, "instance")]:
+        with pytest.raises(ValueError, match=f"{name} must be in"):
+            question(argument)
+    with pytest.raises(ValueError, match="does not split into 3 equal shards"):
+        shard_range(0, 100, 3, 0)
+    with pytest.raises(ValueError, match="position must be in"):
+        shard_range(0, 384, 3, 3)
+    with pytest.raises(ValueError, match="num_shards must be >= 1"):
+        shard_range(0, 384, 0, 0)
+
+
+def test_topology_is_frozen():
+    """Decided once: would catch a record that code could change after the groups were built from it."""
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DataParallelTopology(4, 2).num_distributed_optimizer_instances = 4

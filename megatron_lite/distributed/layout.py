@@ -15,6 +15,18 @@ Rules (megatron.core's, so the same model and config give the same offsets):
     splits into `dp` equal shards;
   * with it, a parameter marked `shared_embedding` gets a bucket of its own;
   * with `unit_ids` (ZeRO-3's units of gathering), a bucket never spans two units.
+
+Who owns which elements is decided here as well, for any rank and without process groups. With
+`num_distributed_optimizer_instances` R, the dp ranks form R instances of m = dp / R consecutive ranks
+(megatron-core's intra distributed-optimizer-instance groups); every bucket splits into m equal shards, and
+the rank at *position* j of each instance owns shard j, so the ranks at one position (j, j+m, ...: an inter
+distributed-optimizer-instance group) hold the same shard::
+
+    dp=4, R=2         instance 0       instance 1
+    data-parallel rank  0      1         2      3
+    position            0      1         0      1        holders(0) = (0, 2), holders(1) = (1, 3)
+    bucket [0, 256)   [0,128) [128,256) [0,128) [128,256)
+
 Nothing here touches tensors, so the rules are unit-tested exhaustively without processes.
 """
 
@@ -144,3 +156,85 @@ def compute_buffer_layout(
     assert numel == numel_unpadded or padded
     assert not padded or numel % data_parallel_world_size == 0
     return BufferLayout(tuple(param_ranges), tuple(buckets), numel, numel_unpadded)
+
+
+# ------------------------------------------------------------------------------------------ ownership
+def shard_range(start: int, end: int, num_shards: int, position: int) -> Tuple[int, int]:
+    """Elements [lo, hi) of the bucket [start, end) owned by shard `position` of `num_shards`: the
+    position-th of num_shards equal contiguous pieces (megatron-core's shard_buffer). The bucket's size must
+    split evenly, which the distributed optimizer's padding (bucket_end_divisor) guarantees."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if not 0 <= position < num_shards:
+        raise ValueError(f"position must be in [0, {num_shards}), got {position}")
+    if end < start or (end - start) % num_shards:
+        raise ValueError(f"the bucket [{start}, {end}) does not split into {num_shards} equal shards: its size "
+                         f"must be a multiple of num_shards (pad it, see bucket_end_divisor)")
+    size = (end - start) // num_shards
+    return start + position * size, start + (position + 1) * size
+
+
+@dataclass(frozen=True)
+class DataParallelTopology:
+    """Which data-parallel rank holds which shard: the data-parallel size and the number of
+    distributed-optimizer instances, validated once (see the module docstring for the picture).
+
+    Ranks are data-parallel ranks, i.e. ranks in the data-parallel group, not global ones. With one
+    instance a rank's position is the rank itself and it is the only holder of its shard.
+    """
+
+    data_parallel_size: int
+    """dp, the number of ranks in the data-parallel group."""
+    num_distributed_optimizer_instances: int = 1
+    """R, the number of copies of the distributed optimizer's sharded state; must divide dp."""
+
+    def __post_init__(self):
+        for name in ("data_parallel_size", "num_distributed_optimizer_instances"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.data_parallel_size % self.num_distributed_optimizer_instances:
+            raise ValueError(f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} does "
+                             f"not divide the data-parallel size {self.data_parallel_size} (data_parallel_size): "
+                             f"each instance needs the same number of ranks")
+
+    @property
+    def intra_distributed_optimizer_instance_size(self) -> int:
+        """m = dp / R: ranks per instance, i.e. the number of shards every bucket splits into."""
+        return self.data_parallel_size // self.num_distributed_optimizer_instances
+
+    def _check(self, name: str, value: int, bound: int):
+        if not 0 <= value < bound:
+            raise ValueError(f"{name} must be in [0, {bound}), got {value}")
+
+    def position(self, rank: int) -> int:
+        """The shard index of data-parallel rank `rank` inside its instance (megatron-core's
+        intra_distributed_optimizer_instance_rank)."""
+        self._check("rank", rank, self.data_parallel_size)
+        return rank % self.intra_distributed_optimizer_instance_size
+
+    def instance(self, rank: int) -> int:
+        """The distributed-optimizer instance of data-parallel rank `rank`."""
+        self._check("rank", rank, self.data_parallel_size)
+        return rank // self.intra_distributed_optimizer_instance_size
+
+    def holders(self, position: int) -> Tuple[int, ...]:
+        """The data-parallel ranks at `position` of every instance, in instance order: the holders of one
+        shard (megatron-core's inter distributed-optimizer-instance group)."""
+        m = self.intra_distributed_optimizer_instance_size
+        self._check("position", position, m)
+        return tuple(range(position, self.data_parallel_size, m))
+
+    def instance_ranks(self, instance: int) -> Tuple[int, ...]:
+        """The data-parallel ranks of `instance`, in position order (megatron-core's intra
+        distributed-optimizer-instance group)."""
+        self._check("instance", instance, self.num_distributed_optimizer_instances)
+        m = self.intra_distributed_optimizer_instance_size
+        return tuple(range(instance * m, (instance + 1) * m))
+
+    def owned_range(self, start: int, end: int, rank: int) -> Tuple[int, int]:
+        """Elements [lo, hi) of the bucket [start, end) that data-parallel rank `rank` owns (and that every
+        other holder of its position owns as well)."""
+        return shard_range(start, end, self.intra_distributed_optimizer_instance_size, self.position(rank))
