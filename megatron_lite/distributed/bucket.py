@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .storage import ReleasableStorage
 
 
 class Bucket:
@@ -69,26 +70,24 @@ class Bucket:
         self.param_gather_handle = None
         # megatron-core's map: parameter -> its (start, end) elements within the bucket.
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
-        # ZeRO-2 (data_parallel_sharding_strategy='optim_grads'): grad_data has a storage of its own, grown
-        # when the first gradient arrives and freed once its reduce-scatter is done; what persists between
-        # iterations is this rank's reduced shard, grad_shard.
-        strategy = ddp_config.data_parallel_sharding_strategy
-        self.shards_grads = strategy in ("optim_grads", "optim_grads_params")
-        self.shards_params = strategy == "optim_grads_params"
+        # ZeRO-2 (sharding.gradients): grad_data has a storage of its own, grown when the first gradient
+        # arrives and freed once its reduce-scatter is done; what persists between iterations is this rank's
+        # reduced shard, grad_shard.
+        self.shards_grads = ddp_config.sharding.gradients
+        self.shards_params = ddp_config.sharding.parameters
         world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
         self.shard_size = grad_data.numel() // world if ddp_config.use_distributed_optimizer else 0
         self.shard_offset = rank * self.shard_size  # of this rank's shard, inside the bucket
         self.grad_shard = torch.zeros(self.shard_size, dtype=grad_data.dtype, device=grad_data.device) \
             if self.shards_grads else None
-        self._grad_storage_bytes = grad_data.untyped_storage().nbytes()
+        self._grad_storage = ReleasableStorage(grad_data)
         self._finished = False
-        self._grad_storage_freed = False
         if self.shards_grads:
-            self._free_grad_storage()
+            self._grad_storage.release()
         # ZeRO-3: param_data, too, has a storage of its own, holding the full parameters only between
-        # gather_params() and release_params(); param_shard is this rank's part, which the optimizer updates.
+        # start_param_sync() and release_params(); param_shard is this rank's part, which the optimizer updates.
         self.param_shard = None
-        self._param_storage_bytes = 0 if param_data is None else param_data.untyped_storage().nbytes()
+        self._param_storage = None if param_data is None else ReleasableStorage(param_data)
         self.params_gathered = True
         self._pass_counts = [0] * len(params)  # arrivals in the current backward pass (ZeRO-3 release)
         if self.shards_params:
@@ -123,7 +122,7 @@ class Bucket:
             param.main_grad.zero_()
         if self.shards_grads:
             self.grad_shard.zero_()
-            self._free_grad_storage()  # unreduced leftovers of an interrupted iteration, if any
+            self._grad_storage.release()  # unreduced leftovers of an interrupted iteration, if any
 
     # ---------------------------------------------------------------- ZeRO-2 gradient storage
     @property
@@ -136,17 +135,11 @@ class Bucket:
 
     def ensure_grad_storage(self):
         """ZeRO-2: grow grad_data back (zeroed) before a gradient lands in it; main_grad views stay valid."""
-        if self._grad_storage_freed:
-            self.grad_data.untyped_storage().resize_(self._grad_storage_bytes)
+        if self._grad_storage.regrow():
             self.grad_data.zero_()
-            self._grad_storage_freed = False
-
-    def _free_grad_storage(self):
-        self.grad_data.untyped_storage().resize_(0)
-        self._grad_storage_freed = True
 
     def grad_storage_allocated(self) -> bool:
-        return not self.shards_grads or not self._grad_storage_freed
+        return self._grad_storage.allocated
 
     @property
     def params_with_grad(self):
@@ -242,7 +235,7 @@ class Bucket:
         if self.shards_grads:
             with torch.no_grad():
                 self.grad_shard.add_(self.my_shard_of(self.grad_data))
-            self._free_grad_storage()
+            self._grad_storage.release()
 
     # ---------------------------------------------------------------- ZeRO-3 parameter storage
     @property
@@ -254,18 +247,28 @@ class Bucket:
         return self.my_shard_of(self.param_data)
 
     @torch.no_grad()
-    def gather_params(self, group, async_op: bool = True) -> bool:
-        """ZeRO-3: grow param_data back and all-gather every rank's param_shard into it (no-op when
-        gathered or in flight); returns whether a collective was issued. Autograd may hold these parameters
-        for backward: the in-place writes must not bump their version counter (the values are the ones the
-        forward used)."""
-        if self.params_gathered or self.param_gather_handle is not None:
-            return False
+    def start_param_sync(self, async_op: bool = True, group=None):
+        """All-gather param_data, every rank's shard r from rank r, on `group` (default: the bucket's
+        data-parallel group): the distributed optimizer's gather of the updated shards, or ZeRO-3's gather of
+        a released bucket (param_data grown back and this rank's param_shard put in first). Waited for by
+        finish_param_sync (ZeRO-3: wait_params)."""
+        assert self.param_data is not None and self.param_gather_handle is None, "parameter gather issued twice"
+        group = group or self.data_parallel_group
+        if self.param_shard is None:  # the optimizer wrote this rank's shard into param_data in place
+            self.param_gather_handle = collectives.all_gather(self.param_data, group=group, async_op=async_op)
+            return
+        # ZeRO-3. Autograd may hold these parameters for backward: the in-place writes must not bump their
+        # version counter (the values are the ones the forward used).
         with torch.autograd._unsafe_preserve_version_counter(self.param_data):
-            self.param_data.untyped_storage().resize_(self._param_storage_bytes)
+            self._param_storage.regrow()
             self.my_shard_of(self.param_data).copy_(self.param_shard)
             self.param_gather_handle = collectives.all_gather(self.param_data, group=group, async_op=async_op)
-        return True
+
+    def finish_param_sync(self):
+        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
 
     def wait_params(self):
         """ZeRO-3: wait for this bucket's gather; afterwards every param.data is its view into param_data.
@@ -282,7 +285,7 @@ class Bucket:
         self.finish_param_sync()
         for param, (_, shape) in zip(self.params_list, self._param_views):
             param.data = self._released.expand(shape)
-        self.param_data.untyped_storage().resize_(0)
+        self._param_storage.release()
         self.params_gathered = False
         self._pass_counts = [0] * len(self._pass_counts)
 
@@ -304,16 +307,3 @@ class Bucket:
         self._pass_counts[index] += 1
         return self.expected_counts is not None and all(
             c >= max(e, 1) for c, e in zip(self._pass_counts, self.expected_counts))
-
-    @torch.no_grad()
-    def start_param_sync(self, async_op: bool):
-        """All-gather param_data: every rank's shard r comes from rank r (distributed optimizer)."""
-        assert self.param_data is not None and self.param_gather_handle is None
-        self.param_gather_handle = collectives.all_gather(self.param_data, group=self.data_parallel_group,
-                                                          async_op=async_op)
-
-    def finish_param_sync(self):
-        """Wait for this bucket's parameter all-gather, if one is in flight."""
-        if self.param_gather_handle is not None:
-            self.param_gather_handle.wait()
-            self.param_gather_handle = None

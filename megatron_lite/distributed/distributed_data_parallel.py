@@ -15,10 +15,15 @@ Key steps of one iteration (see docs/ddp_buffer_and_buckets.md for a worked exam
 Buckets are launched in one fixed order (the order their gradients are expected in backward), never in
 the order they happen to complete: every rank then issues the same sequence of collectives even when
 autograd visits parameters in a rank-dependent order.
+
+The sharding strategy is decided once (config.sharding): it shapes the buffers and buckets (what a rank
+keeps) and picks the parameter synchronization object (param_sync.py) that every parameter-side call
+below goes to; the wrapper itself never asks which strategy it runs.
 """
 
 import contextlib
 import functools
+import math
 import types
 from typing import Dict, List, Optional, Tuple
 
@@ -26,16 +31,16 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .distributed_data_parallel_config import UNSHARDED_GRADIENT_STRATEGIES, DistributedDataParallelConfig
 from .expert_parallel import expert_topology, gradient_scaling_factors, is_expert_param
 from .grad_checks import (
     globally_unused_params, raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed,
     unused_parameters_message,
 )
-from .layout import default_bucket_size
+from .layout import DataParallelTopology, default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
-from .param_gather import ParamGatherSchedule
-from .param_units import ParamUnits, find_units, unit_of_params
+from .param_sync import ParamSync, build_param_sync
+from .param_units import units_of
 from .replica_check import check_replicas_agree
 
 
@@ -81,8 +86,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.data_parallel_rank = dist.get_rank(data_parallel_group)
         # Distributed-optimizer instances: the buffers shard (reduce-scatter, all-gather) over the ranks of
         # this rank's instance; the shards are all-reduced with the same position of the other instances.
+        # Who holds which shard is decided here once; the optimizer and checkpoints ask this record.
+        self.data_parallel_topology = DataParallelTopology(self.data_parallel_world_size,
+                                                           config.num_distributed_optimizer_instances)
         self.intra_instance_group, self.inter_instance_group = collectives.instance_groups(
-            data_parallel_group, config.num_distributed_optimizer_instances)
+            data_parallel_group, self.data_parallel_topology)
 
         # Megatron's rule: default size with overlap, a single bucket without (nothing to overlap).
         bucket_size = config.bucket_size
@@ -126,9 +134,7 @@ class DistributedDataParallel(torch.nn.Module):
         scaling, expert_scaling = gradient_scaling_factors(
             self.data_parallel_world_size, dist.get_world_size(expert_data_parallel_group) if has_experts else 1,
             config.average_in_collective, config.calculate_per_token_loss)
-        self.zero3 = config.data_parallel_sharding_strategy == "optim_grads_params"
-        units = find_units(module, config.fsdp_unit_modules) if self.zero3 else []
-        unit_of = unit_of_params(module, units) if self.zero3 else None
+        units, unit_of = units_of(module, config)  # ZeRO-3's units of gathering; none otherwise
         self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
         self.expert_parallel_buffers: List[ParamAndGradBuffer] = []  # reduced over expert_data_parallel_group
         for (param_dtype, grad_dtype, expert), params in dtype_to_params.items():
@@ -153,6 +159,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._launch_order: List[Bucket] = sorted(
             all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
         )
+        # ZeRO-2 with overlap: launched buckets whose full gradients may still exist (an older one is then
+        # waited for); without gradient sharding no bound (the buffer persists anyway).
+        self._full_grads_window = ZERO2_BUCKETS_IN_FLIGHT if config.sharding.gradients else math.inf
         # This iteration's gradient-sync progress: the next bucket to launch (in launch order), whether
         # finish_grad_sync ran, whether a backward ran since zero_grad_buffer / finish_grad_sync. Updated
         # from the grad hooks, so kept on a plain object: nn.Module.__setattr__ costs microseconds.
@@ -175,23 +184,28 @@ class DistributedDataParallel(torch.nn.Module):
                 self._grad_hook_handles.append(param.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_ready_hook, bucket=bucket, index=index)))
 
-        self.param_units = None
-        if self.zero3:
-            buckets_of_unit: Dict[int, List[Bucket]] = {}
-            for bucket in all_buckets:
-                buckets_of_unit.setdefault(unit_of[bucket.params_list[0]], []).append(bucket)
-            self.param_units = ParamUnits(units, buckets_of_unit, self.intra_instance_group)
-            self.param_units.guard_state_dicts(module, self.param_to_bucket)
+        # Gathers, releases and the hooks around forward and backward (param_sync.py).
+        self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, self._launch_order, units,
+                                                      unit_of, self.intra_instance_group)
 
-        # Parameter all-gathers (distributed optimizer) run in forward order: the reverse of launch order.
-        self.param_gather = ParamGatherSchedule(self._launch_order[::-1], self.param_to_bucket,
-                                                config.overlap_param_gather)
-        self._forward_pre_hook_handles = []
-        if config.overlap_param_gather:
-            for module in self.module.modules():
-                if any(p in self.param_to_bucket for p in module.parameters(recurse=False)):
-                    self._forward_pre_hook_handles.append(
-                        module.register_forward_pre_hook(self.param_gather.forward_pre_hook))
+    @property
+    def shards_params(self) -> bool:
+        """Whether this rank keeps only a shard of the parameters (ZeRO-3): readers of the parameters
+        outside full_parameters() see placeholders."""
+        return self.ddp_config.sharding.parameters
+
+    # Read-only names kept for callers and tests of the strategy-specific objects.
+    zero3 = shards_params
+
+    @property
+    def param_units(self):
+        """ZeRO-3's ParamUnits (the parameter synchronization), or None where parameters are not sharded."""
+        return self.param_sync if self.shards_params else None
+
+    @property
+    def param_gather(self):
+        """The parameter synchronization (param_sync.py)."""
+        return self.param_sync
 
     # ---------------------------------------------------------------- hooks and launching
     def _grad_ready_hook(self, param: torch.nn.Parameter, bucket: Bucket, index: int):
@@ -227,8 +241,7 @@ class DistributedDataParallel(torch.nn.Module):
                 param.grad = None
         if report_ready and bucket.mark_ready(index):
             self._launch_ready_buckets()
-        if self.zero3:
-            self.param_units.grad_arrived(bucket, index)  # its backward done: release the full parameters
+        self.param_sync.grad_arrived(bucket, index)  # ZeRO-3: its backward done, release the full parameters
 
     def _launch_ready_buckets(self):
         """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""
@@ -236,25 +249,23 @@ class DistributedDataParallel(torch.nn.Module):
         while self._grads.next_to_launch < len(order) and order[self._grads.next_to_launch].is_ready():
             order[self._grads.next_to_launch].start_grad_sync()
             self._grads.next_to_launch += 1
-            if order[0].shards_grads and self._grads.next_to_launch > ZERO2_BUCKETS_IN_FLIGHT:
+            if self._grads.next_to_launch > self._full_grads_window:
                 # ZeRO-2: bound the full-size gradients in flight; the oldest bucket's shard is kept and
                 # its full gradients freed while backward goes on.
-                order[self._grads.next_to_launch - 1 - ZERO2_BUCKETS_IN_FLIGHT].finish_grad_sync()
+                order[self._grads.next_to_launch - 1 - self._full_grads_window].finish_grad_sync()
 
     # ---------------------------------------------------------------- the public protocol
     def forward(self, *args, **kwargs):
         if self._sync_buffers and self._grads.buffers_stale:
             collectives.broadcast_coalesced(list(self.module.buffers()), group=self.data_parallel_group)
         self._grads.buffers_stale = torch.is_grad_enabled() and self.is_last_microbatch
-        if self.zero3:
-            self.param_units.begin_forward()
+        self.param_sync.begin_forward()
         if not self._grads.aliased:  # gradient_as_bucket_view: autograd accumulates into main_grad
             for param in self._grad_views:
                 param.grad = param.main_grad
             self._grads.aliased = True
         output = self.module(*args, **kwargs)
-        if self.zero3:
-            self.param_units.end_forward()
+        self.param_sync.end_forward()
         return output
 
     @contextlib.contextmanager
@@ -286,11 +297,12 @@ class DistributedDataParallel(torch.nn.Module):
         """
         if self._grads.finalized:
             return
-        if force_all_reduce and self.ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+        if force_all_reduce and self.ddp_config.sharding.gradients:
             raise ValueError(
                 f"finish_grad_sync(force_all_reduce=True) with data_parallel_sharding_strategy="
-                f"'{self.ddp_config.data_parallel_sharding_strategy}': ZeRO-2/3 keep only this rank's shard of "
-                f"the reduced gradients; use 'optim' (ZeRO-1) or 'no_shard' to get them whole on every rank"
+                f"'{self.ddp_config.sharding.name}': ZeRO-2/3 keep only this rank's shard of the reduced "
+                f"gradients; use one of {', '.join(map(repr, UNSHARDED_GRADIENT_STRATEGIES))} to get them whole "
+                f"on every rank"
             )
         unused_error = None
         if self.ddp_config.overlap_grad_reduce:
@@ -317,8 +329,7 @@ class DistributedDataParallel(torch.nn.Module):
             for param in self._grad_views:
                 param.grad = None
             self._grads.aliased = False
-        if self.zero3:  # release what the first iteration (or an unused parameter) kept; check the gathers
-            self.param_units.end_iteration()
+        self.param_sync.end_iteration()  # ZeRO-3: release what the first iteration (or an unused param) kept
         if unused_error:
             raise ValueError(unused_error)
         if self._overlap:
@@ -335,19 +346,14 @@ class DistributedDataParallel(torch.nn.Module):
         """All-gather every bucket's updated parameter shards (called by the DistributedOptimizer).
 
         With overlap_param_gather (unless `force_sync`) nothing is sent yet: the forward pre-hooks dispatch
-        and wait for the gathers as forward reaches the buckets (param_gather.py).
+        and wait for the gathers as forward reaches the buckets (param_gather.py). ZeRO-3: the stale full
+        parameters are released, and the units gather the new shards on demand (param_units.py).
         """
-        if self.zero3:
-            self.param_units.release_all()  # stale full parameters: units gather the new shards on demand
-        elif self.ddp_config.use_distributed_optimizer:
-            self.param_gather.start(force_sync)
+        self.param_sync.start(force_sync)
 
     def finish_param_sync(self):
         """Complete all pending parameter gathers (before checkpointing, evaluation or the next step)."""
-        if self.zero3:
-            self.param_units.wait_all()
-        else:
-            self.param_gather.finish()
+        self.param_sync.finish()
 
     def free_overlap_buffers(self):
         """megatron-core's call before an asynchronous checkpoint save: complete pending parameter gathers
@@ -357,7 +363,7 @@ class DistributedDataParallel(torch.nn.Module):
     def full_parameters(self, write_back: bool = False):
         """ZeRO-3: every parameter gathered inside the context (released after it; with `write_back`, what
         was written into them is kept as the new shards). Other strategies: nothing to do."""
-        return self.param_units.full_parameters(write_back) if self.zero3 else contextlib.nullcontext()
+        return self.param_sync.full_parameters(write_back)
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
@@ -412,21 +418,14 @@ class DistributedDataParallel(torch.nn.Module):
     # A Megatron checkpoint holds the bare module's keys, without a `module.` prefix.
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()  # never save parameters whose all-gather is still pending
-        with self.full_parameters():
-            state = self.module.state_dict(*args, **kwargs)
-            # ZeRO-3: the gathered storage is released after the context, so the state keeps copies.
-            return {k: v.clone() for k, v in state.items()} if self.zero3 else state
+        # ZeRO-3: gathered, and copied (the gathered storage is released afterwards).
+        return self.param_sync.state_dict(self.module, *args, **kwargs)
 
     def untrained_state_dict(self) -> Dict[str, torch.Tensor]:
         """The bare module's state entries that are not trainable parameters (buffers, frozen parameters),
         read without gathering anything: what a sharded checkpoint saves whole, next to the shards."""
-        if self.zero3:
-            self.param_units.placeholders_allowed = True
-        try:
+        with self.param_sync.reading_placeholders():
             state = self.module.state_dict()
-        finally:
-            if self.zero3:
-                self.param_units.placeholders_allowed = False
         trainable = set(self.param_to_name.values())
         return {k: v for k, v in state.items() if k not in trainable}
 

@@ -5,7 +5,33 @@ from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+@dataclass(frozen=True)
+class Sharding:
+    """What each data-parallel rank keeps only its shard of: the strategy string, decoded once. Everything
+    outside this module asks these flags (each implies the ones before it), never the strategy's name."""
+
+    name: str
+    """The data_parallel_sharding_strategy it was decoded from (for messages)."""
+
+    optimizer_state: bool
+    """The distributed optimizer's shard of the main parameters and optimizer state (ZeRO-1)."""
+
+    gradients: bool
+    """The reduced gradients: the full-size gradients are freed after each bucket's reduction (ZeRO-2)."""
+
+    parameters: bool
+    """The parameters: gathered per unit just before its forward and its backward, released after (ZeRO-3)."""
+
+
+_SHARDINGS = {s.name: s for s in (
+    Sharding("no_shard", optimizer_state=False, gradients=False, parameters=False),
+    Sharding("optim", optimizer_state=True, gradients=False, parameters=False),
+    Sharding("optim_grads", optimizer_state=True, gradients=True, parameters=False),
+    Sharding("optim_grads_params", optimizer_state=True, gradients=True, parameters=True),
+)}
+SHARDING_STRATEGIES = tuple(_SHARDINGS)
+UNSHARDED_GRADIENT_STRATEGIES = tuple(name for name, s in _SHARDINGS.items() if not s.gradients)
+"""The strategies that keep whole reduced gradients (for messages that suggest one)."""
 
 
 @dataclass
@@ -119,14 +145,15 @@ class DistributedDataParallelConfig:
         if strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
                              f"got {strategy!r}")
-        if strategy == "no_shard" and self.use_distributed_optimizer:
-            raise ValueError("data_parallel_sharding_strategy='no_shard' contradicts use_distributed_optimizer=True "
-                             "(which shards the optimizer state): drop one of them")
-        self.use_distributed_optimizer = strategy != "no_shard"
-        if strategy == "optim_grads_params" and not self.overlap_grad_reduce:
-            raise ValueError("data_parallel_sharding_strategy='optim_grads_params' needs overlap_grad_reduce=True: "
-                             "a unit's gradients are reduced, and its parameters released, as soon as its "
-                             "backward is done")
+        sharding = self.sharding
+        if not sharding.optimizer_state and self.use_distributed_optimizer:
+            raise ValueError(f"data_parallel_sharding_strategy={strategy!r} contradicts use_distributed_optimizer=True "
+                             f"(which shards the optimizer state): drop one of them")
+        self.use_distributed_optimizer = sharding.optimizer_state
+        if sharding.parameters and not self.overlap_grad_reduce:
+            raise ValueError(f"data_parallel_sharding_strategy={strategy!r} needs overlap_grad_reduce=True: "
+                             f"a unit's gradients are reduced, and its parameters released, as soon as its "
+                             f"backward is done")
         patterns = self.param_name_patterns_for_fp32_local_accumulation
         if isinstance(patterns, str) or not all(isinstance(n, str) for n in patterns):
             raise TypeError(f"param_name_patterns_for_fp32_local_accumulation must be a sequence of fnmatch "
@@ -199,6 +226,11 @@ class DistributedDataParallelConfig:
             raise ValueError("reduce_scatter_with_fp32_accumulation=True with num_distributed_optimizer_instances > "
                              "1: the all-reduce across instances would sum in the low precision again; use one "
                              "instance")
+
+    @property
+    def sharding(self) -> Sharding:
+        """What data_parallel_sharding_strategy shards (optimizer state, gradients, parameters)."""
+        return _SHARDINGS[self.data_parallel_sharding_strategy]
 
     def accumulates_in_fp32(self, param_name: str) -> bool:
         """Whether `param_name` matches param_name_patterns_for_fp32_local_accumulation."""

@@ -1,35 +1,45 @@
-"""The distributed optimizer's parameter all-gathers: one fixed forward order on every rank, optionally
-deferred into the next forward (`overlap_param_gather`).
+"""Parameter synchronization where every rank keeps whole parameters (no_shard, ZeRO-1/2): the distributed
+optimizer's parameter all-gathers, in one fixed forward order on every rank, optionally deferred into the
+next forward (`overlap_param_gather`).
 
 After `optimizer.step()` each rank holds only its shard of every bucket's updated parameters. `start()`
 all-gathers them right away, or, with overlap, only marks every bucket stale: a forward pre-hook on each
-module with parameters then dispatches the gathers in forward order up to the bucket after the one it
-needs (a prefetch of one bucket) and waits for its own. Dispatch follows the fixed order, never the order
-a rank's forward happens to reach the buckets in, so every rank issues the same sequence of collectives.
+module with parameters then needs its buckets from the prefetch schedule (prefetch.py: dispatch in forward
+order up to the bucket after the one needed) and waits for its own.
+
+`ParamGather` and ZeRO-3's `ParamUnits` (param_units.py) answer the same calls from DistributedDataParallel
+(start / finish, full_parameters, state_dict, the forward and gradient hooks), so the wrapper never asks
+which strategy it runs; here the unit calls do nothing, as the parameters are never released.
 """
 
+import contextlib
 from typing import Dict, List
 
 import torch
 
-from .param_and_grad_buffer import Bucket
+from .bucket import Bucket
+from .prefetch import PrefetchSchedule
 
 
-class ParamGatherSchedule:
+class ParamGather:
     """Args:
-        gather_order: the buckets in forward order (the reverse of the gradient launch order).
+        gather_order: the buckets with a parameter buffer (distributed optimizer; none under no_shard), in
+            forward order (the reverse of the gradient launch order).
         param_to_bucket: every wrapped parameter's bucket.
         overlap: defer the gathers into the next forward (overlap_param_gather).
     """
 
     def __init__(self, gather_order: List[Bucket], param_to_bucket: Dict[torch.nn.Parameter, Bucket],
                  overlap: bool):
-        self.order = gather_order
-        self.position = {id(b): i for i, b in enumerate(gather_order)}
+        self.schedule = PrefetchSchedule(gather_order, lambda bucket: bucket.start_param_sync())
         self.param_to_bucket = param_to_bucket
         self.overlap = overlap
-        self._next = len(gather_order)  # nothing pending
-        self._stale = set()  # ids of buckets whose updated params have not arrived yet
+        self._stale = set()  # buckets whose updated params have not arrived yet
+        self.hook_handles = []  # forward pre-hooks (overlap), registered by build_param_sync
+
+    @property
+    def order(self) -> List[Bucket]:
+        return self.schedule.order
 
     @property
     def pending(self) -> bool:
@@ -40,26 +50,20 @@ class ParamGatherSchedule:
         """Gather every bucket's parameters, or (with overlap, unless `force_sync`) defer to the forward."""
         self.finish()
         if self.overlap and not force_sync:
-            self._stale = {id(b) for b in self.order}
-            self._next = 0
+            self._stale = set(self.order)
+            self.schedule.restart()
             return
         for bucket in self.order:
-            bucket.start_param_sync(async_op=True)
+            bucket.start_param_sync()
         for bucket in self.order:
             bucket.finish_param_sync()
 
     def finish(self):
         """Complete every pending gather (before checkpointing, evaluation or the next step)."""
-        self._dispatch(len(self.order))
+        self.schedule.dispatch_all()
         for bucket in self.order:
             bucket.finish_param_sync()
         self._stale.clear()
-
-    def _dispatch(self, upto: int):
-        """Dispatch pending gathers in the fixed order up to position `upto` (exclusive)."""
-        while self._next < min(upto, len(self.order)):
-            self.order[self._next].start_param_sync(async_op=True)
-            self._next += 1
 
     def forward_pre_hook(self, module, args):
         """Wait for the gathers of this module's buckets; prefetch the next bucket."""
@@ -67,8 +71,31 @@ class ParamGatherSchedule:
             return
         for param in module.parameters(recurse=False):
             bucket = self.param_to_bucket.get(param)
-            if bucket is None or id(bucket) not in self._stale:
+            if bucket is None or bucket not in self._stale:
                 continue
-            self._dispatch(self.position[id(bucket)] + 2)  # this bucket and the next
+            self.schedule.need(bucket)
             bucket.finish_param_sync()
-            self._stale.discard(id(bucket))
+            self._stale.discard(bucket)
+
+    # ---------------------------------------------------------------- parameters are never released
+    def full_parameters(self, write_back: bool = False):
+        """Every parameter is whole already: nothing to gather."""
+        return contextlib.nullcontext()
+
+    def reading_placeholders(self):
+        return contextlib.nullcontext()
+
+    def state_dict(self, module: torch.nn.Module, *args, **kwargs):
+        return module.state_dict(*args, **kwargs)
+
+    def begin_forward(self):
+        pass
+
+    def end_forward(self):
+        pass
+
+    def grad_arrived(self, bucket: Bucket, index: int):
+        pass
+
+    def end_iteration(self):
+        pass

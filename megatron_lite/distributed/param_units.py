@@ -1,4 +1,4 @@
-"""ZeRO-3 (data_parallel_sharding_strategy='optim_grads_params'): parameters gathered per unit, just in time.
+"""ZeRO-3 (parameters sharded, Sharding.parameters): parameters gathered per unit, just in time.
 
 Each rank keeps only its shard of every bucket's parameters (Bucket.param_shard). A unit is a module whose
 parameters are gathered and released together (a transformer layer, say); its buckets never hold another
@@ -9,14 +9,17 @@ unit's parameters (layout.py). Per iteration::
                | unit 0 ... | finish_grad_sync: everything released
 
 Gathers are dispatched in one fixed order per phase (units in registration order for forward, the
-reverse for backward), up to one unit ahead of the one needed: a prefetch that every rank issues in the
-same sequence, whatever order its autograd happens to reach the units in. They run on a process group of
+reverse for backward), up to one unit ahead of the one needed (prefetch.py): a prefetch that every rank
+issues in the same sequence, whatever order its autograd happens to reach the units in. They run on a process group of
 their own, so their order never interleaves with the gradient reduce-scatters'. A unit is gathered again
 before its backward by a hook on its forward outputs, and released once all its parameters received
 their expected number of gradients (learned in the first iteration, see Bucket.expected_counts; in that
 first iteration units stay gathered until finish_grad_sync). Parameters outside every unit form the root
 unit (embeddings, final norm, a tied output layer): gathered at the start of the forward and released with
 the others.
+
+`ParamUnits` answers the same calls from DistributedDataParallel as `ParamGather` (param_gather.py) does
+for the strategies that keep whole parameters.
 """
 
 import contextlib
@@ -27,6 +30,17 @@ import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .prefetch import PrefetchSchedule
+
+
+def units_of(module: torch.nn.Module, config: DistributedDataParallelConfig):
+    """(units, parameter -> unit index) for ZeRO-3 (find_units, unit_of_params); ([], None) where the
+    strategy keeps whole parameters."""
+    if not config.sharding.parameters:
+        return [], None
+    units = find_units(module, config.fsdp_unit_modules)
+    return units, unit_of_params(module, units)
 
 
 def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
@@ -56,7 +70,7 @@ def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) 
                 else f"fsdp_unit_modules=None takes the children of nn.ModuleLists as units, and "
                      f"{type(module).__name__} has no nn.ModuleList")
         raise ValueError(
-            f"ZeRO-3 (optim_grads_params): {what}. Candidate unit classes in this model (class: count): "
+            f"ZeRO-3 (sharded parameters): {what}. Candidate unit classes in this model (class: count): "
             f"{_candidate_units(module)}. Pass DistributedDataParallelConfig(fsdp_unit_modules=('ClassName', ...)) "
             f"naming the repeated blocks (e.g. transformer layers, residual blocks), or fsdp_unit_modules=() to "
             f"gather the whole model at once (no memory saved on parameters)."
@@ -123,8 +137,10 @@ class ParamUnits:
                 self._gather_groups[id(bucket.data_parallel_group)] = (
                     dist.new_group(ranks, use_local_synchronization=True), bucket.data_parallel_group)
         forward = list(range(len(units)))
-        self._orders = {"forward": forward, "backward": forward[::-1]}
-        self._next = {"forward": 0, "backward": 0}
+        self._schedules = {"forward": PrefetchSchedule(forward, self._dispatch_unit),
+                           "backward": PrefetchSchedule(forward[::-1], self._dispatch_unit)}
+        for schedule in self._schedules.values():
+            schedule.restart()
         self._open = set()  # phases begun and not yet completed (see _complete)
         # Per sharding group, gathers issued this iteration: count and a rolling digest of their order.
         self._signature = {key: [0, 0] for key in self._gather_groups}
@@ -137,7 +153,7 @@ class ParamUnits:
         """Make `state_dict()` of `module` or any submodule raise while it holds released parameters (the
         NaN placeholders): saving those, e.g. Hugging Face's save_pretrained(model.module), would silently
         write NaN. Inside full_parameters() (and so through the wrapper's own state_dict) it works."""
-        self.placeholders_allowed = False  # set by sharded readers that skip the trainable entries themselves
+        self.placeholders_allowed = False  # see reading_placeholders()
         for sub in module.modules():
             own = [param_to_bucket[p] for p in sub.parameters(recurse=False) if p in param_to_bucket]
             if own:
@@ -145,25 +161,21 @@ class ParamUnits:
 
     # ---------------------------------------------------------------- gathering in a fixed order
     def _gather(self, bucket: Bucket, async_op: bool = True):
+        """Gather a released bucket (no-op when gathered or in flight), remembering the collective."""
+        if bucket.params_gathered or bucket.param_gather_handle is not None:
+            return
         key = id(bucket.data_parallel_group)
-        if bucket.gather_params(self._gather_groups[key][0], async_op):  # a collective was issued: remember it
-            count, digest = self._signature[key]
-            self._signature[key] = [count + 1, (digest * 1_000_003 + self._uid[id(bucket)] + 1) % (1 << 61)]
+        bucket.start_param_sync(async_op, group=self._gather_groups[key][0])
+        count, digest = self._signature[key]
+        self._signature[key] = [count + 1, (digest * 1_000_003 + self._uid[id(bucket)] + 1) % (1 << 61)]
 
-    def _position(self, phase: str, index: int) -> int:
-        """Unit `index`'s place in the phase's order: registration order forward, the reverse backward."""
-        return index if phase == "forward" else len(self.units) - 1 - index
-
-    def _dispatch(self, phase: str, upto: int):
-        order = self._orders[phase]
-        while self._next[phase] < min(upto, len(order)):
-            for bucket in self.buckets.get(order[self._next[phase]], []):
-                self._gather(bucket)
-            self._next[phase] += 1
+    def _dispatch_unit(self, index: int):
+        for bucket in self.buckets.get(index, []):
+            self._gather(bucket)
 
     def _need(self, phase: str, index: int):
         """Unit `index` must be gathered now: dispatch up to one unit past it in this phase's order."""
-        self._dispatch(phase, self._position(phase, index) + 2)
+        self._schedules[phase].need(index)
         for bucket in self.buckets.get(index, []):
             self._gather(bucket)  # no-op once dispatched; a unit used twice is gathered again
             bucket.wait_params()
@@ -174,7 +186,7 @@ class ParamUnits:
         same sequence), then release every unit (the root stays)."""
         if phase not in self._open:
             return
-        self._dispatch(phase, len(self.units))
+        self._schedules[phase].dispatch_all()
         for index in range(len(self.units)):
             for bucket in self.buckets.get(index, []):
                 bucket.release_params()
@@ -184,7 +196,8 @@ class ParamUnits:
         """Start of a forward (DistributedDataParallel.forward): a new forward and backward sequence."""
         self._complete("forward")  # a forward that raised half-way
         self._complete("backward")  # the previous micro-batch's
-        self._next = {"forward": 0, "backward": 0}
+        for schedule in self._schedules.values():
+            schedule.restart()
         self._open.add("forward")
         for bucket in self.root:
             self._gather(bucket, async_op=False)
@@ -249,7 +262,7 @@ class ParamUnits:
         high, low = values[:2].tolist(), [-v for v in values[2:].tolist()]
         if high != low:
             raise RuntimeError(
-                f"ZeRO-3 (optim_grads_params): the data-parallel ranks gathered parameters in different sequences "
+                f"ZeRO-3 (sharded parameters): the data-parallel ranks gathered parameters in different sequences "
                 f"this iteration ({low[0]} to {high[0]} gathers): some ranks ran a unit more than once in one "
                 f"forward or backward, or ran a unit's forward again after it was released, while others did "
                 f"not. Run the same modules the same number of times on every rank (unused branches are fine), "
@@ -267,6 +280,30 @@ class ParamUnits:
     def wait_all(self):
         for bucket in self.all_buckets():
             bucket.finish_param_sync()
+
+    # ---------------------------------------------------------------- DistributedDataParallel's calls
+    def start(self, force_sync: bool = False):
+        """After the optimizer's step: the full parameters are stale; units gather the new shards on demand."""
+        self.release_all()
+
+    def finish(self):
+        """Complete the gathers in flight."""
+        self.wait_all()
+
+    def state_dict(self, module: torch.nn.Module, *args, **kwargs):
+        """`module.state_dict()` with every unit gathered: copies, as the gathered storage is released after."""
+        with self.full_parameters():
+            return {k: v.clone() for k, v in module.state_dict(*args, **kwargs).items()}
+
+    @contextlib.contextmanager
+    def reading_placeholders(self):
+        """state_dict() of the modules is allowed inside, placeholders and all: for sharded readers that skip
+        the trainable entries themselves."""
+        self.placeholders_allowed = True
+        try:
+            yield
+        finally:
+            self.placeholders_allowed = False
 
     @contextlib.contextmanager
     def full_parameters(self, write_back: bool = False):
@@ -288,7 +325,7 @@ def _refuse_released(units: ParamUnits, buckets: List[Bucket]):
         if not units.placeholders_allowed and not all(b.params_gathered for b in buckets):
             raise RuntimeError(
                 f"state_dict() of {type(module).__name__} {prefix.rstrip('.') or '(the wrapped model)'}: under ZeRO-3 "
-                f"(optim_grads_params) its parameters are sharded and this rank holds only placeholders. Use the "
+                f"its parameters are sharded and this rank holds only placeholders. Use the "
                 f"wrapper's state_dict() (DistributedDataParallel.state_dict(), collective: call it on every rank), "
                 f"or gather on every rank first: `with model.full_parameters(): model.module.save_pretrained(...)` "
                 f"(save on rank 0 only inside the context)."
