@@ -22,6 +22,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .layout import DataParallelTopology, shard_range
+
 # torch 2.13 renamed the tensor-based collectives; use the new names where they exist.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -78,10 +80,9 @@ def reduce_op(average: bool) -> dist.ReduceOp:
 
 
 def shard(bucket: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous 1/world_size slice of a flat bucket (a view)."""
-    assert bucket.numel() % world_size == 0, "buckets are padded to a multiple of the dp size"
-    size = bucket.numel() // world_size
-    return bucket[rank * size:(rank + 1) * size]
+    """Rank `rank`'s contiguous 1/world_size slice of a flat bucket (a view; layout.shard_range's elements)."""
+    start, end = shard_range(0, bucket.numel(), world_size, rank)
+    return bucket[start:end]
 
 
 # ------------------------------------------------------------------------------------------ tensors
@@ -206,27 +207,24 @@ def recv(tensor: torch.Tensor, src: int, group=None):
 _instance_groups = {}
 
 
-def instance_groups(group, num_instances: int):
-    """Split the ranks of `group` into `num_instances` distributed-optimizer instances, megatron-core's
-    layout: instance i is the contiguous block of group ranks [i*m, (i+1)*m), m = size / num_instances;
-    the ranks at the same position j of every instance form an inter-instance group (j, j+m, ...).
+def instance_groups(group, topology: DataParallelTopology):
+    """The process groups of `topology`'s distributed-optimizer instances over the ranks of `group` (its
+    data-parallel group): this rank's instance (intra-instance group) and the holders of this rank's
+    position in every instance (inter-instance group); see layout.DataParallelTopology.
 
     Returns (intra-instance group, inter-instance group) of this rank; (group, None) for one instance.
-    Created once per (group, num_instances) by the member ranks only."""
-    if num_instances == 1:
+    Created once per (group, number of instances) by the member ranks only."""
+    if topology.num_distributed_optimizer_instances == 1:
         return group, None
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if size % num_instances:
-        raise ValueError(f"num_distributed_optimizer_instances={num_instances} does not divide the data-parallel "
-                         f"size {size}: each instance needs the same number of ranks")
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    key = (dist.group.WORLD, tuple(ranks), num_instances)  # a new default group (tests) starts afresh
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # global rank of each group rank
+    assert len(ranks) == topology.data_parallel_size, "the topology describes another group"
+    key = (dist.group.WORLD, tuple(ranks), topology.num_distributed_optimizer_instances)  # new WORLD: afresh
     if key not in _instance_groups:
-        m = size // num_instances
-        instance, position = divmod(rank, m)
-        intra = dist.new_group(ranks[instance * m:(instance + 1) * m], use_local_synchronization=True)
-        inter = dist.new_group(ranks[position::m], use_local_synchronization=True)
-        _instance_groups[key] = (intra, inter)
+        rank = dist.get_rank(group)
+        intra = [ranks[r] for r in topology.instance_ranks(topology.instance(rank))]
+        inter = [ranks[r] for r in topology.holders(topology.position(rank))]
+        _instance_groups[key] = (dist.new_group(intra, use_local_synchronization=True),
+                                 dist.new_group(inter, use_local_synchronization=True))
     return _instance_groups[key]
 
 

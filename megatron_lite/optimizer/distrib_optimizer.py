@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
+from ..distributed.layout import shard_range
 from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param
 
 
@@ -50,19 +51,20 @@ class ShardRange:
 
 def shard_ranges(model_chunks, rank: Optional[int] = None) -> List[ShardRange]:
     """The owned ranges of every parameter of this rank (or of data-parallel rank `rank`: the layout is
-    known everywhere), in buffer order. Expert buffers (sharded over the expert data-parallel group) follow
-    the dense ones; they are described for this rank only."""
+    known everywhere; a rank owns what its position owns, see layout.DataParallelTopology), in buffer order.
+    Expert buffers (sharded over the expert data-parallel group) follow the dense ones; they are described
+    for this rank only."""
     ranges = []
     for chunk in model_chunks:
         if rank is not None and chunk.expert_parallel_buffers:
             raise ValueError("shard_ranges(rank=...): expert parameters are sharded over the expert data-parallel "
                              "group, not by data-parallel rank")
         for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
-            dp = buffer.data_parallel_world_size
-            owner = buffer.data_parallel_rank if rank is None else rank
+            # The buffer shards over its group (this rank's instance, or the expert group): rank = position.
+            position = buffer.data_parallel_rank if rank is None else chunk.data_parallel_topology.position(rank)
             for bucket in buffer.buckets:
-                size = bucket.grad_data.numel() // dp
-                lo_shard, hi_shard = bucket.offset + owner * size, bucket.offset + (owner + 1) * size
+                lo_shard, hi_shard = shard_range(bucket.offset, bucket.offset + bucket.grad_data.numel(),
+                                                 buffer.data_parallel_world_size, position)
                 for param in bucket.params_list:
                     start, end, _ = buffer.param_index_map[param]
                     lo, hi = max(start, lo_shard), min(end, hi_shard)
@@ -125,8 +127,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def holds_same_shards(self, rank: int) -> bool:
         """Whether data-parallel rank `rank` holds the same shards as this rank (a replica in another
         distributed-optimizer instance, or this rank itself)."""
-        per_instance = dist.get_world_size(self.grad_stats_group)
-        return rank % per_instance == dist.get_rank(self.data_parallel_group) % per_instance
+        topology = self.model_chunks[0].data_parallel_topology
+        return topology.position(rank) == topology.position(dist.get_rank(self.data_parallel_group))
 
     def _flat_shard_state(self) -> torch.Tensor:
         """[step, each shard's own step, main params..., then each optimizer-state tensor...] of this rank's

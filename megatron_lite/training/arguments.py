@@ -16,6 +16,7 @@ import torch
 from ..data.gpt_dataset import split_documents
 from ..distributed import DistributedDataParallelConfig
 from ..distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
+from ..distributed.layout import DataParallelTopology
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
 from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
@@ -347,9 +348,12 @@ def validate_args(args, world_size: int):
                          f"{args.micro_batch_size} x data-parallel size {world_size} = {per_step}")
     args.data_parallel_size = world_size
     instances = args.num_distributed_optimizer_instances
-    if isinstance(instances, int) and instances > 1 and world_size % instances:
-        raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide the data-parallel "
-                         f"size {world_size}: each instance needs the same number of ranks")
+    if isinstance(instances, int) and instances >= 1:  # smaller: the DDP config's error (check_configs)
+        try:
+            DataParallelTopology(world_size, instances)  # the rule's one home; its message names fields
+        except ValueError:
+            raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide the "
+                             f"data-parallel size {world_size}: each instance needs the same number of ranks") from None
     args.num_micro_batches = args.global_batch_size // per_step
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path are mutually exclusive")
