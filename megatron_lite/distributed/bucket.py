@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .layout import shard_range
 from .storage import ReleasableStorage
 
 
@@ -75,9 +76,11 @@ class Bucket:
         # reduced shard, grad_shard.
         self.shards_grads = ddp_config.sharding.gradients
         self.shards_params = ddp_config.sharding.parameters
+        # This rank's shard, inside the bucket: shard r of the group's equal shards (none without the
+        # distributed optimizer); the group is this rank's distributed-optimizer instance (or expert group).
         world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
-        self.shard_size = grad_data.numel() // world if ddp_config.use_distributed_optimizer else 0
-        self.shard_offset = rank * self.shard_size  # of this rank's shard, inside the bucket
+        shard = shard_range(0, grad_data.numel(), world, rank) if ddp_config.use_distributed_optimizer else (0, 0)
+        self.shard_offset, self.shard_size = shard[0], shard[1] - shard[0]
         self.grad_shard = torch.zeros(self.shard_size, dtype=grad_data.dtype, device=grad_data.device) \
             if self.shards_grads else None
         self._grad_storage = ReleasableStorage(grad_data)
