@@ -32,7 +32,7 @@ from megatron_lite import (  # noqa: E402
 )
 from megatron_lite.distributed import collectives  # noqa: E402
 from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
-from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_lite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_lite.training.scheduler import OptimizerParamScheduler  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -79,13 +79,13 @@ def convert():
 # ------------------------------------------------------------------------------------------ forging
 def _reseal(directory):
     """Rewrite manifest.json for the files as they are now: what a forger does."""
-    from megatron_lite.training import checkpoint_files
+    from megatron_lite.checkpointing import files
 
-    path = os.path.join(directory, checkpoint_files.MANIFEST_FILENAME)
+    path = os.path.join(directory, files.MANIFEST_FILENAME)
     manifest = json.load(open(path))
     manifest["files"] = {name: {"size": os.path.getsize(os.path.join(directory, name)),
-                                "sha256": checkpoint_files.digest(os.path.join(directory, name))}
-                         for name in sorted(os.listdir(directory)) if name != checkpoint_files.MANIFEST_FILENAME}
+                                "sha256": files.digest(os.path.join(directory, name))}
+                         for name in sorted(os.listdir(directory)) if name != files.MANIFEST_FILENAME}
     json.dump(manifest, open(path, "w"))
 
 
@@ -214,7 +214,7 @@ def test_genuine_torch_dist_checkpoints_still_load(genuine, convert, tmp_path):
 def test_genuine_metadata_reads_back_exactly_at_every_protocol(genuine, tmp_path):
     """Would catch the opcode interpreter building other values than pickle does (a wrong memo, a dropped
     field), or one that breaks on protocol 5 (Python 3.14's default) or protocol 2/3 (older writers)."""
-    from megatron_lite.training.checkpoint_metadata import read_metadata
+    from megatron_lite.checkpointing.dcp_metadata import read_metadata
 
     reference = _genuine_metadata(os.path.join(genuine, ITER))
     for protocol in range(2, 6):
@@ -260,7 +260,7 @@ def _storage_forgeries():
 def test_metadata_of_other_types_is_refused(name, genuine, tmp_path):
     """Would catch storage items or entries of types DCP would act on in unchecked ways (a file outside the
     checkpoint, a stream transform, a tensor description that is not one) reaching DCP."""
-    from megatron_lite.training.checkpoint_metadata import read_metadata
+    from megatron_lite.checkpointing.dcp_metadata import read_metadata
 
     payload = _storage_forgeries()[name](_genuine_metadata(os.path.join(genuine, ITER)))
     path = str(tmp_path / ".metadata")
@@ -277,7 +277,7 @@ def test_safe_reader_refuses_byte_reads_whatever_the_metadata(genuine):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from megatron_lite.training.dist_checkpoint import SafeReader
+    from megatron_lite.checkpointing.torch_dist import SafeReader
 
     directory = os.path.join(genuine, ITER)
     metadata = _genuine_metadata(directory)

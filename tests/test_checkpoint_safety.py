@@ -151,27 +151,28 @@ def test_rank0_failing_to_build_data_stops_every_rank_at_once():
 def _failing_dist_save_worker(root):
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpointing, dist_checkpoint
+    from megatron_lite import checkpointing
+    from megatron_lite.checkpointing import torch_dist
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
 
     model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
     sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
     checkpointing.save_checkpoint(root, 1, ddp, opt, sched, 8, ckpt_format="torch_dist")
-    real = dist_checkpoint.dcp.save
+    real = torch_dist.dcp.save
 
     def crashing(state, checkpoint_id, process_group=None):
         real(state, checkpoint_id=checkpoint_id, process_group=process_group)
         if dist.get_rank() == 1:
             raise OSError("disk full (simulated)")
 
-    dist_checkpoint.dcp.save = crashing
+    torch_dist.dcp.save = crashing
     try:
         checkpointing.save_checkpoint(root, 2, ddp, opt, sched, 16, ckpt_format="torch_dist")
     except (OSError, RuntimeError) as e:
         message = str(e)
     finally:
-        dist_checkpoint.dcp.save = real
+        torch_dist.dcp.save = real
     loaded = checkpointing.load_checkpoint(root, ddp, opt, sched)
     return message, loaded["iteration"], sorted(n for n in os.listdir(root) if not n.startswith(".tmp_"))
 
@@ -187,9 +188,8 @@ def test_torch_dist_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_p
 def _sizes_worker(root):
     import torch
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, checkpointing
     from megatron_lite import get_megatron_optimizer
-    from megatron_lite.training import checkpointing
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Sealing a checkpoint directory (checkpoint_files.finish_directory: the manifest, the rename into place,
+"""Sealing a checkpoint directory (files.finish_directory: the manifest, the rename into place,
 then the tracker) is all or nothing: a save that fails while sealing leaves the previous checkpoint the
 newest one by every account (tracker, directory scan, load), in both checkpoint formats."""
 
@@ -15,7 +15,8 @@ def _worker(root, ckpt_format, fail_at):
     load it into a fresh model and optimizer."""
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpoint_files, checkpointing
+    from megatron_lite import checkpointing
+    from megatron_lite.checkpointing import files
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build, full_state, megatron_steps, states_equal
 
@@ -34,11 +35,11 @@ def _worker(root, ckpt_format, fail_at):
     megatron_steps(ddp, opt, rank, dp, 1, first_step=1)
     scheduler.step()
 
-    final = checkpoint_files.checkpoint_dir(root, 2)
-    real_write, real_rename = checkpoint_files.write_atomically, os.rename
+    final = files.checkpoint_dir(root, 2)
+    real_write, real_rename = files.write_atomically, os.rename
 
     def write_atomically(path, write):
-        if fail_at == "manifest" and os.path.basename(path) == checkpoint_files.MANIFEST_FILENAME:
+        if fail_at == "manifest" and os.path.basename(path) == files.MANIFEST_FILENAME:
             raise OSError("disk full (simulated, writing the manifest)")
         return real_write(path, write)
 
@@ -47,18 +48,18 @@ def _worker(root, ckpt_format, fail_at):
             raise OSError("rename failed (simulated)")
         return real_rename(src, dst, *args, **kwargs)
 
-    checkpoint_files.write_atomically, os.rename = write_atomically, rename
+    files.write_atomically, os.rename = write_atomically, rename
     error = None
     try:
         checkpointing.save_checkpoint(root, 2, ddp, opt, scheduler, 16, ckpt_format=ckpt_format)
     except (OSError, RuntimeError) as e:
         error = str(e)
     finally:
-        checkpoint_files.write_atomically, os.rename = real_write, real_rename
+        files.write_atomically, os.rename = real_write, real_rename
     dist.barrier()
-    after = dict(error=error, tracker=checkpoint_files.read_tracker(root),
-                 complete=sorted(checkpoint_files.complete_checkpoints(root)),
-                 latest=checkpoint_files.find_latest(root)[0],
+    after = dict(error=error, tracker=files.read_tracker(root),
+                 complete=sorted(files.complete_checkpoints(root)),
+                 latest=files.find_latest(root)[0],
                  listing=sorted(n for n in os.listdir(root) if not n.startswith(".tmp_")))
 
     ddp, opt, scheduler = fresh()
@@ -68,8 +69,8 @@ def _worker(root, ckpt_format, fail_at):
     megatron_steps(ddp, opt, rank, dp, 1, first_step=1)
     scheduler.step()
     checkpointing.save_checkpoint(root, 2, ddp, opt, scheduler, 16, ckpt_format=ckpt_format)
-    after.update(tracker_then=checkpoint_files.read_tracker(root),
-                 complete_then=sorted(checkpoint_files.complete_checkpoints(root)))
+    after.update(tracker_then=files.read_tracker(root),
+                 complete_then=sorted(files.complete_checkpoints(root)))
     return after
 
 
@@ -81,7 +82,7 @@ def test_failed_sealing_leaves_the_previous_checkpoint_newest(tmp_path, ckpt_for
     failure). A save that fails there must raise on every rank and leave the tracker naming the previous
     checkpoint, no iter_* directory of the failed save (with or without a manifest), the scan and the load
     at the previous checkpoint (bitwise its optimizer state), and nothing that blocks the next save. 'torch'
-    seals in checkpoint_files.publish, 'torch_dist' in checkpointing._seal -> _finish."""
+    seals in files.publish, 'torch_dist' in checkpointing._seal -> _finish."""
     root = str(tmp_path / "ck")
     for result in run_distributed(_worker, 2, root, ckpt_format, fail_at):
         assert result["error"] is not None and "simulated" in result["error"], result

@@ -1,7 +1,7 @@
 """torch_dist checkpoints when the data-parallel group is not the whole world (as under tensor or pipeline
 parallelism): 4 gloo ranks in 2 data-parallel groups of 2, as blocks {0,1},{2,3} and interleaved {0,2},{1,3}.
 
-The contract (dist_checkpoint.py): megatron-lite has no tensor/pipeline-parallel offsets, so every
+The contract (torch_dist.py): megatron-lite has no tensor/pipeline-parallel offsets, so every
 data-parallel group holds a replica of the same model, as a layer norm is replicated over tensor-parallel
 ranks in megatron-core; the group holding rank 0 writes (replica 0), the others write nothing, and a save
 where the groups' states differ raises on every rank. Each test round-trips SmallNet after two AdamW steps
@@ -85,7 +85,7 @@ def _round_trip_worker(root, save_layout, save_strategy, load_layout, load_strat
     differences from the saved state."""
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpointing
+    from megatron_lite import checkpointing
     from optim_testing import megatron_steps
 
     ddp, opt, sched, dp_rank, dp = _build(save_layout, save_strategy, seed=0, instances=instances)
@@ -105,7 +105,7 @@ def _round_trip_worker(root, save_layout, save_strategy, load_layout, load_strat
 
 def _writers(directory):
     """The global ranks whose files (__<rank>_0.distcp) hold tensor data of the checkpoint in `directory`."""
-    from megatron_lite.training.dist_checkpoint import SafeReader
+    from megatron_lite.checkpointing.torch_dist import SafeReader
 
     storage = SafeReader(directory).read_metadata().storage_data
     return sorted({int(info.relative_path.split("_")[2]) for info in storage.values()})
@@ -166,7 +166,7 @@ def _diverged_worker(root):
 
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpointing
+    from megatron_lite import checkpointing
     from optim_testing import megatron_steps
 
     ddp, opt, sched, dp_rank, dp = _build("blocks", "optim", seed=0)
@@ -203,7 +203,7 @@ def _other_model_worker(root):
     """Save SmallNet from groups {0,1},{2,3}; load it where group {2,3} built a model with one more layer."""
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpointing
+    from megatron_lite import checkpointing
     from optim_testing import megatron_steps
 
     ddp, opt, sched, dp_rank, dp = _build("blocks", "optim", seed=0)
@@ -233,7 +233,7 @@ def test_disagreement_names_the_problem():
     """The pure verdict every rank computes from the gathered descriptions (no processes): agreeing replicas
     pass; groups of different sizes, groups their members do not agree on, or another value on one rank
     are named."""
-    from megatron_lite.training.dist_checkpoint import disagreement
+    from megatron_lite.checkpointing.torch_dist import disagreement
 
     agree = [_entry(0, [0, 2], 0), _entry(1, [1, 3], 0), _entry(2, [0, 2], 1), _entry(3, [1, 3], 1)]
     assert disagreement(agree) is None

@@ -396,9 +396,8 @@ def test_expert_misuse_raises_on_every_rank(scenario, expected):
 def _checkpoint_worker(root, save_strategy, load_strategy, ep=2):
     import torch.distributed as dist
 
-    from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
-    from megatron_lite.training import checkpointing
-    from megatron_lite.training.last_words import LastWords
+    from megatron_lite import DistributedDataParallel, OptimizerConfig, checkpointing, get_megatron_optimizer
+    from megatron_lite.checkpointing.last_words import LastWords
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     rank, dp = dist.get_rank(), dist.get_world_size()

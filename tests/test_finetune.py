@@ -192,7 +192,8 @@ def _last_words_worker(root, strategy):
     load_checkpoint(finetune=True); and a fourth with load_optim=False only (the iteration kept)."""
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpointing, last_words
+    from megatron_lite import checkpointing
+    from megatron_lite.checkpointing import last_words
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import full_state, megatron_steps
 

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---------------------------------------------------------------------------------------- the consistency rules
 def _fake_file(root, iteration, rank, world=4, per_instance=2, step=None, corrupt=False):
     """A rank file with a valid (or, corrupt, a mismatching) .json header; scan reads only the headers."""
-    from megatron_lite.training import last_words
+    from megatron_lite.checkpointing import last_words
 
     directory = last_words.directory(str(root), iteration)
     os.makedirs(directory, exist_ok=True)
@@ -35,7 +35,7 @@ def _fake_file(root, iteration, rank, world=4, per_instance=2, step=None, corrup
 def test_complete_set_needs_every_position_once(tmp_path):
     """Would catch a set taken as complete although a shard is missing (training would resume with a shard
     of zeros or of another step), or a replica not accepted in place of a dead rank."""
-    from megatron_lite.training import last_words
+    from megatron_lite.checkpointing import last_words
 
     for rank in (0, 1, 2):  # rank 3 died; its shard (position 1) survives on rank 1
         _fake_file(tmp_path, 30, rank)
@@ -48,7 +48,7 @@ def test_complete_set_needs_every_position_once(tmp_path):
 
 def test_inconsistent_or_damaged_files_are_refused(tmp_path):
     """Would catch shards at different optimizer steps combined into one state, or a damaged file used."""
-    from megatron_lite.training import last_words
+    from megatron_lite.checkpointing import last_words
 
     _fake_file(tmp_path, 50, 0)
     _fake_file(tmp_path, 50, 1, step=49)
@@ -66,7 +66,7 @@ def _round_trip_worker(root):
     and optimizer loaded from them, 3 more steps."""
     import torch.distributed as dist
 
-    from megatron_lite.training import last_words
+    from megatron_lite.checkpointing import last_words
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build, megatron_steps
 
@@ -168,7 +168,7 @@ def _subgroup_worker(root):
 
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
     from megatron_lite import get_megatron_optimizer
-    from megatron_lite.training.last_words import LastWords
+    from megatron_lite.checkpointing.last_words import LastWords
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from ddp_testing import make_model
 

@@ -21,7 +21,8 @@ def _worker(root, instances):
     import torch.distributed as dist
 
     from ddp_testing import loss_fn, make_batches
-    from megatron_lite.training import checkpointing, last_words
+    from megatron_lite import checkpointing
+    from megatron_lite.checkpointing import last_words
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import STEP_SEED, build, full_state, states_equal
 

@@ -58,8 +58,7 @@ def _fallback_worker(root, unloadable, damaged):
     made unloadable or damaged by rank 0), a fresh model loaded by load_checkpoint, trained on to 6."""
     import torch.distributed as dist
 
-    from megatron_lite.training import last_words
-    from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_lite.checkpointing import last_words, load_checkpoint, save_checkpoint
 
     rank = dist.get_rank()
     ddp, opt, scheduler = _fresh()
@@ -120,8 +119,8 @@ def _failing_read_worker(root, ckpt_format, victim):
     import torch
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpoint_files, checkpointing, dist_checkpoint
-    from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_lite import checkpointing
+    from megatron_lite.checkpointing import files, load_checkpoint, save_checkpoint, torch_dist
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
 
@@ -138,7 +137,7 @@ def _failing_read_worker(root, ckpt_format, victim):
         def fail(*args, **kwargs):
             raise OSError("injected: input/output error")
         if ckpt_format == "torch_dist":
-            patches.append((dist_checkpoint.SafeReader, "read_data", fail))
+            patches.append((torch_dist.SafeReader, "read_data", fail))
         else:
             patches.append((checkpoint_files, "verify", fail))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -171,8 +170,7 @@ def _other_layout_worker(root):
     """dp=4: last words written with R=2 instances, loaded by a job with R=1; returns each rank's error."""
     import torch.distributed as dist
 
-    from megatron_lite.training import last_words
-    from megatron_lite.training.checkpointing import load_checkpoint
+    from megatron_lite.checkpointing import last_words, load_checkpoint
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
 
@@ -241,7 +239,7 @@ def test_pretrain_falls_back_past_unreadable_last_words_and_trains_on_exactly(tm
     that falls back but then refuses to save next to the skipped set: dp=4, R=2, every rank fails in
     iteration 4 (last words at 3, periodic checkpoint at 2), both holders of shard position 1 are made
     unloadable, and the resumed run continues from iteration 2 with the uninterrupted run's losses."""
-    from megatron_lite.training import last_words
+    from megatron_lite.checkpointing import last_words
 
     save = str(tmp_path / "ck")
     straight = run_distributed(_pretrain, 4, TINY)[0][0]
@@ -260,8 +258,7 @@ def _different_views_worker(root):
     """dp=2: a checkpoint at 2 that rank 1 does not see (as on a node without the shared filesystem)."""
     import torch.distributed as dist
 
-    from megatron_lite.training import checkpointing
-    from megatron_lite.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_lite.checkpointing import files, load_checkpoint, save_checkpoint
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
 
@@ -272,16 +269,16 @@ def _different_views_worker(root):
     ddp, opt, scheduler = fresh()
     _steps(ddp, opt, scheduler, 0, 2)
     save_checkpoint(root, 2, ddp, opt, scheduler, 16)
-    original = checkpointing.find_latest
+    original = files.find_latest
     if dist.get_rank() == 1:
-        checkpointing.find_latest = lambda path: (None, None)
+        files.find_latest = lambda path: (None, None)
     try:
         load_checkpoint(root, *fresh())
         return None
     except ValueError as e:
         return str(e)
     finally:
-        checkpointing.find_latest = original
+        files.find_latest = original
 
 
 def test_ranks_that_find_different_checkpoints_all_stop_naming_what_each_found(tmp_path):

@@ -43,7 +43,7 @@ def test_nan_loss_on_one_rank_stops_every_rank_naming_it():
 
 
 def _nan_checkpoint_worker(root):
-    from megatron_lite.training import checkpointing
+    from megatron_lite import checkpointing
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
 

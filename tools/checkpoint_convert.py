@@ -6,7 +6,7 @@
 
 `--input` is a --save directory (its newest complete checkpoint, or `--iteration N`); every file is checked
 against the checkpoint's manifest first. The formats (see megatron_lite/training/checkpointing.py and
-dist_checkpoint.py) hold the same state: `torch` one file with full tensors per parameter name, `torch_dist`
+torch_dist.py) hold the same state: `torch` one file with full tensors per parameter name, `torch_dist`
 1-D tensors per name written through torch.distributed.checkpoint plus common.pt. The output is a new
 --save directory with one checkpoint, written atomically; it resumes with --load at any DP size and
 sharding strategy. The exported weights are the model's state_dict (full tensors, CPU).
@@ -22,21 +22,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.training import checkpoint_files, checkpointing, dist_checkpoint  # noqa: E402
+from megatron_lite.checkpointing import files, load as checkpointing, torch_dist  # noqa: E402
 
 
 def read(directory: str) -> dict:
     """Either format -> the `torch` format's payload (full tensors, per parameter name)."""
-    checkpoint_files.verify(directory)
-    if not dist_checkpoint.is_torch_dist(directory):
+    files.verify(directory)
+    if not torch_dist.is_torch_dist(directory):
         return torch.load(os.path.join(directory, checkpointing.CHECKPOINT_FILENAME), map_location="cpu",
                           weights_only=True)
-    common = dist_checkpoint.read_common(directory)
-    metadata = dist_checkpoint.SafeReader(directory).read_metadata().state_dict_metadata
+    common = torch_dist.read_common(directory)
+    metadata = torch_dist.SafeReader(directory).read_metadata().state_dict_metadata
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()}
     with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=dist_checkpoint.SafeReader(directory), no_dist=True)
+        dcp.load(tensors, storage_reader=torch_dist.SafeReader(directory), no_dist=True)
     shapes = {name: torch.Size(shape) for name, shape in common["shapes"].items()}
     model, state = {}, {}
     for key, tensor in tensors.items():
@@ -69,11 +69,11 @@ def write(root: str, payload: dict, ckpt_format: str):
               "shapes": {name: list(entry["param"].shape) for name, entry in state.items()}}
 
     def write_files(directory):
-        torch.save(common, os.path.join(directory, dist_checkpoint.COMMON_FILENAME))
+        torch.save(common, os.path.join(directory, torch_dist.COMMON_FILENAME))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(tensors, checkpoint_id=directory, no_dist=True)
-    checkpoint_files.publish(root, iteration, write_files)
+    files.publish(root, iteration, write_files)
 
 
 def main(argv=None):
@@ -86,13 +86,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if bool(args.output) != bool(args.to) or not (args.output or args.export_weights):
         p.error("give --output with --to, and/or --export-weights")
-    if args.output and os.path.isdir(args.output) and checkpoint_files.complete_checkpoints(args.output):
+    if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
     try:
         if args.iteration is None:
-            iteration, directory = checkpoint_files.find_latest(args.input)
+            iteration, directory = files.find_latest(args.input)
         else:
-            iteration, directory = args.iteration, checkpoint_files.checkpoint_dir(args.input, args.iteration)
+            iteration, directory = args.iteration, files.checkpoint_dir(args.input, args.iteration)
         if iteration is None or not os.path.isdir(directory):
             p.error(f"--input {args.input} holds no such checkpoint")
         payload = read(directory)

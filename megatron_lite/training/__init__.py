@@ -8,10 +8,10 @@
     scheduler.py      OptimizerParamScheduler
 """
 
+from ..checkpointing import load_checkpoint, save_checkpoint
 from .arguments import (
     build_parser, ddp_config_from_args, gpt_config_from_args, optimizer_config_from_args, parse_args, validate_args,
 )
-from .checkpointing import load_checkpoint, save_checkpoint
 from .initialize import initialize_distributed, initialize_megatron, shutdown
 from .metrics import print_rank_0
 from .scheduler import OptimizerParamScheduler

@@ -30,13 +30,12 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpointing import LastWords, checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
 from ..data import micro_batch_iterator
 from ..distributed import DistributedDataParallel, collectives
 from ..optimizer import get_megatron_optimizer
 from .arguments import ddp_config_from_args, optimizer_config_from_args
-from .checkpointing import checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
 from .initialize import initialize_megatron
-from .last_words import LastWords
 from .metrics import TrainingLog, print_rank_0
 from .scheduler import OptimizerParamScheduler
 

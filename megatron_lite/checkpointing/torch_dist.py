@@ -45,7 +45,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 
 from ..distributed import collectives
 from ..optimizer.optimizer import STATE_KEYS
-from .checkpoint_metadata import SafeReader  # .metadata is a pickle: read only through it
+from .dcp_metadata import SafeReader  # .metadata is a pickle: read only through it
 
 COMMON_FILENAME = "common.pt"
 

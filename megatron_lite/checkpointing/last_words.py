@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import checkpoint_files, expert_checkpoint
+from . import files as checkpoint_files, experts as expert_checkpoint
 
 LAST_WORDS_DIRNAME = "last_words"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -49,7 +49,7 @@ def directory(root: str, iteration: int) -> str:
 
 
 def _rng_state() -> dict:
-    from .checkpointing import get_rng_state  # checkpointing imports this module
+    from .load import get_rng_state  # checkpointing imports this module
     return get_rng_state()
 
 
@@ -265,7 +265,7 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
     read is replaced by a replica's (said in the log); a position no rank can read makes every rank return
     None (the caller falls back to an older checkpoint; rank 0 names the files); a set that does not fit
     this run (data-parallel size, instances, architecture, layout) is a ValueError on every rank."""
-    from .checkpointing import set_rng_state
+    from .load import set_rng_state
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
     where = os.path.dirname(next(p for paths in files.values() for p in paths))

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import checkpoint_files, dist_checkpoint, expert_checkpoint, last_words
-from .checkpoint_files import find_latest, read_tracker
+from . import files as checkpoint_files, torch_dist as dist_checkpoint, experts as expert_checkpoint, last_words
 
 _serialize = torch.save  # module attribute so tests can simulate a crash in the middle of a write
 
@@ -271,7 +270,7 @@ def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters,
     if iteration is None:
         return None
     try:
-        tracker = read_tracker(root)
+        tracker = checkpoint_files.read_tracker(root)
     except ValueError as e:  # the tracker is only a hint: a damaged one must not hide good checkpoints
         tracker = str(e)
     if tracker != iteration and dist.get_rank(group) == 0:
@@ -300,7 +299,7 @@ def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters,
 def _survey(root: str):
     """What `root` holds, read by this rank: (newest periodic iteration, its directory, complete last-words
     sets, problems of the others)."""
-    iteration, directory = find_latest(root)
+    iteration, directory = checkpoint_files.find_latest(root)
     words, problems = last_words.scan(root)  # sets written by the survivors of a failure
     return iteration, directory, words, problems
 
