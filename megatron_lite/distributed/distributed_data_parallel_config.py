@@ -127,7 +127,8 @@ class DistributedDataParallelConfig:
     so autograd accumulates straight into the buffer instead of allocating a fresh gradient that the hook
     then adds. Under no_shard .grad then holds the reduced gradient after finish_grad_sync, so torch's own
     tools (clip_grad_norm_, a torch optimizer) see it; with the distributed optimizer .grad is None after
-    finish_grad_sync (only the rank's shard is reduced). Without it .grad is always None after the hooks. Only where the grad dtype is the parameter's and the full-size buffer persists (not with
+    finish_grad_sync (only the rank's shard is reduced). Without it .grad is always None after the hooks.
+    Only where the grad dtype is the parameter's and the full-size buffer persists (not with
     grad_reduce_in_fp32 on low-precision params, nor ZeRO-2/3). Incompatible with fused weight-gradient
     layers that add into main_grad themselves (an error says so)."""
 

@@ -94,9 +94,8 @@ class ParamAndGradBuffer:
         # ZeRO-2: no contiguous grad_data; each bucket's gradients have a storage of their own, freed
         # between iterations (see Bucket).
         self.device = device
-        strategy = ddp_config.data_parallel_sharding_strategy
-        self.shards_grads = strategy in ("optim_grads", "optim_grads_params")
-        shards_params = strategy == "optim_grads_params"
+        self.shards_grads = ddp_config.sharding.gradients
+        shards_params = ddp_config.sharding.parameters
         self.grad_data = None if self.shards_grads else torch.zeros(self.numel, dtype=grad_dtype, device=device)
         bucket_grads = [torch.zeros(b.end - b.start, dtype=grad_dtype, device=device) if self.shards_grads
                         else self.grad_data[b.start:b.end] for b in layout.buckets]

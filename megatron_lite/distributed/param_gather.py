@@ -1,4 +1,4 @@
-"""Parameter synchronization where every rank keeps whole parameters (no_shard, ZeRO-1/2): the distributed
+"""Parameter synchronization where every rank keeps whole parameters (plain DDP, ZeRO-1/2): the distributed
 optimizer's parameter all-gathers, in one fixed forward order on every rank, optionally deferred into the
 next forward (`overlap_param_gather`).
 
@@ -23,7 +23,7 @@ from .prefetch import PrefetchSchedule
 
 class ParamGather:
     """Args:
-        gather_order: the buckets with a parameter buffer (distributed optimizer; none under no_shard), in
+        gather_order: the buckets with a parameter buffer (distributed optimizer; none in plain DDP), in
             forward order (the reverse of the gradient launch order).
         param_to_bucket: every wrapped parameter's bucket.
         overlap: defer the gathers into the next forward (overlap_param_gather).

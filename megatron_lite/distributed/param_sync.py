@@ -4,7 +4,7 @@ The wrapper's hot path makes the same calls for every strategy; what they do is 
 what the config shards (`DistributedDataParallelConfig.sharding`):
 
     ===================  ===================================  ==========================================
-    call                 ParamGather (no_shard, ZeRO-1/2)     ParamUnits (ZeRO-3)
+    call                 ParamGather (plain DDP, ZeRO-1/2)    ParamUnits (ZeRO-3)
     ===================  ===================================  ==========================================
     start(force_sync)    all-gather updated shards (or defer  release the stale full parameters
                          them into the next forward)
