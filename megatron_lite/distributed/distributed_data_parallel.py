@@ -14,7 +14,7 @@ Key steps of one iteration (see docs/ddp_buffer_and_buckets.md for a worked exam
 
 Buckets are launched in one fixed order (the order their gradients are expected in backward), never in
 the order they happen to complete: every rank then issues the same sequence of collectives even when
-autograd visits parameters in a rank-dependent order.
+autograd visits parameters in a rank-dependent order (grad_sync.py).
 
 The sharding strategy is decided once (config.sharding): it shapes the buffers and buckets (what a rank
 keeps) and picks the parameter synchronization object (param_sync.py) that every parameter-side call
@@ -23,7 +23,6 @@ below goes to; the wrapper itself never asks which strategy it runs.
 
 import contextlib
 import functools
-import math
 import types
 from typing import Dict, List, Optional, Tuple
 
@@ -37,15 +36,14 @@ from .grad_checks import (
     globally_unused_params, raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed,
     unused_parameters_message,
 )
+from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT, GradSyncSchedule
 from .layout import DataParallelTopology, default_bucket_size
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_sync import ParamSync, build_param_sync
 from .param_units import units_of
 from .replica_check import check_replicas_agree
 
-
-ZERO2_BUCKETS_IN_FLIGHT = 2
-"""ZeRO-2 with overlap: launched buckets whose full gradients may still exist (an older one is then waited for)."""
+__all__ = ["DistributedDataParallel", "ZERO2_BUCKETS_IN_FLIGHT"]
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -149,23 +147,16 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
 
-        # Launch order: by when a bucket's last gradient is expected (its earliest-registered parameter
-        # arrives last in backward). Within one buffer this is simply bucket order. Dense and expert buckets
-        # interleave, by rank if expert groups hold different experts: deadlock-free all the same, as every
-        # rank issues the dense buckets in one order and every rank of an expert group its buckets in one.
+        # The buckets' gradient collectives in one fixed launch order (grad_sync.py).
         registration = {p: i for i, p in enumerate(self.param_to_name)}
         all_buffers = self.param_and_grad_buffers + self.expert_parallel_buffers
         all_buckets = [b for buffer in all_buffers for b in buffer.buckets]
-        self._launch_order: List[Bucket] = sorted(
-            all_buckets, key=lambda b: -min(registration[p] for p in b.params_list)
-        )
-        # ZeRO-2 with overlap: launched buckets whose full gradients may still exist (an older one is then
-        # waited for); without gradient sharding no bound (the buffer persists anyway).
-        self._full_grads_window = ZERO2_BUCKETS_IN_FLIGHT if config.sharding.gradients else math.inf
-        # This iteration's gradient-sync progress: the next bucket to launch (in launch order), whether
-        # finish_grad_sync ran, whether a backward ran since zero_grad_buffer / finish_grad_sync. Updated
-        # from the grad hooks, so kept on a plain object: nn.Module.__setattr__ costs microseconds.
-        self._grads = types.SimpleNamespace(next_to_launch=0, finalized=False, unsynchronized=False, aliased=False)
+        self.grad_sync = GradSyncSchedule(all_buckets, registration, config.sharding.gradients)
+        self._launch_order: List[Bucket] = self.grad_sync.order
+        # This iteration's gradient-sync state: whether finish_grad_sync ran, whether a backward ran since
+        # zero_grad_buffer / finish_grad_sync. Updated from the grad hooks, so kept on a plain object:
+        # nn.Module.__setattr__ costs microseconds.
+        self._grads = types.SimpleNamespace(finalized=False, unsynchronized=False, aliased=False)
         # gradient_as_bucket_view: params whose .grad can be main_grad (same dtype, a persistent buffer).
         self._grad_views = [p for p, bucket in self.param_to_bucket.items() if config.gradient_as_bucket_view
                             and not bucket.shards_grads and p.main_grad.dtype == p.dtype]
@@ -240,19 +231,8 @@ class DistributedDataParallel(torch.nn.Module):
                     main_grad.add_(grad)  # main_grad is a view into the buffer: only add_ into it
                 param.grad = None
         if report_ready and bucket.mark_ready(index):
-            self._launch_ready_buckets()
+            self.grad_sync.launch_ready()
         self.param_sync.grad_arrived(bucket, index)  # ZeRO-3: its backward done, release the full parameters
-
-    def _launch_ready_buckets(self):
-        """Launch complete buckets, strictly in launch order (a complete bucket waits for earlier ones)."""
-        order = self._launch_order
-        while self._grads.next_to_launch < len(order) and order[self._grads.next_to_launch].is_ready():
-            order[self._grads.next_to_launch].start_grad_sync()
-            self._grads.next_to_launch += 1
-            if self._grads.next_to_launch > self._full_grads_window:
-                # ZeRO-2: bound the full-size gradients in flight; the oldest bucket's shard is kept and
-                # its full gradients freed while backward goes on.
-                order[self._grads.next_to_launch - 1 - self._full_grads_window].finish_grad_sync()
 
     # ---------------------------------------------------------------- the public protocol
     def forward(self, *args, **kwargs):
@@ -279,9 +259,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self):
         """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce)."""
-        for bucket in self._launch_order[self._grads.next_to_launch:]:
-            bucket.start_grad_sync()
-        self._grads.next_to_launch = len(self._launch_order)
+        self.grad_sync.launch_rest()
 
     def finish_grad_sync(self, force_all_reduce: bool = False):
         """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean (with the
@@ -306,16 +284,12 @@ class DistributedDataParallel(torch.nn.Module):
             )
         unused_error = None
         if self.ddp_config.overlap_grad_reduce:
-            pending = self._launch_order[self._grads.next_to_launch:]
+            pending = self.grad_sync.pending
             if pending and not self.ddp_config.find_unused_parameters:
                 unused_error = unused_parameters_message(self._launch_order, pending, self.param_to_name)
         # Communicate even when about to raise: a peer that saw every gradient is already waiting in
         # these collectives and must not hang.
-        for bucket in self._launch_order[self._grads.next_to_launch:]:
-            bucket.start_grad_sync(force_all_reduce)
-        self._grads.next_to_launch = len(self._launch_order)
-        for bucket in self._launch_order:
-            bucket.finish_grad_sync(force_all_reduce)
+        self.grad_sync.finish(force_all_reduce)
         if self._find_unused:  # no rank of the group that reduces a parameter got a gradient for it
             expert = [b for b in self._launch_order if b.params_list[0] in self.expert_params]
             dense = [b for b in self._launch_order if b.params_list[0] not in self.expert_params]
@@ -333,9 +307,7 @@ class DistributedDataParallel(torch.nn.Module):
         if unused_error:
             raise ValueError(unused_error)
         if self._overlap:
-            for bucket in self._launch_order:
-                if bucket.expected_counts is None:  # the first complete iteration sets what to expect
-                    bucket.learn_expected_counts()
+            self.grad_sync.learn_expected_counts()  # the first complete iteration sets what to expect
         raise_if_requires_grad_changed(self._all_named_params)
         if self.ddp_config.check_for_nan_in_grad:
             raise_if_any_rank_found_nonfinite(self.param_and_grad_buffers + self.expert_parallel_buffers,
@@ -374,7 +346,7 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad_added_to_main_grad = False
         for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
             buffer.reset()
-        self._grads.next_to_launch = 0
+        self.grad_sync.reset()
         self._grads.finalized = False
         self._grads.unsynchronized = False
         self._grads.aliased = False
