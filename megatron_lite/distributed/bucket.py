@@ -295,7 +295,7 @@ class Bucket:
     def expected_param_data_ptr(self, start: int) -> Optional[int]:
         """Where the parameter starting at element `start` of the bucket must have its data: in param_data
         (distributed optimizer; ZeRO-3 while gathered), the released placeholder (ZeRO-3 between gathers),
-        or None where the parameter keeps its own storage (no_shard)."""
+        or None where the parameter keeps its own storage (plain DDP)."""
         if self.param_data is None:
             return None
         if self.shards_params and not self.params_gathered:
