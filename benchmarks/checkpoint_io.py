@@ -30,9 +30,9 @@ from launch import launch, world_size  # noqa: E402
 from megatron_lite import (  # noqa: E402
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
+from megatron_lite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_lite.distributed import collectives  # noqa: E402
 from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
-from megatron_lite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_lite.training.scheduler import OptimizerParamScheduler  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -1,4 +1,4 @@
-"""A forged torch_dist checkpoint never runs code when it is read (megatron_lite/training/checkpoint_metadata.py).
+"""A forged torch_dist checkpoint never runs code when it is read (megatron_lite/checkpointing/dcp_metadata.py).
 
 The forger controls every file of the checkpoint directory and rewrites manifest.json to match, so the
 checksums do not stop anything. Each forgery carries a payload that would create a marker file; it must be

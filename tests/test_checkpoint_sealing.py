@@ -1,4 +1,4 @@
-"""Sealing a checkpoint directory (files.finish_directory: the manifest, the rename into place,
+"""Sealing a checkpoint directory (files.seal_directory: the manifest, the rename into place,
 then the tracker) is all or nothing: a save that fails while sealing leaves the previous checkpoint the
 newest one by every account (tracker, directory scan, load), in both checkpoint formats."""
 
@@ -82,7 +82,7 @@ def test_failed_sealing_leaves_the_previous_checkpoint_newest(tmp_path, ckpt_for
     failure). A save that fails there must raise on every rank and leave the tracker naming the previous
     checkpoint, no iter_* directory of the failed save (with or without a manifest), the scan and the load
     at the previous checkpoint (bitwise its optimizer state), and nothing that blocks the next save. 'torch'
-    seals in files.publish, 'torch_dist' in checkpointing._seal -> _finish."""
+    Both formats seal through save._seal -> files.seal_directory."""
     root = str(tmp_path / "ck")
     for result in run_distributed(_worker, 2, root, ckpt_format, fail_at):
         assert result["error"] is not None and "simulated" in result["error"], result

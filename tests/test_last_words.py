@@ -17,9 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---------------------------------------------------------------------------------------- the consistency rules
 def _fake_file(root, iteration, rank, world=4, per_instance=2, step=None, corrupt=False):
     """A rank file with a valid (or, corrupt, a mismatching) .json header; scan reads only the headers."""
-    from megatron_lite.checkpointing import last_words
+    from megatron_lite.checkpointing import files
 
-    directory = last_words.directory(str(root), iteration)
+    directory = files.last_words_dir(str(root), iteration)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank_{rank:05d}.pt")
     data = f"state of rank {rank}".encode()

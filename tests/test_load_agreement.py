@@ -58,7 +58,7 @@ def _fallback_worker(root, unloadable, damaged):
     made unloadable or damaged by rank 0), a fresh model loaded by load_checkpoint, trained on to 6."""
     import torch.distributed as dist
 
-    from megatron_lite.checkpointing import last_words, load_checkpoint, save_checkpoint
+    from megatron_lite.checkpointing import files, last_words, load_checkpoint, save_checkpoint
 
     rank = dist.get_rank()
     ddp, opt, scheduler = _fresh()
@@ -74,9 +74,9 @@ def _fallback_worker(root, unloadable, damaged):
     dist.barrier()
     if rank == 0:
         for r in unloadable:
-            _unloadable(os.path.join(last_words.directory(root, 3), f"rank_{r:05d}.pt"))
+            _unloadable(os.path.join(files.last_words_dir(root, 3), f"rank_{r:05d}.pt"))
         for r in damaged:
-            _damaged(os.path.join(last_words.directory(root, 3), f"rank_{r:05d}.pt"))
+            _damaged(os.path.join(files.last_words_dir(root, 3), f"rank_{r:05d}.pt"))
     dist.barrier()
 
     ddp, opt, scheduler = _fresh()
@@ -139,7 +139,7 @@ def _failing_read_worker(root, ckpt_format, victim):
         if ckpt_format == "torch_dist":
             patches.append((torch_dist.SafeReader, "read_data", fail))
         else:
-            patches.append((checkpoint_files, "verify", fail))
+            patches.append((files, "verify", fail))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -239,14 +239,14 @@ def test_pretrain_falls_back_past_unreadable_last_words_and_trains_on_exactly(tm
     that falls back but then refuses to save next to the skipped set: dp=4, R=2, every rank fails in
     iteration 4 (last words at 3, periodic checkpoint at 2), both holders of shard position 1 are made
     unloadable, and the resumed run continues from iteration 2 with the uninterrupted run's losses."""
-    from megatron_lite.checkpointing import last_words
+    from megatron_lite.checkpointing import files
 
     save = str(tmp_path / "ck")
     straight = run_distributed(_pretrain, 4, TINY)[0][0]
     failed = run_distributed(_pretrain, 4, TINY + ["--save", save, "--save-interval", "2"], 4)
     assert all(isinstance(losses, str) and "injected failure" in losses for losses, _ in failed)
     for rank in (1, 3):
-        _unloadable(os.path.join(last_words.directory(save, 3), f"rank_{rank:05d}.pt"))
+        _unloadable(os.path.join(files.last_words_dir(save, 3), f"rank_{rank:05d}.pt"))
     resumed = run_distributed(_pretrain, 4, TINY + ["--save", save, "--load", save, "--save-interval", "2"])
     losses, log = resumed[0]
     assert isinstance(losses, dict), losses

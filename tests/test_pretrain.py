@@ -90,7 +90,7 @@ def test_resume_on_a_different_number_of_ranks(data_cache, tmp_path):
 def _save_with_crash_worker(root):
     from ddp_testing import make_model
     from megatron_lite import checkpointing
-    from megatron_lite.checkpointing import load
+    from megatron_lite.checkpointing import torch_format
     from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
 
@@ -108,13 +108,13 @@ def _save_with_crash_worker(root):
         f.truncate(f.tell() // 2)  # half-written file, then the "crash"
         raise OSError("disk full (simulated)")
 
-    load._serialize = crashing_save
+    torch_format._serialize = crashing_save
     try:
         checkpointing.save_checkpoint(root, 2, ddp, opt, sched, consumed_train_samples=16)
     except OSError as e:
         crashed = str(e)
     finally:
-        load._serialize = real_save
+        torch_format._serialize = real_save
     # The previous checkpoint is still the latest and loads into a fresh model.
     fresh_model, fresh_ddp, fresh_opt = build(dict(use_distributed_optimizer=True),
                                               dict(lr=1e-3, use_distributed_optimizer=True), model=make_model(seed=5))

@@ -5,7 +5,7 @@
     python tools/checkpoint_convert.py --input runs/a --export-weights gpt.pt     # torch.load -> GPTModel
 
 `--input` is a --save directory (its newest complete checkpoint, or `--iteration N`); every file is checked
-against the checkpoint's manifest first. The formats (see megatron_lite/training/checkpointing.py and
+against the checkpoint's manifest first. The formats (megatron_lite/checkpointing/torch_format.py and
 torch_dist.py) hold the same state: `torch` one file with full tensors per parameter name, `torch_dist`
 1-D tensors per name written through torch.distributed.checkpoint plus common.pt. The output is a new
 --save directory with one checkpoint, written atomically; it resumes with --load at any DP size and
@@ -22,14 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.checkpointing import files, load as checkpointing, torch_dist  # noqa: E402
+from megatron_lite.checkpointing import files, torch_dist, torch_format  # noqa: E402
 
 
 def read(directory: str) -> dict:
     """Either format -> the `torch` format's payload (full tensors, per parameter name)."""
     files.verify(directory)
     if not torch_dist.is_torch_dist(directory):
-        return torch.load(os.path.join(directory, checkpointing.CHECKPOINT_FILENAME), map_location="cpu",
+        return torch.load(os.path.join(directory, torch_format.CHECKPOINT_FILENAME), map_location="cpu",
                           weights_only=True)
     common = torch_dist.read_common(directory)
     metadata = torch_dist.SafeReader(directory).read_metadata().state_dict_metadata
@@ -48,32 +48,41 @@ def read(directory: str) -> dict:
             state.setdefault(name, {"step": common["optimizer_step"]})[field] = tensor.view(shapes[name])
     return {**{k: common[k] for k in ("iteration", "consumed_train_samples", "opt_param_scheduler", "rng_state",
                                       "args")},
-            "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "model": model,
+            "checkpoint_version": files.CHECKPOINT_VERSION, "model": model,
             "optimizer": {**common["optimizer"], "state": state}}
 
 
 def write(root: str, payload: dict, ckpt_format: str):
+    """`payload` (the `torch` format's) as a new checkpoint in `root`, sealed as save_checkpoint seals one
+    (files.new_directory, the files, files.seal_directory), by this one process."""
     iteration = payload["iteration"]
-    if ckpt_format == "torch":
-        checkpointing._write_checkpoint(root, iteration, payload)
-        return
+    directory = files.new_directory(root, iteration)
+    try:
+        if ckpt_format == "torch":
+            torch_format.write(directory, payload)
+        else:
+            _write_torch_dist(directory, payload)
+    except BaseException:
+        files.discard_directory(directory)
+        raise
+    files.seal_directory(root, iteration, directory)
+
+
+def _write_torch_dist(directory: str, payload: dict):
     state = payload["optimizer"]["state"]
     tensors = {f"model.{k}": (v.reshape(-1) if k in state else v) for k, v in payload["model"].items()}
     tensors.update({f"optimizer.{name}.{field}": value.reshape(-1) for name, entry in state.items()
                     for field, value in entry.items() if field != "step"})
     common = {**{k: payload[k] for k in ("iteration", "consumed_train_samples", "opt_param_scheduler", "rng_state",
                                          "args")},
-              "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "format": "torch_dist",
+              "checkpoint_version": files.CHECKPOINT_VERSION, "format": "torch_dist",
               "optimizer": {k: v for k, v in payload["optimizer"].items() if k != "state"},
               "optimizer_step": max([int(e.get("step", 0)) for e in state.values()] + [0]),
               "shapes": {name: list(entry["param"].shape) for name, entry in state.items()}}
-
-    def write_files(directory):
-        torch.save(common, os.path.join(directory, torch_dist.COMMON_FILENAME))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, checkpoint_id=directory, no_dist=True)
-    files.publish(root, iteration, write_files)
+    torch.save(common, os.path.join(directory, torch_dist.COMMON_FILENAME))
+    with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=directory, no_dist=True)
 
 
 def main(argv=None):

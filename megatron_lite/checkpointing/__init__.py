@@ -1,6 +1,26 @@
-"""Checkpoints (work in progress: being split into modules)."""
+"""Checkpoints: saving and restoring a training state on every rank, in two formats, plus last words.
+
+    save.py           save_checkpoint, PendingSave, refuse_to_shadow: the one sealing protocol (rank 0 makes
+                      the directory, every rank writes its part, agreed, rank 0 seals)
+    load.py           load_checkpoint: which checkpoint to load (survey, agreement across ranks, last words
+                      before the periodic checkpoint, fallback), then its format's reader
+    torch_format.py   the 'torch' format: one file with full tensors per parameter name, written by rank 0
+    torch_dist.py     the 'torch_dist' format: every rank writes what it owns through torch.distributed.checkpoint
+    dcp_metadata.py   reading torch_dist's index (.metadata, a pickle) without running code
+    experts.py        every expert-parallel position's experts in a 'torch' checkpoint
+    last_words.py     LastWords: what the survivors of a failure write (no collective), and loading it
+    files.py          directory naming (periodic and last words), atomic writes, manifest, sealing, scans
+    rng.py            get_rng_state / set_rng_state
+
+Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata).
+"""
 
 from .last_words import LastWords
-from .load import PendingSave, checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
+from .load import load_checkpoint
+from .rng import get_rng_state, set_rng_state
+from .save import PendingSave, checkpoint_args, refuse_to_shadow, save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "PendingSave", "refuse_to_shadow", "checkpoint_args", "LastWords"]
+__all__ = [
+    "save_checkpoint", "load_checkpoint", "PendingSave", "refuse_to_shadow", "checkpoint_args", "LastWords",
+    "get_rng_state", "set_rng_state",
+]

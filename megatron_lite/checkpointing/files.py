@@ -1,18 +1,22 @@
-"""Checkpoint directories on disk: atomic publication, checksums, finding the newest complete one.
+"""Checkpoint directories on disk, as one process sees them: naming, atomic writes, manifest, sealing, scans.
 
 ::
 
     SAVE/latest_checkpointed_iteration.txt   "200": a hint, written last
-    SAVE/iter_0000200/model_optim_rng.pt     the state
+    SAVE/iter_0000200/model_optim_rng.pt     the state (torch_format.py; torch_dist.py: its own files)
     SAVE/iter_0000200/manifest.json          size and sha256 of every file: written last inside the
                                              directory, so a directory with a manifest is complete
     SAVE/.tmp_iter_0000200_*/                a save in progress (or a crashed one, removed by the next save)
+    SAVE/last_words/iter_0000123/            the survivors' last words of iteration 123 (last_words.py),
+                                             removed once a periodic checkpoint at or after 123 is sealed
 
-A directory is written under a temporary name, fsynced, and renamed into place; only then does the tracker
-move. Loading takes the newest directory that has a manifest (the tracker only confirms it) and checks
+A directory is written under a temporary name (new_directory), fsynced, and sealed (seal_directory): the
+manifest, the rename into place, and only then the tracker. save.py runs this over every rank (rank 0 makes
+and seals the directory, every rank writes its part in between); tools in one process call the same two
+functions. Loading takes the newest directory that has a manifest (the tracker only confirms it) and checks
 every file against the manifest first: a flipped byte, a truncated or an empty file is an error naming the
 file, never a silently loaded state. Files and directories get the usual permissions of the process
-(umask), like the rest of the run's outputs.
+(umask), like the rest of the run's outputs. Nothing here communicates.
 """
 
 import hashlib
@@ -23,15 +27,40 @@ import shutil
 import tempfile
 from typing import Callable, Dict, Optional, Tuple
 
+CHECKPOINT_VERSION = 2  # stored in both formats' state; 2: a manifest with checksums (and the torch_dist format)
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MANIFEST_FILENAME = "manifest.json"
+LAST_WORDS_DIRNAME = "last_words"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
+# ------------------------------------------------------------------------------------------ naming
+def _iteration_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+    """The periodic checkpoint of `iteration` under the --save directory `root`."""
+    return os.path.join(root, _iteration_name(iteration))
 
 
+def last_words_dir(root: str, iteration: int) -> str:
+    """Where the last words of `iteration` are written under the --save directory `root`."""
+    return os.path.join(root, LAST_WORDS_DIRNAME, _iteration_name(iteration))
+
+
+def _iteration_entries(base: str) -> Dict[int, str]:
+    """iteration -> path of every entry of `base` named like an iteration's directory (complete or not)."""
+    names = os.listdir(base) if os.path.isdir(base) else []
+    return {int(m.group(1)): os.path.join(base, m.group(0)) for m in map(_ITER_DIR.match, names) if m}
+
+
+def last_words_entries(root: str) -> Dict[int, str]:
+    """iteration -> directory of every last-words set under the --save directory `root` (complete or not)."""
+    return _iteration_entries(os.path.join(root, LAST_WORDS_DIRNAME))
+
+
+# ------------------------------------------------------------------------------------------ atomic writes
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -72,6 +101,7 @@ def digest(path: str) -> str:
     return sha.hexdigest()
 
 
+# ------------------------------------------------------------------------------------------ sealing
 def new_directory(root: str, iteration: int) -> str:
     """The temporary directory a checkpoint of `iteration` is written into (after removing what a crashed
     save left behind; one writer per directory). Refuses to replace an existing checkpoint."""
@@ -88,8 +118,10 @@ def new_directory(root: str, iteration: int) -> str:
     return tmp_dir
 
 
-def finish_directory(root: str, iteration: int, tmp_dir: str):
-    """Seal a written temporary directory: the manifest, the rename into place and, last, the tracker."""
+def seal_directory(root: str, iteration: int, tmp_dir: str):
+    """Seal a written temporary directory: the manifest, the rename into place and, last, the tracker; then
+    remove the last-words sets this checkpoint supersedes. A failure before the tracker moves removes
+    tmp_dir and leaves the previous checkpoint the newest."""
     final = checkpoint_dir(root, iteration)
     try:
         files = {}
@@ -102,24 +134,26 @@ def finish_directory(root: str, iteration: int, tmp_dir: str):
         os.rename(tmp_dir, final)
         _fsync_dir(root)
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        discard_directory(tmp_dir)
         raise
     # Only now does the tracker move: a crash above leaves it (and the scan) at the previous checkpoint.
     write_atomically(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(f"{iteration}\n".encode()))
+    prune_last_words(root, iteration)
 
 
-def publish(root: str, iteration: int, write_files: Callable[[str], None]):
-    """Write a checkpoint directory atomically from one process: `write_files(tmp_dir)` writes the files,
-    then finish_directory seals it."""
-    tmp_dir = new_directory(root, iteration)
-    try:
-        write_files(tmp_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    finish_directory(root, iteration, tmp_dir)
+def discard_directory(tmp_dir: str):
+    """Remove a temporary directory whose save failed (what a crash leaves, the next new_directory removes)."""
+    shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
+def prune_last_words(root: str, upto: int):
+    """Remove the last-words sets at or before `upto` (a periodic checkpoint at `upto` supersedes them)."""
+    for iteration, path in last_words_entries(root).items():
+        if iteration <= upto:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ reading
 def verify(directory: str) -> Dict[str, dict]:
     """Check every file of a checkpoint directory against its manifest; returns the manifest's files."""
     manifest_path = os.path.join(directory, MANIFEST_FILENAME)
@@ -142,13 +176,8 @@ def verify(directory: str) -> Dict[str, dict]:
 
 def complete_checkpoints(root: str) -> Dict[int, str]:
     """iteration -> directory of every checkpoint under `root` that has a manifest (a finished save)."""
-    found = {}
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            match = _ITER_DIR.match(name)
-            if match and os.path.exists(os.path.join(root, name, MANIFEST_FILENAME)):
-                found[int(match.group(1))] = os.path.join(root, name)
-    return found
+    return {iteration: path for iteration, path in _iteration_entries(root).items()
+            if os.path.exists(os.path.join(path, MANIFEST_FILENAME))}
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -169,8 +198,7 @@ def find_latest(root: str) -> Tuple[Optional[int], Optional[str]]:
     else put it there, and resuming from an older checkpoint past it must be the user's decision."""
     complete = complete_checkpoints(root)
     newest = max(complete) if complete else None
-    partial = [int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root) if os.path.isdir(root) else [])
-               if m and int(m.group(1)) not in complete]
+    partial = [iteration for iteration in _iteration_entries(root) if iteration not in complete]
     if partial and (newest is None or max(partial) > newest):
         raise ValueError(f"{checkpoint_dir(root, max(partial))} has no {MANIFEST_FILENAME}: it is not a complete "
                          f"checkpoint of this megatron_lite version. Move it away to resume from "

@@ -18,9 +18,10 @@ state is the last one this rank completed: the optimizer's update is local (no c
 under `optimizer.update_lock`, and the training loop stages the record of the iteration about to complete
 before the update, so the shard and its iteration always match. A set is complete when every position has
 a file at the same iteration; `--load` then takes it if it is newer than the newest periodic checkpoint
-(checkpointing.load_checkpoint). Model parameters are rebuilt from the fp32 main shards: a half-finished
-parameter all-gather at the time of failure does not matter. Buffers and frozen parameters never change in
-training and come from the model provider.
+(load.py); sealing a periodic checkpoint removes the sets it supersedes (files.prune_last_words). Model
+parameters are rebuilt from the fp32 main shards: a half-finished parameter all-gather at the time of
+failure does not matter. Buffers and frozen parameters never change in training and come from the model
+provider. The directories are named in files.py.
 """
 
 import json
@@ -35,22 +36,13 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import files as checkpoint_files, experts as expert_checkpoint
+from . import experts
+from .files import digest, last_words_dir, last_words_entries, write_atomically
+from .rng import get_rng_state, set_rng_state
 
-LAST_WORDS_DIRNAME = "last_words"
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _RANK_FILE = re.compile(r"^rank_(\d{5,})\.pt$")
 _HEADER = ("iteration", "rank", "world", "per_instance", "position", "step")  # also in the .json
-
-
-def directory(root: str, iteration: int) -> str:
-    """Where the last words of `iteration` are written under the --save directory `root`."""
-    return os.path.join(root, LAST_WORDS_DIRNAME, f"iter_{iteration:07d}")
-
-
-def _rng_state() -> dict:
-    from .load import get_rng_state  # checkpointing imports this module
-    return get_rng_state()
+_RECORD_ONLY = ("steps_taken", "skipped_opt_param_scheduler")  # kept in memory, not written
 
 
 class LastWords:
@@ -66,7 +58,7 @@ class LastWords:
 
     def __init__(self, root: str, optimizer, scheduler, iteration: int, consumed_train_samples: int,
                  args: Optional[dict] = None):
-        expert_checkpoint.refuse(optimizer, "last words", "train without them (--no-last-words)")
+        experts.refuse(optimizer, "last words", "train without them (--no-last-words)")
         if dist.get_world_size(optimizer.data_parallel_group) != dist.get_world_size():
             # Files are named by data-parallel rank: two groups' rank 0 would write the same file.
             raise ValueError(
@@ -91,7 +83,7 @@ class LastWords:
     def _record(self, iteration, consumed, scheduler_state, steps_taken, skipped_scheduler_state=None) -> dict:
         return {"iteration": iteration, "consumed_train_samples": consumed, "opt_param_scheduler": scheduler_state,
                 "skipped_opt_param_scheduler": skipped_scheduler_state or scheduler_state,
-                "rng_state": _rng_state(), "steps_taken": steps_taken}
+                "rng_state": get_rng_state(), "steps_taken": steps_taken}
 
     def stage(self, iteration: int, consumed_train_samples: int):
         """Just before optimizer.step(): the record of the iteration about to complete (after backward, so
@@ -142,17 +134,17 @@ class LastWords:
                            "optimizer": self.optimizer.common_state_dict(), "step": self.optimizer.local_step(),
                            "lagging_steps": self.optimizer.lagging_steps(self.optimizer.param_steps()),
                            "chunks": chunks, "args": self.args,
-                           **{k: v for k, v in record.items() if k not in ("steps_taken", "skipped_opt_param_scheduler")}}
+                           **{k: v for k, v in record.items() if k not in _RECORD_ONLY}}
             if not all(torch.isfinite(t).all() for entry in chunks.values() for t in entry.values()):
                 self._say(f"not writing last words ({reason}): the optimizer state is not finite")
                 return None
-            target = directory(self.root, record["iteration"])
+            target = last_words_dir(self.root, record["iteration"])
             os.makedirs(target, exist_ok=True)
             path = os.path.join(target, f"rank_{self.rank:05d}.pt")
-            checkpoint_files.write_atomically(path, lambda f: torch.save(payload, f))
+            write_atomically(path, lambda f: torch.save(payload, f))
             header = {k: payload[k] for k in _HEADER}
-            sidecar = json.dumps({"size": os.path.getsize(path), "sha256": checkpoint_files.digest(path), **header})
-            checkpoint_files.write_atomically(path[:-3] + ".json", lambda f: f.write(sidecar.encode()))
+            sidecar = json.dumps({"size": os.path.getsize(path), "sha256": digest(path), **header})
+            write_atomically(path[:-3] + ".json", lambda f: f.write(sidecar.encode()))
             self.written = path
             self._say(f"wrote last words at iteration {record['iteration']} to {path} ({reason})")
             return path
@@ -206,13 +198,8 @@ def scan(root: str) -> Tuple[Dict[int, Dict[int, List[str]]], Dict[int, str]]:
     {iteration: what is wrong} of the others). A set is complete when every position 0 .. per_instance-1
     has a file whose .json (size, sha256) matches it, and all its files agree on the layout and the
     optimizer step."""
-    base = os.path.join(root, LAST_WORDS_DIRNAME)
     sets, problems = {}, {}
-    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        match = _ITER_DIR.match(name)
-        if not match:
-            continue
-        iteration, directory = int(match.group(1)), os.path.join(base, name)
+    for iteration, directory in sorted(last_words_entries(root).items()):
         files, layouts, damaged = {}, set(), []
         for fname in sorted(os.listdir(directory)):
             if _RANK_FILE.match(fname):
@@ -226,7 +213,8 @@ def scan(root: str) -> Tuple[Dict[int, Dict[int, List[str]]], Dict[int, str]]:
         note = f" ({', '.join(damaged)} damaged, ignored)" if damaged else ""
         if len(layouts) > 1:
             problems[iteration] = (f"last words at iteration {iteration} are inconsistent: (ranks, ranks per "
-                                   f"instance, optimizer step, iteration) differ between files: {sorted(layouts)}{note}")
+                                   f"instance, optimizer step, iteration) differ between files: "
+                                   f"{sorted(layouts)}{note}")
         elif not layouts:
             problems[iteration] = f"last words at iteration {iteration} hold no usable file{note}"
         else:
@@ -246,7 +234,7 @@ def _valid_header(path: str) -> Optional[dict]:
     try:
         with open(path[:-3] + ".json") as f:
             header = json.load(f)
-        if os.path.getsize(path) != header["size"] or checkpoint_files.digest(path) != header["sha256"]:
+        if os.path.getsize(path) != header["size"] or digest(path) != header["sha256"]:
             return None
         return header
     except (OSError, ValueError, KeyError):
@@ -259,13 +247,12 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
     """Every rank: load the last words of this rank's position (its own file if it can be read, else a
     replica's) into the optimizer (and, through the main params, the model), the scheduler and the RNG.
     With `load_optim` False only the parameters (no moments, step, hyperparameters or schedule); with
-    `load_rng` False not the RNG state (checkpointing.load_checkpoint's --no-load-optim / --no-load-rng).
+    `load_rng` False not the RNG state (load_checkpoint's --no-load-optim / --no-load-rng).
 
     Every rank reads and checks its file before any collective, then all agree: a file that cannot be
     read is replaced by a replica's (said in the log); a position no rank can read makes every rank return
     None (the caller falls back to an older checkpoint; rank 0 names the files); a set that does not fit
     this run (data-parallel size, instances, architecture, layout) is a ValueError on every rank."""
-    from .load import set_rng_state
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
     where = os.path.dirname(next(p for paths in files.values() for p in paths))
@@ -359,13 +346,3 @@ def _unfit(payload: dict, path: str, check_args: Optional[dict], optimizer) -> O
     if set(payload["chunks"]) != expected:
         return f"{path} holds other shards than this rank's layout (bucket size or model differs)"
     return None
-
-
-def prune(root: str, upto: int):
-    """Remove the last-words sets at or before `upto` (a periodic checkpoint at `upto` supersedes them)."""
-    import shutil
-    base = os.path.join(root, LAST_WORDS_DIRNAME)
-    for name in os.listdir(base) if os.path.isdir(base) else []:
-        match = _ITER_DIR.match(name)
-        if match and int(match.group(1)) <= upto:
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)

@@ -5,7 +5,7 @@
     SAVE/iter_0000200/.metadata, __0_0.distcp, __1_0.distcp ...   DCP: model and optimizer tensors
     SAVE/iter_0000200/common.pt                                    iteration, data position, schedule,
                                                                    RNG of every rank, hyperparameters
-    SAVE/iter_0000200/manifest.json                                checksums, written last (checkpoint_files)
+    SAVE/iter_0000200/manifest.json                                checksums, written last (files.py)
 
 Every tensor is stored flattened to 1-D under its parameter's name (`model.<name>`, `optimizer.<name>.param`,
 `optimizer.<name>.exp_avg`, ...). What a rank holds only a range of (the distributed optimizer's shards,
@@ -14,7 +14,7 @@ writes just them and never materialises another rank's state; what every rank ho
 parameters, the non-sharded optimizers' state) is a plain tensor, which DCP writes once. Loading builds the
 same description for the *current* layout and lets DCP read the overlapping pieces: a checkpoint saved at
 one data-parallel size and sharding strategy loads at any other. Plain data goes into common.pt, read with
-`torch.load(weights_only=True)`.
+`torch.load(weights_only=True)`. save.py makes, and seals, the directory every rank writes into here.
 
 Several data-parallel groups (DDP's data_parallel_group smaller than the checkpoint's process group, as
 under tensor or pipeline parallelism), e.g. groups {0,1} and {2,3} of a save over ranks 0-3::
@@ -39,15 +39,32 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..distributed import collectives
+from ..optimizer.distrib_optimizer import shard_ranges
 from ..optimizer.optimizer import STATE_KEYS
+from . import files
 from .dcp_metadata import SafeReader  # .metadata is a pickle: read only through it
+from .rng import get_rng_state
 
 COMMON_FILENAME = "common.pt"
+
+
+def common_state(iteration: int, optimizer, scheduler, consumed_train_samples: int, args: Optional[dict] = None,
+                 group=None) -> dict:
+    """Every rank (collective over `group`: the RNG states): the plain data written to common.pt."""
+    return {
+        "checkpoint_version": files.CHECKPOINT_VERSION, "format": "torch_dist", "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples, "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": collectives.all_gather_object(get_rng_state(), group), "args": args or {},
+        "optimizer": optimizer.common_state_dict(), "optimizer_step": optimizer.agreed_step(),
+        "optimizer_lagging_steps": optimizer.lagging_steps(optimizer.agreed_param_steps()),
+        "shapes": {name: list(p.shape) for p, name in optimizer.param_to_name.items()},
+    }
+
 
 def _sharded(numel: int, dtype: torch.dtype, local: List[Tuple[int, torch.Tensor]]) -> ShardedTensor:
     """A 1-D ShardedTensor of `numel` elements holding this rank's pieces `local` = [(offset, tensor)],
@@ -96,7 +113,6 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
                                                 if optimizer.sharded else local[0][1])
     # The model: ZeRO-3 ranks hold ranges of the parameters (those of the optimizer's shards), others all.
     if _zero3(optimizer):
-        from ..optimizer.distrib_optimizer import shard_ranges
         pieces = {}
         for s in shard_ranges(optimizer.model_chunks):
             name = optimizer.param_to_name[s.model_param]
@@ -280,7 +296,6 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     shapes = common["shapes"]
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
     if _zero3(optimizer):
-        from ..optimizer.distrib_optimizer import shard_ranges
         for s in shard_ranges(optimizer.model_chunks):
             pieces = _local_pieces(state[f"model.{optimizer.param_to_name[s.model_param]}"])
             s.params.copy_(pieces[s.param_start])

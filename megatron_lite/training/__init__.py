@@ -4,8 +4,9 @@
     initialize.py     process group and device (initialize_distributed), seed, tokenizer
     training.py       pretrain(), setup_model_and_optimizer, train_step, evaluate
     metrics.py        the log line, JSONL / TensorBoard records, MFU
-    checkpointing.py  atomic, data-parallel-size-independent save_checkpoint / load_checkpoint
     scheduler.py      OptimizerParamScheduler
+
+save_checkpoint / load_checkpoint are megatron_lite.checkpointing's, re-exported here.
 """
 
 from ..checkpointing import load_checkpoint, save_checkpoint

@@ -4,9 +4,9 @@
       initialize_megatron           process group, device, seed, tokenizer      (initialize.py)
       datasets, model               the providers (pretrain_gpt.py)
       setup_model_and_optimizer     DDP(model), get_megatron_optimizer, OptimizerParamScheduler
-      load_checkpoint               with --load                                  (checkpointing.py)
+      load_checkpoint               with --load                                 (checkpointing/load.py)
       loop: train_step -> TrainingLog -> evaluate -> save_checkpoint -> --exit-interval
-            (a failure anywhere in it: this rank's last words, last_words.py)
+            (a failure anywhere in it: this rank's last words, checkpointing/last_words.py)
 
 One iteration (train_step)::
 
@@ -232,7 +232,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
     train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp)
     log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
     losses, valid_losses, skipped = {}, {}, 0
-    # If this job dies, each survivor writes its part of the last completed iteration (last_words.py).
+    # If this job dies, each survivor writes its part of the last completed iteration (checkpointing/last_words.py).
     words = LastWords(args.save, optimizer, scheduler, iteration, consumed, checkpoint_args(args)) \
         if args.save and args.last_words else None
     if words is not None:
