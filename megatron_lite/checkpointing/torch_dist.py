@@ -112,7 +112,7 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
             state[f"optimizer.{name}.{key}"] = (_sharded(shapes[name].numel(), torch.float32, local)
                                                 if optimizer.sharded else local[0][1])
     # The model: ZeRO-3 ranks hold ranges of the parameters (those of the optimizer's shards), others all.
-    if _zero3(optimizer):
+    if _shards_params(optimizer):
         pieces = {}
         for s in shard_ranges(optimizer.model_chunks):
             name = optimizer.param_to_name[s.model_param]
@@ -130,8 +130,9 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     return state
 
 
-def _zero3(optimizer) -> bool:
-    return any(getattr(chunk, "zero3", False) for chunk in optimizer.model_chunks)
+def _shards_params(optimizer) -> bool:
+    """Whether the ranks hold only shards of the parameters (ZeRO-3)."""
+    return any(chunk.shards_params for chunk in optimizer.model_chunks)
 
 
 def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
@@ -295,7 +296,7 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     # The model: whole parameters, or (ZeRO-3) the rank's ranges, written through the optimizer's views.
     shapes = common["shapes"]
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
-    if _zero3(optimizer):
+    if _shards_params(optimizer):
         for s in shard_ranges(optimizer.model_chunks):
             pieces = _local_pieces(state[f"model.{optimizer.param_to_name[s.model_param]}"])
             s.params.copy_(pieces[s.param_start])
