@@ -262,3 +262,13 @@ def test_topology_is_frozen():
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         DataParallelTopology(4, 2).num_distributed_optimizer_instances = 4
+
+
+def test_topology_from_a_recorded_instance_size():
+    """Would catch the holders of a shard position read wrongly from a last-words header (dp, ranks per
+    instance), or a header whose instance size does not divide dp accepted."""
+    topology = DataParallelTopology.from_instance_size(8, 2)
+    assert topology.num_distributed_optimizer_instances == 4 and topology.holders(1) == (1, 3, 5, 7)
+    for bad in (0, 3, -2):
+        with pytest.raises(ValueError, match="does not divide the data-parallel size 8"):
+            DataParallelTopology.from_instance_size(8, bad)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
+from ..distributed.layout import DataParallelTopology
 from . import experts
 from .files import digest, last_words_dir, last_words_entries, write_atomically
 from .rng import get_rng_state, set_rng_state
@@ -70,7 +71,8 @@ class LastWords:
         self.args = args or {}
         self.rank = dist.get_rank(optimizer.data_parallel_group)
         self.world = dist.get_world_size(optimizer.data_parallel_group)
-        self.per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
+        self.topology = topology_of(optimizer)
+        self.per_instance = self.topology.intra_distributed_optimizer_instance_size
         self.committed = self._record(iteration, consumed_train_samples, scheduler.state_dict(),
                                       optimizer.steps_taken)
         self.start_iteration = iteration
@@ -130,7 +132,7 @@ class LastWords:
                     chunks[f"{name}@{start}"] = {k: t.float().cpu().clone()
                                                  for k, t in self.optimizer.chunk_state(main).items()}
                 payload = {"format": "last_words", "reason": reason, "rank": self.rank, "world": self.world,
-                           "per_instance": self.per_instance, "position": self.rank % self.per_instance,
+                           "per_instance": self.per_instance, "position": self.topology.position(self.rank),
                            "optimizer": self.optimizer.common_state_dict(), "step": self.optimizer.local_step(),
                            "lagging_steps": self.optimizer.lagging_steps(self.optimizer.param_steps()),
                            "chunks": chunks, "args": self.args,
@@ -221,7 +223,7 @@ def scan(root: str) -> Tuple[Dict[int, Dict[int, List[str]]], Dict[int, str]]:
             world, per_instance, _, _ = layouts.pop()
             missing = [p for p in range(per_instance) if p not in files]
             if missing:
-                holders = [r for p in missing for r in range(p, world, per_instance)]
+                holders = [r for p in missing for r in _holders(world, per_instance, p)]
                 problems[iteration] = (f"last words at iteration {iteration} are incomplete: shard position(s) "
                                        f"{missing} (held by rank(s) {holders}) survived on no rank{note}")
             else:
@@ -254,14 +256,15 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
     None (the caller falls back to an older checkpoint; rank 0 names the files); a set that does not fit
     this run (data-parallel size, instances, architecture, layout) is a ValueError on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    per_instance = dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 1
+    topology = topology_of(optimizer)
+    per_instance = topology.intra_distributed_optimizer_instance_size
     where = os.path.dirname(next(p for paths in files.values() for p in paths))
     try:
         with open(next(p for paths in files.values() for p in paths)[:-3] + ".json") as f:
             header = json.load(f)  # scan checked it: the set's layout, the same in every file
         payload, path, unreadable, error = None, None, [], _misfit(header, where, world, per_instance)
         if error is None:
-            payload, path, unreadable = _read_position(files, rank, per_instance)
+            payload, path, unreadable = _read_position(files, rank, topology.position(rank))
         if payload is not None:
             error = _misfit(payload, where, world, per_instance) or _unfit(payload, path, check_args, optimizer)
     except Exception as e:  # anything else a rank meets while reading: the others must hear of it
@@ -304,16 +307,34 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
             "args": payload["args"], "path": path, "last_words": True}
 
 
+def topology_of(optimizer) -> DataParallelTopology:
+    """Who holds which shard: the distributed optimizer's instances, or (a full-parameter optimizer) every
+    rank a whole copy, i.e. one position held by every rank."""
+    if optimizer.sharded:
+        return optimizer.model_chunks[0].data_parallel_topology
+    world = dist.get_world_size(optimizer.data_parallel_group)
+    return DataParallelTopology(world, world)
+
+
+def _holders(world: int, per_instance: int, position: int) -> Tuple[int, ...]:
+    """The ranks that held `position` in a job described by a set's headers (none if they are not a
+    valid layout: the set is reported incomplete either way)."""
+    try:
+        return DataParallelTopology.from_instance_size(world, per_instance).holders(position)
+    except (ValueError, TypeError):
+        return ()
+
+
 _PAYLOAD_KEYS = {"world", "per_instance", "iteration", "consumed_train_samples", "args", "chunks", "optimizer", "step",
                  "opt_param_scheduler", "rng_state"}
 
 
-def _read_position(files: Dict[int, List[str]], rank: int, per_instance: int):
+def _read_position(files: Dict[int, List[str]], rank: int, position: int):
     """(payload, path, [what was wrong with each file tried before]) of this rank's position: its own file
     first, then the replicas'; (None, None, ...) when none can be read. Local: no collective."""
     own = f"rank_{rank:05d}.pt"
     unreadable = []
-    for path in sorted(files.get(rank % per_instance, []), key=lambda p: os.path.basename(p) != own):
+    for path in sorted(files.get(position, []), key=lambda p: os.path.basename(p) != own):
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(payload, dict) or not _PAYLOAD_KEYS <= set(payload):

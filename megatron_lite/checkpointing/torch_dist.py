@@ -48,6 +48,7 @@ from ..optimizer.distrib_optimizer import shard_ranges
 from ..optimizer.optimizer import STATE_KEYS
 from . import files
 from .dcp_metadata import SafeReader  # .metadata is a pickle: read only through it
+from .last_words import topology_of
 from .rng import get_rng_state
 
 COMMON_FILENAME = "common.pt"
@@ -162,7 +163,7 @@ def replica_id(optimizer, group=None) -> Tuple[int, int]:
     dp_group = optimizer.data_parallel_group
     first = dist.get_global_rank(group or dist.group.WORLD, 0)
     replica = 0 if first in dist.get_process_group_ranks(dp_group or dist.group.WORLD) else 1
-    instance = dist.get_rank(dp_group) // dist.get_world_size(optimizer.grad_stats_group) if optimizer.sharded else 0
+    instance = topology_of(optimizer).instance(dist.get_rank(dp_group)) if optimizer.sharded else 0
     return replica, instance
 
 

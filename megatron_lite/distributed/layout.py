@@ -200,6 +200,15 @@ class DataParallelTopology:
                              f"not divide the data-parallel size {self.data_parallel_size} (data_parallel_size): "
                              f"each instance needs the same number of ranks")
 
+    @classmethod
+    def from_instance_size(cls, data_parallel_size: int, instance_size: int) -> "DataParallelTopology":
+        """The topology of `data_parallel_size` ranks in instances of `instance_size` ranks (as a last-words
+        file records it); ValueError unless the instance size divides the data-parallel size."""
+        if not isinstance(instance_size, int) or instance_size < 1 or data_parallel_size % instance_size:
+            raise ValueError(f"an instance size of {instance_size!r} ranks does not divide the data-parallel size "
+                             f"{data_parallel_size}")
+        return cls(data_parallel_size, data_parallel_size // instance_size)
+
     @property
     def intra_distributed_optimizer_instance_size(self) -> int:
         """m = dp / R: ranks per instance, i.e. the number of shards every bucket splits into."""
