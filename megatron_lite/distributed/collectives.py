@@ -262,7 +262,7 @@ def run_collectively(fn: Callable, *args, group=None):
     error = None
     try:
         result = fn(*args)
-    except Exception as e:  # re-raised below, on every rank
+    except BaseException as e:  # re-raised below, on every rank (a Ctrl-C too: the others must hear of it)
         error = e
     failures = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
