@@ -4,6 +4,7 @@ from typing import List
 
 import torch
 
+from ..distributed import DistributedDataParallel
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .full_param_optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
@@ -88,8 +89,6 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     fp32 params -> FP32Optimizer; fp16/bf16 -> Float16OptimizerWithFloat16Params (fp32 main copies);
     `config.use_distributed_optimizer` -> DistributedOptimizer (sharded main params and state).
     """
-    from ..distributed import DistributedDataParallel
-
     if not isinstance(config, OptimizerConfig):
         raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
     if isinstance(model_chunks, torch.nn.Module):
