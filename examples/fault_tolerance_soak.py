@@ -179,13 +179,15 @@ def main():
               f"{r['recovery_s']} | {'yes' if r['identical'] else 'NO'} | {r['from']} |")
     for R in (2, 1):
         single = [r for r in rows if r["R"] == R and "," not in r["killed"]]
-        print(f"R={R}: {len(single)} single-rank kills, mean iterations lost {sum(r['lost'] for r in single) / len(single):.1f}, "
+        mean_lost = sum(r["lost"] for r in single) / len(single)
+        print(f"R={R}: {len(single)} single-rank kills, mean iterations lost {mean_lost:.1f}, "
               f"max {max(r['lost'] for r in single)}, mean kill -> first iteration "
               f"{sum(r['recovery_s'] for r in single) / len(single):.1f} s")
     double = rows[-1]
     print(f"double failure (ranks 1 and 3, both holders of shard 1): resumed from {double['from']} checkpoint at "
           f"{double['resumed']}; message: {double['note']}")
-    ok = all(r["identical"] for r in rows) and all(r["lost"] == 0 for r in rows if r["R"] == 2 and "," not in r["killed"])
+    single_kills_at_r2 = [r for r in rows if r["R"] == 2 and "," not in r["killed"]]
+    ok = all(r["identical"] for r in rows) and all(r["lost"] == 0 for r in single_kills_at_r2)
     ok = ok and double["from"] == "periodic" and "survived on no rank" in double["note"]
     print("soak:", "PASSED" if ok else "FAILED")
     sys.exit(0 if ok else 1)

@@ -117,8 +117,10 @@ def main():
     model = DistributedDataParallel(CharMLP().to(device=device, dtype=params_dtype), ddp_config)
     optimizer = get_megatron_optimizer(opt_config, [model])
     if rank == 0:
-        print(f"> data-parallel size {dp} ({backend}), {sum(p.numel() for p in model.parameters())} {params_dtype} "
-              f"parameters in {sum(len(b.buckets) for b in model.param_and_grad_buffers)} bucket(s), {type(optimizer).__name__}, "
+        num_params = sum(p.numel() for p in model.parameters())
+        num_buckets = sum(len(b.buckets) for b in model.param_and_grad_buffers)
+        print(f"> data-parallel size {dp} ({backend}), {num_params} {params_dtype} "
+              f"parameters in {num_buckets} bucket(s), {type(optimizer).__name__}, "
               f"{args.num_micro_batches} micro-batch(es) of {args.micro_batch_size} per rank per iteration\n"
               f"> {ddp_config}\n> {opt_config}", flush=True)
 

@@ -155,7 +155,8 @@ class ParamAndGradBuffer:
         problems = []
         for param, (start, _, bucket_id) in self.param_index_map.items():
             name = self._param_to_name.get(param, f"<parameter of shape {self._shapes[param]}>")
-            if param.dtype != self.param_dtype or param.device != self.device or tuple(param.shape) != self._shapes[param]:
+            moved = param.dtype != self.param_dtype or param.device != self.device
+            if moved or tuple(param.shape) != self._shapes[param]:
                 problems.append(f"{name} is {param.dtype} {tuple(param.shape)} on {param.device}, wrapped as "
                                 f"{self.param_dtype} {self._shapes[param]} on {self.device}")
                 continue

@@ -20,6 +20,7 @@ from .training import evaluate, pretrain, setup_model_and_optimizer, train_step
 
 __all__ = [
     "build_parser", "parse_args", "validate_args", "ddp_config_from_args", "optimizer_config_from_args",
-    "gpt_config_from_args", "initialize_distributed", "initialize_megatron", "shutdown", "pretrain", "setup_model_and_optimizer",
+    "gpt_config_from_args", "initialize_distributed", "initialize_megatron", "shutdown", "pretrain",
+    "setup_model_and_optimizer",
     "train_step", "evaluate", "print_rank_0", "save_checkpoint", "load_checkpoint", "OptimizerParamScheduler",
 ]

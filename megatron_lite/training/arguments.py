@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fills the flags you do not give (printed at start-up): " + "; ".join(
                        f"{k}: {v['num_layers']} layers, hidden {v['hidden_size']}, {v['num_attention_heads']} "
                        f"heads, seq {v['seq_length']}" for k, v in MODEL_PRESETS.items() if v)
-                   + "; all three with the recipe " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in RECIPE.items())
+                   + "; all three with the recipe "
+                   + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in RECIPE.items())
                    + ". none: Megatron's defaults, the architecture flags required")
     docs = field_docs(GPTConfig)
     add_config_arguments(g, GPTConfig, GPT_FLAGS, max_position_embeddings=dict(
@@ -335,13 +336,15 @@ def validate_args(args, world_size: int):
     if args.check_for_nan_in_loss_and_grad is None:  # Megatron's default, off where fp16 overflows are normal
         args.check_for_nan_in_loss_and_grad = not (args.fp16 and args.loss_scale is None)
     if not math.isfinite(args.distributed_timeout_minutes) or args.distributed_timeout_minutes <= 0:
-        raise ValueError(f"--distributed-timeout-minutes must be a positive number, got {args.distributed_timeout_minutes}")
+        raise ValueError(f"--distributed-timeout-minutes must be a positive number, "
+                         f"got {args.distributed_timeout_minutes}")
     for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                  "eval_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.seq_length > args.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                         f"{args.max_position_embeddings}")
     per_step = args.micro_batch_size * world_size
     if args.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "

@@ -66,7 +66,9 @@ def _reduce_over_ranks(sums: Dict[str, torch.Tensor], group, ranks_divisor: int,
     Returns:
         ({key: float}, the reduced `extra` or None)
     """
-    parts = [value.reshape(-1).float() for value in sums.values()] + ([extra.reshape(1).float()] if extra is not None else [])
+    parts = [value.reshape(-1).float() for value in sums.values()]
+    if extra is not None:
+        parts.append(extra.reshape(1).float())
     if not parts:
         return {}, None
     values = torch.cat(parts)
