@@ -1,8 +1,20 @@
+"""Suite-wide setup: the shared helpers in tests/support are importable by plain name from every test folder.
+
+Test folders have no __init__.py, so pytest imports each test module by its file name (`test_sharding`) with
+its folder on sys.path; `run_distributed` pickles module-level functions by that name, and spawned workers
+inherit sys.path, so they import the same module. Test file names are therefore unique across folders.
+"""
+
 import os
+import sys
 import tempfile
 
 import pytest
 import torch.distributed as dist
+
+SUPPORT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if SUPPORT_DIR not in sys.path:
+    sys.path.insert(0, SUPPORT_DIR)
 
 
 @pytest.fixture(scope="session")
