@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pretrain_testing import REPO
+
 SYSTEMS = {"ml-ddp", "ml-ddp+distopt", "ml-zero2", "ml-zero3", "torch-ddp", "torch-ddp+zero", "fsdp2"}
 
 

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pretrain_testing import REPO
+
 SCRIPT = os.path.join(REPO, "benchmarks", "bucket_size_sweep.py")
 
 

@@ -7,23 +7,13 @@ import sys
 import torch
 
 from distributed_helper import run_distributed
+from pretrain_testing import REPO, pretrain_losses, tiny_pretrain_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "checkpoint_convert.py")
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "3",
-        "--eval-iters", "0", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
+TINY = tiny_pretrain_flags(overlap_grad_reduce=True, ddp_bucket_size="2000")
 
 
-def _main(argv):
-    import torch.distributed as dist
-
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    import pretrain_gpt
-
-    result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
-    return {i: r["lm loss"] for i, r in result["losses"].items()}
+_main = pretrain_losses  # pretrain_gpt.main on each rank: {iteration: lm loss}
 
 
 def _convert(*argv):

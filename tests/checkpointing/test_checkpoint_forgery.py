@@ -21,11 +21,9 @@ import pytest
 import torch
 
 from distributed_helper import run_distributed
+from pretrain_testing import REPO, tiny_pretrain_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "2",
-        "--eval-iters", "0", "--ckpt-format", "torch_dist"]
+TINY = tiny_pretrain_flags(num_layers="1", global_batch_size="4", log_interval="2", ckpt_format="torch_dist")
 SAVE = ["--exit-interval", "4"]  # a checkpoint at iteration 4 of 6: resuming trains 5 and 6
 ITER = "iter_0000004"
 FS, MD = "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata"

@@ -9,11 +9,9 @@ import time
 import pytest
 
 from distributed_helper import run_distributed
+from pretrain_testing import REPO, tiny_pretrain_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "2",
-        "--eval-iters", "0"]
+TINY = tiny_pretrain_flags(num_layers="1", global_batch_size="4", train_iters="4", log_interval="2")
 
 
 def _main(argv):
@@ -134,7 +132,7 @@ def _rank0_data_failure_worker():
         pretrain_gpt.ensure_builtin_dataset = broken
     start = time.monotonic()
     try:
-        pretrain_gpt.main(TINY[1:], world_size=dist.get_world_size())  # without --mock-data: built-in corpus
+        pretrain_gpt.main([f for f in TINY if f != "--mock-data"], world_size=dist.get_world_size())  # built-in corpus
     except (OSError, RuntimeError) as e:
         return str(e), time.monotonic() - start
     finally:

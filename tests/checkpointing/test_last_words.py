@@ -10,8 +10,8 @@ import pytest
 
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
+from pretrain_testing import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------------------------------- the consistency rules
@@ -147,13 +147,13 @@ def test_killed_rank_restarts_and_continues_bit_identically(soak, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun job")
 def test_rank_raising_an_exception_restarts_and_continues(soak, tmp_path):
-    """A rank dies of an exception in iteration 13's forward (tests/pretrain_failing.py): it writes its own
-    last words, the others theirs when their collectives fail, and the restarted job resumes at 12 with the
+    """A rank dies of an exception in iteration 13's forward (tests/support/pretrain_failing.py): it writes its
+    own last words, the others theirs when their collectives fail, and the restarted job resumes at 12 with the
     uninterrupted run's losses. Would catch an except path that writes nothing or a stale record."""
     iters = 30
     reference = soak.reference_losses(str(tmp_path), iters, 2)
     job = soak.launch(str(tmp_path / "job"), iters, 2, 10, str(tmp_path / "log.txt"),
-                      script=os.path.join(REPO, "tests", "pretrain_failing.py"),
+                      script=os.path.join(REPO, "tests", "support", "pretrain_failing.py"),
                       env={"FAIL_RANK": "1", "FAIL_AT": "13"})
     assert job.wait(timeout=300) == 0, open(tmp_path / "log.txt").read()[-3000:]
     log = open(tmp_path / "log.txt").read()

@@ -11,6 +11,7 @@ import pytest
 
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
+from pretrain_testing import REPO, tiny_pretrain_flags
 
 
 def _fresh():
@@ -197,10 +198,8 @@ def test_last_words_of_another_layout_are_an_error_naming_them_on_every_rank(tmp
 
 
 # ---------------------------------------------------------------------------------------- through pretrain_gpt.py
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",
-        "--eval-iters", "0", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+TINY = tiny_pretrain_flags(num_layers="1", log_interval="1", use_distributed_optimizer=True,
+                           num_distributed_optimizer_instances="2")
 
 
 def _pretrain(argv, fail_at=None):

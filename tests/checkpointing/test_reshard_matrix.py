@@ -2,29 +2,18 @@
 tiny GPT continues with the losses of an uninterrupted run (bit-exact at the same DP size and strategy)."""
 
 import itertools
-import os
-import sys
 
 import pytest
 
 from distributed_helper import run_distributed
+from pretrain_testing import pretrain_losses, tiny_pretrain_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "2",
-        "--eval-iters", "0", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
+TINY = tiny_pretrain_flags(micro_batch_size="1", train_iters="4", log_interval="2", overlap_grad_reduce=True,
+                           ddp_bucket_size="2000")
 CONFIGS = list(itertools.product([1, 2, 4], ["no_shard", "optim", "optim_grads_params"]))
 
 
-def _main(argv):
-    import torch.distributed as dist
-
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    import pretrain_gpt
-
-    result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
-    return {i: r["lm loss"] for i, r in result["losses"].items()}
+_main = pretrain_losses  # pretrain_gpt.main on each rank: {iteration: lm loss}
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ from megatron_lite.data import (
     split_documents,
     write_builtin_dataset,
 )
+from pretrain_testing import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")
 EOD = 256  # ByteLevelTokenizer
 

@@ -5,8 +5,8 @@ import os
 import re
 
 from distributed_helper import run_distributed
+from pretrain_testing import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVE_CALL = re.compile(r"\bdist\.(all_reduce|reduce_scatter\w*|all_gather\w*|broadcast\w*|barrier|"
                              r"all_to_all\w*|send|recv|isend|irecv|reduce|gather|scatter)\(")
 

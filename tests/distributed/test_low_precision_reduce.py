@@ -425,7 +425,8 @@ def test_benchmark_prints_every_mode(tmp_path):
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from pretrain_testing import REPO as repo
+
     out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "low_precision_reduce.py"),
                           "--world-size", "2", "--micro-batches", "2", "--num-layers", "1", "--hidden-size", "32",
                           "--vocab-size", "64", "--seq-length", "8"], capture_output=True, text=True, timeout=120,

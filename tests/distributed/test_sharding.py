@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distributed_helper import run_distributed
+from pretrain_testing import pretrain_losses, tiny_pretrain_flags
 
 
 def _zero2_worker(overlap):
@@ -64,24 +65,10 @@ def test_zero2_keeps_only_the_reduced_shard(overlap):
             assert zero2["n_buckets"] >= 6 and zero2["max_allocated"] <= zero2["window"] + 2
 
 
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "3",
-        "--eval-iters", "0", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
+TINY = tiny_pretrain_flags(overlap_grad_reduce=True, ddp_bucket_size="2000")
 
 
-def _main(argv):
-    import os
-    import sys
-
-    import torch.distributed as dist
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
-    import pretrain_gpt
-
-    result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
-    return {i: r["lm loss"] for i, r in result["losses"].items()}
+_main = pretrain_losses  # pretrain_gpt.main on each rank: {iteration: lm loss}
 
 
 def test_strategies_train_alike_and_checkpoints_move_between_them(tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
+from pretrain_testing import pretrain_losses, tiny_pretrain_flags
 
 ADAM = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.05, log_num_zeros_in_grad=True, use_distributed_optimizer=True)
 
@@ -175,16 +176,15 @@ def test_config_rejects_bad_instances():
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
-def _pretrain(argv):
-    from test_reshard_matrix import _main
-    return _main(argv)
+# the tiny GPT of tests/checkpointing/test_reshard_matrix.py
+TINY = tiny_pretrain_flags(micro_batch_size="1", train_iters="4", log_interval="2", overlap_grad_reduce=True,
+                           ddp_bucket_size="2000")
+_pretrain = pretrain_losses
 
 
 def test_torch_dist_checkpoint_with_replicas(tmp_path):
     """Would catch replicas writing the same range twice (DCP rejects overlapping shards) or a load that
     reads another position's shards: saved at dp=4 R=2, resumed at R=2 (bit-exact), R=1 and dp=2."""
-    from test_reshard_matrix import TINY
-
     replicas = TINY + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
     straight = run_distributed(_pretrain, 4, replicas)[0]
     run_distributed(_pretrain, 4, replicas + ["--save", str(tmp_path), "--exit-interval", "2"])
@@ -198,8 +198,6 @@ def test_torch_dist_checkpoint_with_replicas(tmp_path):
 def test_torch_format_checkpoint_with_replicas(tmp_path):
     """The gathered (torch) format assembles the full state inside one instance: saved at R=2, resumed at
     R=2 bit-exactly. Would catch a gather over the whole data-parallel group (replicas overlapping)."""
-    from test_reshard_matrix import TINY
-
     replicas = TINY + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
                        "--ckpt-format", "torch"]
     straight = run_distributed(_pretrain, 4, replicas)[0]

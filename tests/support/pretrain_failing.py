@@ -1,10 +1,11 @@
 """pretrain_gpt.py, except that in the first attempt of a torchrun job rank FAIL_RANK raises in the forward
-of iteration FAIL_AT (a rank dying of an exception, for test_last_words.py)."""
+of iteration FAIL_AT (a rank dying of an exception, for tests/checkpointing/test_last_words.py)."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)  # run as a script by torchrun: pretrain_gpt.py lives in the repository root
 import pretrain_gpt  # noqa: E402
 from megatron_lite.training import shutdown  # noqa: E402
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distributed_helper import run_distributed
+from pretrain_testing import REPO, tiny_pretrain_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 NEW_WEIGHTS_SEED = 7  # the "pretrained" weights written into a model initialised with seed 0
 
@@ -82,10 +82,9 @@ def test_reload_model_params_starts_from_the_loaded_weights(strategy, dtype_name
 
 
 # ------------------------------------------------------------------------------------------ pretrain_gpt.py
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
-        "--lr-warmup-iters", "2", "--log-interval", "4", "--eval-interval", "1000", "--eval-iters", "1",
-        "--hidden-dropout", "0.1"]  # dropout: the RNG state matters
+TINY = tiny_pretrain_flags(mock_data=None, train_iters=None, hidden_size="64", num_attention_heads="4", seq_length="64",
+                           log_interval="4", eval_iters="1", lr="3e-3", min_lr="3e-4", lr_warmup_iters="2",
+                           eval_interval="1000", hidden_dropout="0.1")  # dropout: the RNG state matters
 
 
 @pytest.fixture(scope="module")

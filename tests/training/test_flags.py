@@ -11,7 +11,8 @@ import pytest
 from megatron_lite.data.gpt_dataset import split_documents
 from megatron_lite.training import parse_args
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pretrain_testing import REPO
+
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")
 
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from distributed_helper import run_distributed
+from pretrain_testing import REPO, tiny_pretrain_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
-        "--lr-warmup-iters", "2", "--log-interval", "4", "--eval-interval", "1000", "--eval-iters", "1"]
+# real text (no --mock-data), trained until each test's --train-iters; a wider model, a warmup, eval once
+TINY = tiny_pretrain_flags(mock_data=None, train_iters=None, hidden_size="64", num_attention_heads="4", seq_length="64",
+                           log_interval="4", eval_iters="1", lr="3e-3", min_lr="3e-4", lr_warmup_iters="2",
+                           eval_interval="1000")
 
 
 @pytest.fixture(scope="module")
