@@ -1,9 +1,9 @@
 """Time a GPT training step against the DDP bucket size (overlap_grad_reduce=True).
 
-    python benchmarks/bucket_size_sweep.py                        # spawns 2 gloo ranks (file:// rendezvous)
-    torchrun --nproc-per-node 2 benchmarks/bucket_size_sweep.py   # gloo on CPU, NCCL with one GPU per rank
-    python benchmarks/bucket_size_sweep.py --quick --out /tmp/sweep.png   # smoke test, seconds
-    python benchmarks/bucket_size_sweep.py --predict --dp 256 --bandwidth-gbps 400 --latency-us 5   # a cluster
+    python -m benchmarks.bucket_size_sweep                        # spawns 2 gloo ranks (file:// rendezvous)
+    torchrun --nproc-per-node 2 -m benchmarks.bucket_size_sweep   # gloo on CPU, NCCL with one GPU per rank
+    python -m benchmarks.bucket_size_sweep --quick --out /tmp/sweep.png   # smoke test, seconds
+    python -m benchmarks.bucket_size_sweep --predict --dp 256 --bandwidth-gbps 400 --latency-us 5   # a cluster
 
 Configurations, each a separately wrapped copy of the same model (same seed):
   * bucket_size=1 (one parameter per bucket), then 2^k from --min-bucket up to the first power of two
@@ -24,24 +24,19 @@ count as ties, won by the larger bucket (fewer collectives, the safer choice). S
 """
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from bucket_size_sweep_report import COMPUTE_ONLY, OVERLAP_OFF, report  # noqa: E402
-from launch import launch  # noqa: E402
-from perf_model_report import add_predict_flags, check_predict_flags, predict  # noqa: E402
-from timing import alternate  # noqa: E402
-
-from megatron_lite import (  # noqa: E402
+from benchmarks.bucket_size_sweep_report import COMPUTE_ONLY, OVERLAP_OFF, report
+from benchmarks.launch import launch
+from benchmarks.perf_model_report import add_predict_flags, check_predict_flags, predict
+from benchmarks.timing import alternate
+from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
-from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
+from megatron_lite.models import GPTConfig, GPTModel
 
 # Model and timing flags: (help, default, default with --quick).
 SETTINGS = dict(

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from reporting import pyplot, write_csv
+from benchmarks.reporting import pyplot, write_csv
 
 # The two reference rows of the sweep (no bucket size of their own).
 COMPUTE_ONLY, OVERLAP_OFF = "compute only", "overlap off"

@@ -9,31 +9,27 @@ training step (so the Adam moments exist), then saves or loads. Every measuremen
 reported. "own state" is the rank's model parameters, fp32 main params and moments (what it must hold
 anyway). Times are the slowest rank's.::
 
-    python benchmarks/checkpoint_io.py [--world-size 4]
+    python -m benchmarks.checkpoint_io [--world-size 4]
 """
 
 import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from launch import launch, world_size  # noqa: E402
-
-from megatron_lite import (  # noqa: E402
+from benchmarks.launch import launch, world_size
+from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
-from megatron_lite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_lite.distributed import collectives  # noqa: E402
-from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
-from megatron_lite.training.scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron_lite.checkpointing import load_checkpoint, save_checkpoint
+from megatron_lite.distributed import collectives
+from megatron_lite.models import GPTConfig, GPTModel
+from megatron_lite.training.scheduler import OptimizerParamScheduler
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20

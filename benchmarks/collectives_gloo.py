@@ -4,23 +4,19 @@ For each flat fp32 bucket size, every iteration runs each operation once (in a r
 operation always goes first) between barriers; a sample is the slowest rank's time. Ratios are to the
 all-reduce of the same bucket, measured in the same run (results: docs/ddp_buffer_and_buckets.md)::
 
-    torchrun --nproc-per-node 2 benchmarks/collectives_gloo.py --sizes 64K 1M 4M 16M --iters 20
-    python benchmarks/collectives_gloo.py            # spawns 2 ranks itself (file:// rendezvous)
+    torchrun --nproc-per-node 2 -m benchmarks.collectives_gloo --sizes 64K 1M 4M 16M --iters 20
+    python -m benchmarks.collectives_gloo            # spawns 2 ranks itself (file:// rendezvous)
 """
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from launch import launch, world_size  # noqa: E402
-from timing import alternate  # noqa: E402
-
-from megatron_lite.distributed import collectives  # noqa: E402
+from benchmarks.launch import launch, world_size
+from benchmarks.timing import alternate
+from megatron_lite.distributed import collectives
 
 # torch 2.13 names first, older names as fallback (same choice as megatron_lite.distributed.collectives).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -14,27 +14,23 @@ Memory per rank: on CUDA the peak allocated during the system's steps; on CPU th
 (params + grads + optimizer state the rank holds, shared storage counted once). Results and discussion:
 docs/performance.md::
 
-    torchrun --nproc-per-node 2 benchmarks/compare_ddp.py --overlap-study
-    python benchmarks/compare_ddp.py --overlap-study       # spawns 2 ranks itself (file:// rendezvous)
-    python benchmarks/compare_ddp.py --tiny                 # smoke test
+    torchrun --nproc-per-node 2 -m benchmarks.compare_ddp --overlap-study
+    python -m benchmarks.compare_ddp --overlap-study       # spawns 2 ranks itself (file:// rendezvous)
+    python -m benchmarks.compare_ddp --tiny                 # smoke test
 """
 import argparse
 import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from compare_ddp_report import machine, report  # noqa: E402
-from compare_ddp_systems import batch, build_all, build_candidates, build_ml, make_model  # noqa: E402
-from counting import algorithmic_bytes, model_state_bytes  # noqa: E402
-from launch import launch, world_size  # noqa: E402
-from timing import alternate  # noqa: E402
-
-from megatron_lite.distributed import collectives  # noqa: E402
+from benchmarks.compare_ddp_report import machine, report
+from benchmarks.compare_ddp_systems import batch, build_all, build_candidates, build_ml, make_model
+from benchmarks.counting import algorithmic_bytes, model_state_bytes
+from benchmarks.launch import launch, world_size
+from benchmarks.timing import alternate
+from megatron_lite.distributed import collectives
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=32, vocab_size=256,
             micro_batch_size=2, steps=2, warmup_steps=1, repeats=1)

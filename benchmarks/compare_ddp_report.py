@@ -7,7 +7,7 @@ import platform
 import torch
 import torch.distributed as dist
 
-from reporting import pyplot, write_csv
+from benchmarks.reporting import pyplot, write_csv
 
 MIB = 2**20
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from counting import count_megatron_lite, count_torch, tensors_of
+from benchmarks.counting import count_megatron_lite, count_torch, tensors_of
 from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_lite import OptimizerConfig, get_megatron_optimizer
 from megatron_lite.models import GPTConfig, GPTModel

@@ -5,23 +5,18 @@ grad hooks, bucket bookkeeping, the main_grad copies and launching (no-op) colle
 many small parameters to magnify per-parameter costs. Steps alternate between the variants and the
 CPU time of the main thread is reported (less sensitive to other processes than wall time).
 
-    python benchmarks/ddp_overhead.py [--layers 100 --width 64 --steps 50 --repeats 5]
+    python -m benchmarks.ddp_overhead [--layers 100 --width 64 --steps 50 --repeats 5]
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn as nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from launch import launch  # noqa: E402
-
-from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from benchmarks.launch import launch
+from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
 
 def main():

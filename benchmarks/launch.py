@@ -2,7 +2,7 @@
 
 Every benchmark here is written as `benchmark(args, rank, world_size, device)`; `launch` calls it once per
 rank inside a process group joined through megatron_lite's `initialize_distributed`, so
-`torchrun --nproc-per-node 2 benchmarks/X.py` and `python benchmarks/X.py` behave the same. Ranks use one
+`torchrun --nproc-per-node 2 -m benchmarks.X` and `python -m benchmarks.X` behave the same. Ranks use one
 GPU each when there are enough GPUs (NCCL), else the CPU (gloo) with the cores split between them.
 """
 

@@ -11,28 +11,23 @@ reference. Reported per mode (results: docs/performance.md):
     reduce-scatter is; see collectives.py), and what NCCL's reduce-scatter would send instead;
   * the relative L2 error ||g - ref|| / ||ref||, and the worst elementwise error in units of u S (u = 2^-8,
     S = the element's sum of |micro-batch gradient| over ranks and micro-batches / dp): the unit of the bounds
-    in tests/test_low_precision_reduce.py. ::
+    in tests/distributed/test_low_precision_reduce.py. ::
 
-    python benchmarks/low_precision_reduce.py --world-size 2
-    python benchmarks/low_precision_reduce.py --world-size 4 --micro-batches 8
+    python -m benchmarks.low_precision_reduce --world-size 2
+    python -m benchmarks.low_precision_reduce --world-size 4 --micro-batches 8
 """
 
 import argparse
 import copy
-import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from counting import count_megatron_lite  # noqa: E402
-from launch import launch, world_size  # noqa: E402
-
-from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron_lite.distributed import collectives  # noqa: E402
-from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
-from megatron_lite.optimizer.distrib_optimizer import shard_ranges  # noqa: E402
+from benchmarks.counting import count_megatron_lite
+from benchmarks.launch import launch, world_size
+from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+from megatron_lite.distributed import collectives
+from megatron_lite.models import GPTConfig, GPTModel
+from megatron_lite.optimizer.distrib_optimizer import shard_ranges
 
 U = 2.0 ** -8  # bf16's unit roundoff
 MODES = {  # name -> DDP config fields (on top of data_parallel_sharding_strategy='optim')

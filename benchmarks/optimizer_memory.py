@@ -18,27 +18,23 @@ slowest rank's time. Last, the distributed and non-distributed parameters are co
 batches, so they agree (bit-exactly while the grad norm stays below clip_grad = 1). Results and
 discussion: docs/distributed_optimizer.md::
 
-    torchrun --nproc-per-node 2 benchmarks/optimizer_memory.py
-    python benchmarks/optimizer_memory.py            # spawns 2 ranks itself (file:// rendezvous)
+    torchrun --nproc-per-node 2 -m benchmarks.optimizer_memory
+    python -m benchmarks.optimizer_memory            # spawns 2 ranks itself (file:// rendezvous)
 """
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from counting import held_bytes  # noqa: E402
-from launch import launch, world_size  # noqa: E402
-from timing import alternate  # noqa: E402
-
-from megatron_lite import (  # noqa: E402
+from benchmarks.counting import held_bytes
+from benchmarks.launch import launch, world_size
+from benchmarks.timing import alternate
+from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
-from megatron_lite.distributed import collectives  # noqa: E402
+from megatron_lite.distributed import collectives
 
 CONFIGS = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
 ADAM_STATE = ("exp_avg", "exp_avg_sq")

@@ -1,6 +1,6 @@
 """Measure what perf_model.py needs on this machine, at one world size, and the step times it predicts.
 
-    python benchmarks/perf_model_calibrate.py --world-size 2 --out benchmarks/results/perf_model_dp2.json
+    python -m benchmarks.perf_model_calibrate --world-size 2 --out benchmarks/results/perf_model_dp2.json
 
 Writes a JSON with
   samples   gloo (or NCCL) all-reduce times over sizes 4 KB .. 32 MB (median of --reps, slowest rank);
@@ -15,17 +15,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from bucket_size_sweep import SETTINGS, build, sync, train_step  # noqa: E402
-from launch import launch, world_size  # noqa: E402
-from timing import alternate  # noqa: E402
+from benchmarks.bucket_size_sweep import SETTINGS, build, sync, train_step
+from benchmarks.launch import launch, world_size
+from benchmarks.timing import alternate
 
 SIZES = [2**k for k in range(10, 24, 2)]  # elements (fp32): 4 KB .. 32 MB
 MEASURED_BUCKETS = [2**14, 2**16, 2**18, 2**20, 2**22]

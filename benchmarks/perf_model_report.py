@@ -1,11 +1,11 @@
 """perf_model.py put to use: validate it against measured steps, and predict for a cluster.
 
     # calibrate at dp=2, predict the steps measured at dp=3 and dp=4 (files from perf_model_calibrate.py)
-    python benchmarks/perf_model_report.py --calibration dp2.json --validate dp3.json dp4.json \\
+    python -m benchmarks.perf_model_report --calibration dp2.json --validate dp3.json dp4.json \\
         --out docs/img/perf_model_validation.png
 
     # what bucket size for dp=256 at 400 Gb/s, 5 us? (also: bucket_size_sweep.py --predict ...)
-    python benchmarks/perf_model_report.py --predict --dp 256 --bandwidth-gbps 400 --latency-us 5
+    python -m benchmarks.perf_model_report --predict --dp 256 --bandwidth-gbps 400 --latency-us 5
 
 Validation takes alpha, beta (the all-reduce samples) and the overlap (the measured steps) from the
 calibration file only; the compute timeline of each validated world size is the one measured there with no
@@ -18,13 +18,11 @@ an accelerator 100x faster than this CPU, or a timeline recorded there) and the 
 import argparse
 import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-import perf_model as pm  # noqa: E402
+from benchmarks import perf_model as pm
 
-DEFAULT_CALIBRATION = os.path.join(os.path.dirname(HERE), "docs", "data", "perf_model_dp2.json")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CALIBRATION = os.path.join(REPO, "docs", "data", "perf_model_dp2.json")
 SIZES = [2**k for k in range(12, 29)]  # 4K .. 256M elements
 
 

@@ -1,6 +1,6 @@
 """cProfile of megatron_lite training steps on one rank: where the wrapper's own time goes.
 
-    python benchmarks/profile_step.py [--steps 30 --top 25]
+    python -m benchmarks.profile_step [--steps 30 --top 25]
 
 A 4-layer GPT (hidden 256, vocab 4096, 4.2M parameters) wrapped in DistributedDataParallel (overlap on,
 500K-element buckets) with the FP32 Megatron optimizer, in a 1-rank gloo group. Prints the functions with
@@ -9,20 +9,15 @@ the most own time; docs/performance.md ("Hot-path profile") reads this table.
 
 import argparse
 import cProfile
-import os
 import pstats
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from launch import launch  # noqa: E402
-
-from megatron_lite import (  # noqa: E402
+from benchmarks.launch import launch
+from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
-from megatron_lite.models import GPTConfig, GPTModel  # noqa: E402
+from megatron_lite.models import GPTConfig, GPTModel
 
 
 def main():

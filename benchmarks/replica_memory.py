@@ -6,24 +6,20 @@ the distributed optimizer, overlap_grad_reduce). With R instances each shard liv
 keeps 1/(d/R) of the fp32 main params and Adam moments: 12R/d bytes per parameter, on top of the 6 that
 every rank keeps (bf16 params, fp32 grads). Step times: alternating rounds, slowest rank (timing.py). ::
 
-    python benchmarks/replica_memory.py [--world-size 4]
+    python -m benchmarks.replica_memory [--world-size 4]
 """
 
 import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from optimizer_memory import MLPStack, train_step  # noqa: E402
-from sharding_memory import held, run  # noqa: E402
-from timing import alternate  # noqa: E402
-
-from megatron_lite import (  # noqa: E402
+from benchmarks.optimizer_memory import MLPStack, train_step
+from benchmarks.sharding_memory import held, run
+from benchmarks.timing import alternate
+from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
-from megatron_lite.distributed import collectives  # noqa: E402
+from megatron_lite.distributed import collectives
 
 
 def build(instances, args):

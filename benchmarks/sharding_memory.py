@@ -14,27 +14,22 @@ largest amount of full-size gradients (ZeRO-2/3: buckets accumulating or in flig
 parameters (ZeRO-3: units in use or prefetched) alive at any point of one more step, recorded from the
 hooks. Step times: alternating rounds, slowest rank (timing.py). ::
 
-    python benchmarks/sharding_memory.py [--world-size 4]
-    torchrun --nproc-per-node 2 benchmarks/sharding_memory.py
+    python -m benchmarks.sharding_memory [--world-size 4]
+    torchrun --nproc-per-node 2 -m benchmarks.sharding_memory
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the benchmarks' helpers, and megatron_lite from a checkout
-from counting import held_bytes  # noqa: E402
-from launch import launch, world_size  # noqa: E402
-from optimizer_memory import MLPStack, train_step  # noqa: E402
-from timing import alternate  # noqa: E402
-
-from megatron_lite import (  # noqa: E402
+from benchmarks.counting import held_bytes
+from benchmarks.launch import launch, world_size
+from benchmarks.optimizer_memory import MLPStack, train_step
+from benchmarks.timing import alternate
+from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
 )
-from megatron_lite.distributed import collectives  # noqa: E402
+from megatron_lite.distributed import collectives
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 CONFIGS = [(dtype, s) for dtype in (torch.bfloat16, torch.float32) for s in STRATEGIES]

@@ -13,8 +13,10 @@ import pytest
 import torch.distributed as dist
 
 SUPPORT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
-if SUPPORT_DIR not in sys.path:
-    sys.path.insert(0, SUPPORT_DIR)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (REPO, SUPPORT_DIR):  # `benchmarks` as a package from plain `pytest` too; then the helpers
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ SYSTEMS = {"ml-ddp", "ml-ddp+distopt", "ml-zero2", "ml-zero3", "torch-ddp", "tor
 def test_compare_ddp_tiny_writes_all_systems_and_losses_agree(tmp_path):
     """Catches a system that fails to build or step on 2 gloo ranks, a broken CSV/JSON/plot writer, and a
     system whose losses drift from ml-ddp's (different weights, batches or hyperparameters)."""
-    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "compare_ddp.py"), "--tiny", "--cpu",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compare_ddp", "--tiny", "--cpu",
                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=55, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(tmp_path / "compare_ddp.csv", newline="") as f:

@@ -9,15 +9,14 @@ import sys
 
 from pretrain_testing import REPO
 
-SCRIPT = os.path.join(REPO, "benchmarks", "bucket_size_sweep.py")
-
 
 def test_quick_sweep_reports_every_bucket_size(tmp_path):
     """Catches a sweep that crashes (API drift in DDP/optimizer/model), hangs (ranks issuing different
     collectives), drops the bucket_size=1 or one-bucket end of the range, or forgets the recommendation."""
     plot = tmp_path / "plot.png"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}  # not torchrun
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(plot)], cwd=tmp_path, env=env,
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # run in tmp_path
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bucket_size_sweep", "--quick", "--out", str(plot)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=55)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import perf_model as pm  # noqa: E402
+from benchmarks import perf_model as pm
+from pretrain_testing import REPO
 
 
 def test_collective_times():
@@ -68,12 +67,12 @@ def test_fit_overlap_and_recommendation():
 
 
 def test_predict_cli():
-    out = subprocess.run([sys.executable, "benchmarks/bucket_size_sweep.py", "--predict", "--dp", "64",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bucket_size_sweep", "--predict", "--dp", "64",
                           "--bandwidth-gbps", "200", "--latency-us", "3", "--compute-scale", "0.02"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert re.search(r"recommended bucket size: \d+ elements", out.stdout) and "dp=64, 200 Gb/s" in out.stdout
-    bad = subprocess.run([sys.executable, "benchmarks/bucket_size_sweep.py", "--predict", "--dp", "0"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.bucket_size_sweep", "--predict", "--dp", "0"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--dp must be > 0" in bad.stderr
 
@@ -82,7 +81,7 @@ def test_validation_of_the_committed_calibration():
     """docs/bucket_size_tuning.md's claim: calibrated at dp=2, the model predicts the measured dp=3 and dp=4
     steps within 25%."""
     data = os.path.join(REPO, "docs", "data")
-    out = subprocess.run([sys.executable, "benchmarks/perf_model_report.py", "--calibration",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.perf_model_report", "--calibration",
                           os.path.join(data, "perf_model_dp2.json"), "--validate",
                           os.path.join(data, "perf_model_dp3.json"), os.path.join(data, "perf_model_dp4.json")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -95,12 +94,12 @@ def test_calibration_feeds_the_predictor(tmp_path):
     """The chain a cluster user runs: perf_model_calibrate.py (here: 2 gloo ranks, a tiny GPT, one round) writes
     a file that --predict takes. Would catch a calibration file the predictor cannot read."""
     out = tmp_path / "calibration.json"
-    run = subprocess.run([sys.executable, "benchmarks/perf_model_calibrate.py", "--world-size", "2", "--cpu",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.perf_model_calibrate", "--world-size", "2", "--cpu",
                           "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
                           "--vocab-size", "128", "--steps", "1", "--repeats", "1", "--reps", "1", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    pred = subprocess.run([sys.executable, "benchmarks/perf_model_report.py", "--predict", "--calibration", str(out),
+    pred = subprocess.run([sys.executable, "-m", "benchmarks.perf_model_report", "--predict", "--calibration", str(out),
                            "--dp", "16", "--bandwidth-gbps", "100", "--latency-us", "10"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert pred.returncode == 0 and "recommended bucket size" in pred.stdout, pred.stderr

@@ -427,7 +427,7 @@ def test_benchmark_prints_every_mode(tmp_path):
 
     from pretrain_testing import REPO as repo
 
-    out = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "low_precision_reduce.py"),
+    out = subprocess.run([sys.executable, "-m", "benchmarks.low_precision_reduce",
                           "--world-size", "2", "--micro-batches", "2", "--num-layers", "1", "--hidden-size", "32",
                           "--vocab-size", "64", "--seq-length", "8"], capture_output=True, text=True, timeout=120,
                          cwd=repo)
