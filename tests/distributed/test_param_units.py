@@ -1,6 +1,7 @@
-"""ZeRO-3 units (param_units.py) on models whose ranks do not all run the same modules, and the unit discovery
-rules: gathers must stay collective-matched whatever subset of units a rank uses, and a unit choice that finds
-nothing is an error, not the whole model gathered at once."""
+"""ZeRO-3 units (param_units.py): only a few units are gathered at a time and training matches ZeRO-1; on models
+whose ranks do not all run the same modules, or reach units in another order, gathers stay collective-matched;
+and the unit discovery rules: a unit choice that finds nothing is an error, not the whole model gathered at
+once."""
 
 import pytest
 import torch
@@ -206,3 +207,116 @@ def test_zero3_prefetches_the_next_unit():
     for seen in run_distributed(_prefetch_worker, 2):
         assert {phase for phase, _, _ in seen} == {"forward", "backward"} and len(seen) == 12
         assert all(ok for _, _, ok in seen), seen
+
+
+class Stack(torch.nn.Module):
+    """Six Linear+tanh layers in a ModuleList (ZeRO-3's default units) between a root input and head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def _zero3_worker():
+    import torch.distributed as dist
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
+    from megatron_lite import get_megatron_optimizer
+
+    rank = dist.get_rank()
+    results = {}
+    for strategy in ("optim", "optim_grads_params"):
+        model = Stack()
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+            data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
+        gathered = []
+        if strategy == "optim_grads_params":
+            units = ddp.param_units
+            root = set(map(id, units.root))
+
+            def record(*_):
+                gathered.append(sum(b.params_gathered for b in units.all_buckets() if id(b) not in root))
+            for layer in model.layers:
+                layer.register_forward_pre_hook(lambda m, a: record())
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(record)
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            if step == 2:
+                gathered.clear()  # the first iterations learn the gradient arrivals; look at the third
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            ddp.finish_grad_sync()
+            opt.step()
+        ddp.finish_param_sync()
+        released = None
+        if strategy == "optim_grads_params":
+            released = (all(not b.params_gathered for b in ddp.param_units.all_buckets())
+                        and all(torch.isnan(p).all() for p in model.parameters()))
+        results[strategy] = dict(state={k: v.clone() for k, v in ddp.state_dict().items()}, released=released,
+                                 max_gathered=max(gathered, default=None),
+                                 units=len(ddp.param_units.units) if ddp.param_units else None)
+    same = all(torch.equal(results["optim"]["state"][k], v) for k, v in results["optim_grads_params"]["state"].items())
+    return same, results["optim_grads_params"]
+
+
+def test_zero3_gathers_a_few_units_at_a_time_and_matches_zero1():
+    """Would catch a unit left gathered after its forward or backward (peak memory = the whole model), a
+    prefetch that gathers everything, a stale or half-written parameter (state differs from ZeRO-1's), or
+    a released parameter that still holds (or silently reads as) real data."""
+    for same, zero3 in run_distributed(_zero3_worker, 2):
+        assert same and zero3["released"] and zero3["units"] == 6
+        assert zero3["max_gathered"] <= 3, zero3["max_gathered"]  # the unit in use, the prefetched, one releasing
+
+
+def _zero3_order_worker():
+    import copy
+
+    import torch.distributed as dist
+
+    from ddp_testing import mean_of_rank_grads
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+    from test_ddp_overlap import TwoBranches
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TwoBranches()
+    model.a_first = rank == 0  # forward (so backward, so the units' gathers) in a rank-dependent order
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, bucket_size=1,
+        fsdp_unit_modules=("Linear",)))
+    exact = []
+    for iteration in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * iteration + r)) for r in range(dp)]
+        ddp.zero_grad_buffer()
+        ddp(xs[rank]).pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        expected = mean_of_rank_grads(reference, xs)
+        buffer = ddp.param_and_grad_buffers[0]
+        flat = torch.zeros(buffer.numel)
+        for p, (start, end, _) in buffer.param_index_map.items():
+            flat[start:end] = expected[ddp.param_to_name[p]].reshape(-1)
+        exact.append(all(torch.allclose(b.reduced_grad_shard,
+                                        flat[b.offset + b.shard_offset:b.offset + b.shard_offset + b.shard_size],
+                                        rtol=1e-6, atol=1e-7) for b in buffer.buckets))
+    return exact
+
+
+def test_zero3_units_reached_in_a_rank_dependent_order():
+    """Each rank's forward visits the two units in another order: would catch gathers issued in the order
+    a rank happens to need them (mismatched collectives: wrong parameters or a hang) instead of the fixed
+    order, on a group of their own."""
+    for exact in run_distributed(_zero3_order_worker, 2):
+        assert exact == [True, True, True]
