@@ -46,6 +46,11 @@ _HEADER = ("iteration", "rank", "world", "per_instance", "position", "step")  # 
 _RECORD_ONLY = ("steps_taken", "skipped_opt_param_scheduler")  # kept in memory, not written
 
 
+def _key(name: str, start: int) -> str:
+    """A shard's key in the file's "chunks" (the on-disk name, kept so that older files load): name@start."""
+    return f"{name}@{start}"
+
+
 class LastWords:
     """Keeps the record of the last completed iteration and writes this rank's last words when the job dies.
 
@@ -71,7 +76,7 @@ class LastWords:
         self.args = args or {}
         self.rank = dist.get_rank(optimizer.data_parallel_group)
         self.world = dist.get_world_size(optimizer.data_parallel_group)
-        self.topology = topology_of(optimizer)
+        self.topology = optimizer.data_parallel_topology
         self.per_instance = self.topology.intra_distributed_optimizer_instance_size
         self.committed = self._record(iteration, consumed_train_samples, scheduler.state_dict(),
                                       optimizer.steps_taken)
@@ -127,17 +132,15 @@ class LastWords:
                 if record["iteration"] == self.start_iteration:  # e.g. a bad flag failing the first step
                     self._say(f"no last words ({reason}): no iteration completed since the start")
                     return None
-                chunks = {}
-                for name, start, _, main in self.optimizer.local_chunks():
-                    chunks[f"{name}@{start}"] = {k: t.float().cpu().clone()
-                                                 for k, t in self.optimizer.chunk_state(main).items()}
+                described = self.optimizer.sharded_state()
+                shards = {_key(s.name, s.start): {k: t.float().cpu().clone() for k, t in s.tensors.items()}
+                          for s in described.shards}
                 payload = {"format": "last_words", "reason": reason, "rank": self.rank, "world": self.world,
                            "per_instance": self.per_instance, "position": self.topology.position(self.rank),
-                           "optimizer": self.optimizer.common_state_dict(), "step": self.optimizer.local_step(),
-                           "lagging_steps": self.optimizer.lagging_steps(self.optimizer.param_steps()),
-                           "chunks": chunks, "args": self.args,
+                           "optimizer": described.common, "step": described.step,
+                           "lagging_steps": described.lagging_steps(), "chunks": shards, "args": self.args,
                            **{k: v for k, v in record.items() if k not in _RECORD_ONLY}}
-            if not all(torch.isfinite(t).all() for entry in chunks.values() for t in entry.values()):
+            if not all(torch.isfinite(t).all() for entry in shards.values() for t in entry.values()):
                 self._say(f"not writing last words ({reason}): the optimizer state is not finite")
                 return None
             target = last_words_dir(self.root, record["iteration"])
@@ -256,7 +259,7 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
     None (the caller falls back to an older checkpoint; rank 0 names the files); a set that does not fit
     this run (data-parallel size, instances, architecture, layout) is a ValueError on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    topology = topology_of(optimizer)
+    topology = optimizer.data_parallel_topology
     per_instance = topology.intra_distributed_optimizer_instance_size
     where = os.path.dirname(next(p for paths in files.values() for p in paths))
     try:
@@ -290,6 +293,7 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
                   f"falling back to an older checkpoint", flush=True)
         return None
     values = {(key.rsplit("@", 1)[0], int(key.rsplit("@", 1)[1])): entry for key, entry in payload["chunks"].items()}
+    described = optimizer.sharded_state().with_values(values, payload["step"], payload.get("lagging_steps"))
 
     def small_state():  # local, and where it can fail (a hyperparameter differs), before any tensor is written
         if load_optim:
@@ -298,22 +302,11 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
         if load_rng:
             set_rng_state(payload["rng_state"])
     collectives.run_collectively(small_state, group=group)
-    if load_optim:
-        optimizer.load_chunks(values, payload["step"], payload.get("lagging_steps"))
-    else:  # the parameters only, into the fresh optimizer (its step stays 0)
-        optimizer.load_chunks({key: {"param": entry["param"]} for key, entry in values.items()}, 0)
+    # The parameters only without load_optim, into the fresh optimizer (its step stays 0).
+    optimizer.load_sharded_state(described if load_optim else described.params_only())
     model.finish_param_sync()
     return {"iteration": payload["iteration"], "consumed_train_samples": payload["consumed_train_samples"],
             "args": payload["args"], "path": path, "last_words": True}
-
-
-def topology_of(optimizer) -> DataParallelTopology:
-    """Who holds which shard: the distributed optimizer's instances, or (a full-parameter optimizer) every
-    rank a whole copy, i.e. one position held by every rank."""
-    if optimizer.sharded:
-        return optimizer.model_chunks[0].data_parallel_topology
-    world = dist.get_world_size(optimizer.data_parallel_group)
-    return DataParallelTopology(world, world)
 
 
 def _holders(world: int, per_instance: int, position: int) -> Tuple[int, ...]:
@@ -363,7 +356,7 @@ def _unfit(payload: dict, path: str, check_args: Optional[dict], optimizer) -> O
         saved = payload["args"].get(key)
         if saved is not None and saved != value:
             return f"last-words checkpoint {path} was trained with {key}={saved}, this run has {key}={value}"
-    expected = {f"{name}@{start}" for name, start, _, _ in optimizer.local_chunks()}
+    expected = {_key(s.name, s.start) for s in optimizer.sharded_state().shards}
     if set(payload["chunks"]) != expected:
         return f"{path} holds other shards than this rank's layout (bucket size or model differs)"
     return None

@@ -44,11 +44,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..distributed import collectives
-from ..optimizer.distrib_optimizer import shard_ranges
-from ..optimizer.optimizer import STATE_KEYS
 from . import files
 from .dcp_metadata import SafeReader  # .metadata is a pickle: read only through it
-from .last_words import topology_of
 from .rng import get_rng_state
 
 COMMON_FILENAME = "common.pt"
@@ -62,7 +59,7 @@ def common_state(iteration: int, optimizer, scheduler, consumed_train_samples: i
         "consumed_train_samples": consumed_train_samples, "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": collectives.all_gather_object(get_rng_state(), group), "args": args or {},
         "optimizer": optimizer.common_state_dict(), "optimizer_step": optimizer.agreed_step(),
-        "optimizer_lagging_steps": optimizer.lagging_steps(optimizer.agreed_param_steps()),
+        "optimizer_lagging_steps": optimizer.agreed_lagging_steps(),
         "shapes": {name: list(p.shape) for p, name in optimizer.param_to_name.items()},
     }
 
@@ -93,47 +90,41 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     """Every piece of state this rank holds, as the DCP state dict (see the module docstring): replicas
     included, whether or not this rank writes them (see replica_id). A ShardedTensor appears only where the
     rank holds a piece of it. With `fill` = 'zeros' the tensors are empty placeholders for loading, shaped
-    for the current layout."""
-    shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}
-    dtypes = {name: p.dtype for p, name in optimizer.param_to_name.items()}
+    for the current layout. The optimizer's part, and ZeRO-3's model shards, come from its sharded_state()."""
+    described = optimizer.sharded_state()
+    numels = {shard.name: shard.shape.numel() for shard in described.shards}
     state: Dict[str, object] = {}
-    chunks = optimizer.local_chunks()
-    for key in ["param", *STATE_KEYS[optimizer.config.optimizer]]:
+    for key in ["param", *described.state_keys]:
         pieces: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
-        for name, start, end, main in chunks:
+        for shard in described.shards:
             if fill:
-                value = torch.zeros(end - start, dtype=torch.float32, device=optimizer.device)
+                value = torch.zeros(shard.numel, dtype=torch.float32, device=optimizer.device)
             else:
-                value = optimizer.chunk_state(main).get(key)
+                value = shard.tensors.get(key)
                 if value is None:
                     continue
                 value = value.float()
-            pieces.setdefault(name, []).append((start, value))
+            pieces.setdefault(shard.name, []).append((shard.start, value))
         for name, local in pieces.items():
-            state[f"optimizer.{name}.{key}"] = (_sharded(shapes[name].numel(), torch.float32, local)
+            state[f"optimizer.{name}.{key}"] = (_sharded(numels[name], torch.float32, local)
                                                 if optimizer.sharded else local[0][1])
-    # The model: ZeRO-3 ranks hold ranges of the parameters (those of the optimizer's shards), others all.
-    if _shards_params(optimizer):
+    # The model: ZeRO-3 ranks hold the shards of the parameters (those of the optimizer), others all.
+    if described.params_sharded:
         pieces = {}
-        for s in shard_ranges(optimizer.model_chunks):
-            name = optimizer.param_to_name[s.model_param]
-            value = torch.zeros(s.param_end - s.param_start, dtype=dtypes[name], device=optimizer.device) \
-                if fill else s.params.detach()
-            pieces.setdefault(name, []).append((s.param_start, value))
+        for shard in described.shards:
+            data = shard.model_data
+            value = torch.zeros(shard.numel, dtype=data.dtype, device=optimizer.device) if fill else data.detach()
+            pieces.setdefault(shard.name, []).append((shard.start, value))
         for name, local in pieces.items():
-            state[f"model.{name}"] = _sharded(shapes[name].numel(), dtypes[name], local)
+            state[f"model.{name}"] = _sharded(numels[name], local[0][1].dtype, local)
     else:
         for p, name in optimizer.param_to_name.items():
             state[f"model.{name}"] = torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if fill \
                 else p.detach().reshape(-1)
+    shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}
     for key, value in _other_entries(model, shapes).items():  # buffers, frozen parameters: whole, as they are
         state[f"model.{key}"] = torch.zeros_like(value) if fill else value.detach()
     return state
-
-
-def _shards_params(optimizer) -> bool:
-    """Whether the ranks hold only shards of the parameters (ZeRO-3)."""
-    return any(chunk.shards_params for chunk in optimizer.model_chunks)
 
 
 def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
@@ -163,7 +154,7 @@ def replica_id(optimizer, group=None) -> Tuple[int, int]:
     dp_group = optimizer.data_parallel_group
     first = dist.get_global_rank(group or dist.group.WORLD, 0)
     replica = 0 if first in dist.get_process_group_ranks(dp_group or dist.group.WORLD) else 1
-    instance = topology_of(optimizer).instance(dist.get_rank(dp_group)) if optimizer.sharded else 0
+    instance = optimizer.data_parallel_topology.instance(dist.get_rank(dp_group)) if optimizer.sharded else 0
     return replica, instance
 
 
@@ -291,16 +282,17 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
         dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
     except CheckpointException as e:
         raise ValueError(f"reading torch_dist checkpoint {directory} failed: {e}") from e
-    values = collectives.run_collectively(_optimizer_values, state, optimizer, group=group)
+    described = optimizer.sharded_state()  # this rank's layout
+    values = collectives.run_collectively(_optimizer_values, state, described, group=group)
     if load_optim:
-        optimizer.load_chunks(values, common["optimizer_step"], common.get("optimizer_lagging_steps"))
-    # The model: whole parameters, or (ZeRO-3) the rank's ranges, written through the optimizer's views.
+        lagging = common.get("optimizer_lagging_steps")
+        optimizer.load_sharded_state(described.with_values(values, common["optimizer_step"], lagging))
+    # The model: whole parameters, or (ZeRO-3) the rank's shards, written through the description's views.
     shapes = common["shapes"]
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
-    if _shards_params(optimizer):
-        for s in shard_ranges(optimizer.model_chunks):
-            pieces = _local_pieces(state[f"model.{optimizer.param_to_name[s.model_param]}"])
-            s.params.copy_(pieces[s.param_start])
+    if described.params_sharded:
+        for shard in described.shards:
+            shard.model_data.copy_(_local_pieces(state[f"model.{shard.name}"])[shard.start])
         model.module.load_state_dict(others, strict=False)
     else:
         model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others})
@@ -313,19 +305,21 @@ def _local_pieces(value) -> Dict[int, torch.Tensor]:
     return {0: value}
 
 
-def _optimizer_values(state: Dict[str, object], optimizer) -> Dict[Tuple[str, int], Dict[str, torch.Tensor]]:
-    """(name, offset) -> {'param', moments...} of the optimizer entries read, checked to cover every chunk
-    of this rank (load_chunks writes, and gathers, only after every rank found all of its own)."""
+def _optimizer_values(state: Dict[str, object], described) -> Dict[Tuple[str, int], Dict[str, torch.Tensor]]:
+    """(name, offset) -> {'param', moments...} of the optimizer entries read, checked to cover every shard
+    of this rank's layout `described` (load_sharded_state writes, and gathers, only after every rank found
+    all of its own)."""
     values: Dict[Tuple[str, int], Dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         if key.startswith("optimizer."):
             name, field = key[len("optimizer."):].rsplit(".", 1)
             for start, tensor in _local_pieces(value).items():
                 values.setdefault((name, start), {})[field] = tensor
-    for name, start, end, _ in optimizer.local_chunks():
-        entry = values.get((name, start), {})
-        if values and ("param" not in entry or any(t.numel() != end - start for t in entry.values())):
-            raise ValueError(f"the checkpoint's optimizer state does not cover {name}[{start}:{end}]")
+    for shard in described.shards:
+        entry = values.get((shard.name, shard.start), {})
+        if values and ("param" not in entry or any(t.numel() != shard.numel for t in entry.values())):
+            raise ValueError(f"the checkpoint's optimizer state does not cover "
+                             f"{shard.name}[{shard.start}:{shard.end}]")
     return values
 
 

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from ..distributed.layout import shard_range
-from .optimizer import STATE_KEYS, MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param
+from ..distributed.layout import DataParallelTopology, shard_range
+from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param
+from .sharded_state import flat_numel, flatten, unflatten
 
 
 @dataclass
@@ -49,22 +50,17 @@ class ShardRange:
         return self.bucket.reduced_grad_shard[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
 
 
-def shard_ranges(model_chunks, rank: Optional[int] = None) -> List[ShardRange]:
-    """The owned ranges of every parameter of this rank (or of data-parallel rank `rank`: the layout is
-    known everywhere; a rank owns what its position owns, see layout.DataParallelTopology), in buffer order.
-    Expert buffers (sharded over the expert data-parallel group) follow the dense ones; they are described
-    for this rank only."""
+def shard_ranges(model_chunks) -> List[ShardRange]:
+    """The owned ranges of every parameter of this rank (a rank owns what its data-parallel position owns,
+    see layout.DataParallelTopology), in buffer order. Expert buffers (sharded over the expert data-parallel
+    group) follow the dense ones."""
     ranges = []
     for chunk in model_chunks:
-        if rank is not None and chunk.expert_parallel_buffers:
-            raise ValueError("shard_ranges(rank=...): expert parameters are sharded over the expert data-parallel "
-                             "group, not by data-parallel rank")
         for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
             # The buffer shards over its group (this rank's instance, or the expert group): rank = position.
-            position = buffer.data_parallel_rank if rank is None else chunk.data_parallel_topology.position(rank)
             for bucket in buffer.buckets:
                 lo_shard, hi_shard = shard_range(bucket.offset, bucket.offset + bucket.grad_data.numel(),
-                                                 buffer.data_parallel_world_size, position)
+                                                 buffer.data_parallel_world_size, buffer.data_parallel_rank)
                 for param in bucket.params_list:
                     start, end, _ = buffer.param_index_map[param]
                     lo, hi = max(start, lo_shard), min(end, hi_shard)
@@ -88,6 +84,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def __init__(self, make_inner, config, model_chunks, model_param_groups, grad_scaler):
         self.shards = shard_ranges(model_chunks)
+        self.params_sharded = any(chunk.shards_params for chunk in model_chunks)  # ZeRO-3
         group_of = {p: i for i, g in enumerate(model_param_groups) for p in g["params"]}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in model_param_groups]
         self.main_of: Dict[int, torch.Tensor] = {}  # index into self.shards -> main shard
@@ -123,115 +120,21 @@ class DistributedOptimizer(MegatronOptimizer):
         for i, s in enumerate(self.shards):
             copy_model_to_main(s.params, self.main_of[i])
 
-    # ------------------------------------------------------------------ replicas (fault tolerance)
-    def holds_same_shards(self, rank: int) -> bool:
-        """Whether data-parallel rank `rank` holds the same shards as this rank (a replica in another
-        distributed-optimizer instance, or this rank itself)."""
-        topology = self.model_chunks[0].data_parallel_topology
-        return topology.position(rank) == topology.position(dist.get_rank(self.data_parallel_group))
+    # ------------------------------------------------------------------ state (see sharded_state.py)
+    @property
+    def data_parallel_topology(self) -> DataParallelTopology:
+        return self.model_chunks[0].data_parallel_topology
 
-    def _flat_shard_state(self) -> torch.Tensor:
-        """[step, each shard's own step, main params..., then each optimizer-state tensor...] of this rank's
-        shards, one fp32 tensor of _flat_numel() elements (state never created yet travels as zeros)."""
-        states = [self.chunk_state(main) for main in self.main_of.values()]
-        own = [self._state_of(main)["step"].item() if "step" in self._state_of(main) else self.local_step()
-               for main in self.main_of.values()]
-        parts = [torch.tensor([float(self.local_step())] + [float(s) for s in own], device=self.device)]
-        parts += [s["param"] for s in states]
-        for key in STATE_KEYS[self.config.optimizer]:
-            parts += [s[key] if key in s else torch.zeros_like(s["param"]) for s in states]
-        return torch.cat([p.float() for p in parts])
+    def _main_shards(self):
+        return [(s.model_param, s.param_start, s.param_end, self.main_of[i], s.params if self.params_sharded else None)
+                for i, s in enumerate(self.shards)]
 
-    def _flat_numel(self) -> int:
-        return (1 + len(self.main_of)
-                + (1 + len(STATE_KEYS[self.config.optimizer])) * sum(m.numel() for m in self.main_of.values()))
-
-    @torch.no_grad()
-    def send_shard_state(self, dst: int):
-        """Send this rank's main params, optimizer moments and step to data-parallel rank `dst`, which
-        must hold the same shards (a replica) and call recv_shard_state(src=this rank). Point to point:
-        no other rank takes part."""
-        if not self.holds_same_shards(dst):
-            raise ValueError(f"send_shard_state(dst={dst}): rank {dst} holds other shards than rank "
-                             f"{dist.get_rank(self.data_parallel_group)}; send to a replica (same position in "
-                             f"another distributed-optimizer instance)")
-        collectives.send(self._flat_shard_state(), dst, self.data_parallel_group)
-
-    @torch.no_grad()
-    def recv_shard_state(self, src: int):
-        """Replace this rank's main params, optimizer moments and step by those of replica `src` (which
-        calls send_shard_state(dst=this rank)) and write the params into the model's shard. What arrives
-        is validated first (finite; second moments >= 0): a damaged replica raises ValueError and leaves
-        this rank's state untouched."""
-        if not self.holds_same_shards(src):
-            raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
-                             f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
-        flat = torch.empty(self._flat_numel(), dtype=torch.float32, device=self.device)
-        collectives.recv(flat, src, self.data_parallel_group)
-        keys = STATE_KEYS[self.config.optimizer]
-        step, values = int(flat[0].item()), self._split(flat)
-        if not torch.isfinite(flat).all() or any((t < 0).any() for t in values.get("exp_avg_sq", [])):
-            raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
-                             f"second moments); refusing to restore it")
-        own_steps = flat[1:1 + len(self.main_of)].tolist()
-        for i, main in enumerate(self.main_of.values()):
-            main.copy_(values["param"][i])
-            if step:
-                self._set_state_of(main, int(own_steps[i]), {k: values[k][i] for k in keys})
-            else:
-                self.optimizer.state.pop(main, None)
-        self.update_count = step
-        for i, s in enumerate(self.shards):
-            copy_main_to_model(self.main_of[i], s.params)
-
-    def _split(self, flat: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
-        """The inverse of _flat_shard_state: per key ('param', state keys) the tensors of every shard."""
-        out, offset = {}, 1 + len(self.main_of)
-        for key in ("param", *STATE_KEYS[self.config.optimizer]):
-            out[key] = []
-            for m in self.main_of.values():
-                out[key].append(flat[offset:offset + m.numel()].view_as(m))
-                offset += m.numel()
-        return out
-
-    # ------------------------------------------------------------------ checkpointing
-    def local_chunks(self, rank: Optional[int] = None):
-        """(parameter name, start, end, main tensor) of this rank's part of every parameter, flattened; with
-        `rank`, that rank's ranges (main None) -- what a sharded checkpoint describes for every rank."""
-        if rank is None:
-            return [(self.param_to_name[s.model_param], s.param_start, s.param_end, self.main_of[i])
-                    for i, s in enumerate(self.shards)]
-        return [(self.param_to_name[s.model_param], s.param_start, s.param_end, None)
-                for s in shard_ranges(self.model_chunks, rank)]
-
-    def _gather_full(self, values_of_shard) -> Dict[object, torch.Tensor]:
-        """For every buffer, a full fp32 flat tensor assembled from every rank's shards of some value."""
-        flats = {}
-        for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
-                flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
-        for i, s in enumerate(self.shards):
-            value = values_of_shard(i)
-            if value is not None:
-                flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
-        for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
-                flat = flats[id(buffer)]
-                for bucket in buffer.buckets:
-                    collectives.all_gather(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()],
-                                           group=buffer.data_parallel_group)
-        return flats
-
-    def _full_main_state(self):
-        keys = ["param"] + list(STATE_KEYS[self.config.optimizer])
-
-        def value(key):
-            def of(i):
-                main = self.main_of[i]
-                return main.detach() if key == "param" else self._state_of(main).get(key)
-            return of
-
-        flats = {key: self._gather_full(value(key)) for key in keys}
+    def _gathered(self, state):
+        """Each value's whole fp32 parameters: every buffer assembled from the ranks' shards by one all-gather
+        per bucket (the step's own collective: every element crosses the network once), cut by name."""
+        keys = ["param", *state.state_keys]
+        # Aligned with self.shards (_main_shards' order); a moment no step created yet is gathered as zeros.
+        flats = {key: self._gather_full([shard.tensors.get(key) for shard in state.shards]) for key in keys}
         steps = self.agreed_param_steps()  # one count, except for parameters that skipped steps
         out = {}
         for chunk in self.model_chunks:
@@ -242,20 +145,63 @@ class DistributedOptimizer(MegatronOptimizer):
                     out[self.param_to_name[param]] = entry
         return out
 
-    def _load_full_main_state(self, state):
-        for i, s in enumerate(self.shards):
-            name = self.param_to_name[s.model_param]
-            entry = state[name]
-            if tuple(entry["param"].shape) != tuple(s.model_param.shape):
-                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(entry['param'].shape)}, "
-                                 f"model {tuple(s.model_param.shape)}")
-            main = self.main_of[i]
+    def _gather_full(self, values: List[Optional[torch.Tensor]]) -> Dict[int, torch.Tensor]:
+        """For every buffer (by id), a full fp32 flat tensor assembled from every rank's `values` (one per
+        shard of self.shards, None: zeros)."""
+        flats = {}
+        for chunk in self.model_chunks:
+            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
+                flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
+        for s, value in zip(self.shards, values):
+            if value is not None:
+                flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
+        for chunk in self.model_chunks:
+            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
+                flat = flats[id(buffer)]
+                for bucket in buffer.buckets:
+                    collectives.all_gather(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()],
+                                           group=buffer.data_parallel_group)
+        return flats
 
-            def part(t):
-                return t.reshape(-1)[s.param_start:s.param_end]
+    # ------------------------------------------------------------------ replicas (fault tolerance)
+    def holds_same_shards(self, rank: int) -> bool:
+        """Whether data-parallel rank `rank` holds the same shards as this rank (a replica in another
+        distributed-optimizer instance, or this rank itself)."""
+        topology = self.data_parallel_topology
+        return topology.position(rank) == topology.position(dist.get_rank(self.data_parallel_group))
 
-            main.data.copy_(part(entry["param"]))
-            tensors = {k: part(entry[k]) for k in STATE_KEYS[self.config.optimizer] if k in entry}
-            self._set_state_of(main, entry.get("step"), tensors)
-        self.update_count = max([int(e.get("step", 0)) for e in state.values()] + [0])
-        self._copy_main_params_to_model_params()
+    @torch.no_grad()
+    def send_shard_state(self, dst: int):
+        """Send this rank's main params, optimizer moments and step to data-parallel rank `dst`, which
+        must hold the same shards (a replica) and call recv_shard_state(src=this rank). Point to point:
+        no other rank takes part."""
+        if not self.holds_same_shards(dst):
+            raise ValueError(f"send_shard_state(dst={dst}): rank {dst} holds other shards than rank "
+                             f"{dist.get_rank(self.data_parallel_group)}; send to a replica (same position in "
+                             f"another distributed-optimizer instance)")
+        collectives.send(flatten(self.sharded_state(), self.device), dst, self.data_parallel_group)
+
+    @torch.no_grad()
+    def recv_shard_state(self, src: int):
+        """Replace this rank's main params, optimizer moments and step by those of replica `src` (which
+        calls send_shard_state(dst=this rank)) and write the params into the model's shard. What arrives
+        is validated first (finite; second moments >= 0): a damaged replica raises ValueError and leaves
+        this rank's state untouched."""
+        if not self.holds_same_shards(src):
+            raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
+                             f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
+        layout = self.sharded_state()
+        flat = torch.empty(flat_numel(layout), dtype=torch.float32, device=self.device)
+        collectives.recv(flat, src, self.data_parallel_group)
+        received = unflatten(flat, layout)
+        second_moments = [s.tensors["exp_avg_sq"] for s in received.shards if "exp_avg_sq" in s.tensors]
+        if not torch.isfinite(flat).all() or any((t < 0).any() for t in second_moments):
+            raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
+                             f"second moments); refusing to restore it")
+        if not received.step:  # the replica never stepped: neither has this rank's state now
+            for main in self.main_of.values():
+                self.optimizer.state.pop(main, None)
+            received = received.params_only()
+        self._load_shards(received)
+        for i, s in enumerate(self.shards):  # this rank's shard of the model only: no collective
+            copy_main_to_model(self.main_of[i], s.params)

@@ -7,25 +7,28 @@ non-sharded ones in full_param_optimizer.py, the sharded one in distrib_optimize
              model params <- main params         (cast; the distributed optimizer then all-gathers)
              returns (update_successful, grad_norm, num_zeros_in_grad)
 
-The state dict is keyed by parameter *name* and holds full, unpadded fp32 tensors, so it does not depend
-on the data-parallel size, the bucket layout or which of the three optimizers wrote it.
+The state is described once, by sharded_state(): the rank's shards of named flat parameters
+(sharded_state.py); every format is built on it. The state dict (the 'torch' format) is keyed by parameter
+*name* and holds full, unpadded fp32 tensors, so it does not depend on the data-parallel size, the bucket
+layout or which of the three optimizers wrote it.
 """
 
 import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import collectives
+from ..distributed.layout import DataParallelTopology
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer_config import OptimizerConfig
+from .sharded_state import STATE_KEYS, ParamShard, ShardedOptimizerState
 
 # Kernel choices are the loading machine's business (e.g. foreach on CPU, fused on CUDA), not the checkpoint's.
 _NOT_SAVED_GROUP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
-# Per-parameter optimizer state tensors that have the parameter's shape.
-STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 # Param-group hyperparameters checked against a checkpoint's on resume (lr belongs to the scheduler).
 HYPERPARAMETER_KEYS = {"adam": ("weight_decay", "betas", "eps"), "sgd": ("weight_decay", "momentum")}
 
@@ -60,6 +63,7 @@ class MegatronOptimizer:
     """
 
     sharded = False  # whether each rank holds only a shard of the main params / grads
+    params_sharded = False  # whether the model, too, keeps only the rank's shards of its parameters (ZeRO-3)
 
     def __init__(self, optimizer, config: OptimizerConfig, model_chunks, grad_scaler):
         self.optimizer = optimizer
@@ -134,7 +138,7 @@ class MegatronOptimizer:
             num_zeros = count_zeros_fp32(stats_grads, self.grad_stats_group, self.sharded, self.device,
                                          distinct_grads)
         # The update itself is local (no collective): a rank's failure elsewhere never leaves it half done,
-        # and a last-words checkpoint (training/last_words.py) waits for it under update_lock.
+        # and a last-words checkpoint (megatron_lite/checkpointing/last_words.py) waits for it under update_lock.
         with self.update_lock:
             self.updating = True
             if self.grad_scaler is not None:
@@ -208,29 +212,72 @@ class MegatronOptimizer:
         with self.update_lock:  # a last-words record reads the main params under it
             self._copy_model_params_to_main_params()
 
-    # ------------------------------------------------------------------ checkpointing
-    def _full_main_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
-        """Per parameter name: full fp32 'param' and full optimizer-state tensors, plus 'step'."""
+    # ------------------------------------------------------------------ state (see sharded_state.py)
+    def _main_shards(self) -> List[Tuple[torch.nn.Parameter, int, int, torch.Tensor, Optional[torch.Tensor]]]:
+        """(model param, start, end, main tensor, model data or None) of every shard this rank steps."""
         raise NotImplementedError
 
-    def _load_full_main_state(self, state: Dict[str, Dict[str, torch.Tensor]]):
-        raise NotImplementedError
+    @property
+    def data_parallel_topology(self) -> DataParallelTopology:
+        """Who holds which shard: the distributed optimizer's instances; for the full-parameter optimizers
+        every rank a whole copy, i.e. one position held by every rank."""
+        world = dist.get_world_size(self.data_parallel_group)
+        return DataParallelTopology(world, world)
+
+    def sharded_state(self) -> ShardedOptimizerState:
+        """This rank's optimizer state as shards of named flat parameters (megatron-core's sharded_state_dict;
+        views of the live state, not copies). Local: no collective."""
+        shards = []
+        for param, start, end, main, model_data in self._main_shards():
+            state = self._state_of(main)
+            own_step = int(state["step"].item()) if "step" in state else None
+            shards.append(ParamShard(self.param_to_name[param], start, end, param.shape, self._shard_tensors(main),
+                                     own_step, model_data))
+        return ShardedOptimizerState(self.common_state_dict(), self.update_count, tuple(shards), self.params_sharded)
+
+    def _shard_tensors(self, main: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """A main tensor flattened as 'param', with its optimizer-state tensors (see ParamShard.tensors)."""
+        state = self._state_of(main)
+        flat = main.detach().reshape(-1)
+        if not state and self.update_count:
+            return {"param": flat, **{k: torch.zeros_like(flat) for k in STATE_KEYS[self.config.optimizer]}}
+        return {"param": flat, **{k: state[k].reshape(-1) for k in STATE_KEYS[self.config.optimizer] if k in state}}
 
     @torch.no_grad()
+    def load_sharded_state(self, state: ShardedOptimizerState):
+        """Set this rank's main params, moments and step counts from `state` (a description of this rank's
+        layout: its shards are matched by (name, start)), then write the params into the model (for the
+        distributed optimizer a collective: the parameter all-gather). The common part is loaded by
+        load_common_state_dict(state.common, ...), first: it checks the kind and the hyperparameters."""
+        self._load_shards(state)
+        self._copy_main_params_to_model_params()
+
+    def _load_shards(self, state: ShardedOptimizerState):
+        """load_sharded_state's local part: the main params, moments and step counts (no collective)."""
+        given = {(s.name, s.start): s for s in state.shards}
+        for param, start, _, main, _ in self._main_shards():
+            shard = given[(self.param_to_name[param], start)]
+            main.data.copy_(shard.tensors["param"].view_as(main))
+            moments = {k: shard.tensors[k].view_as(main) for k in state.state_keys if k in shard.tensors}
+            self._set_state_of(main, state.own_step(shard), moments)
+        self.update_count = state.step
+
+    # ------------------------------------------------------------------ the 'torch' format's state dict
+    @torch.no_grad()
     def state_dict(self):
-        """DP-size- and layout-independent state: hyperparameters, per-name fp32 tensors, loss scaler."""
-        return {**self.common_state_dict(), "state": self._full_main_state()}
+        """DP-size- and layout-independent state: hyperparameters, per-name fp32 tensors, loss scaler.
+        Collective for the distributed optimizer (its shards are gathered)."""
+        return {**self.common_state_dict(), "state": self._gathered(self.sharded_state())}
+
+    def _gathered(self, state: ShardedOptimizerState) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Per parameter name: whole fp32 'param' and optimizer-state tensors (CPU copies), plus 'step'."""
+        raise NotImplementedError
 
     def common_state_dict(self) -> dict:
         """What every rank shares: kind, param-group hyperparameters, loss scaler (no tensors of params)."""
         groups = [{k: v for k, v in g.items() if k not in _NOT_SAVED_GROUP_KEYS} for g in self.optimizer.param_groups]
         return {"optimizer": self.config.optimizer, "param_groups": groups,
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
-
-    def local_chunks(self, rank: Optional[int] = None):
-        """(parameter name, start, end, main tensor) of the part of every parameter (flattened) this rank
-        steps (with `rank`: the ranges of that data-parallel rank, main None)."""
-        raise NotImplementedError
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, hyperparameters: str = "check"):
@@ -241,28 +288,27 @@ class MegatronOptimizer:
         if missing:
             raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
         self.load_common_state_dict(state_dict, hyperparameters)
-        self._load_full_main_state(state_dict["state"])
+        self.load_sharded_state(self._shards_of(state_dict["state"]))
 
-    @torch.no_grad()
-    def load_chunks(self, values, step: int, lagging: Optional[Dict[str, int]] = None):
-        """Set this rank's main params and optimizer state from `values[(name, start)]` = {'param', state
-        keys...} (the rank's own flattened ranges, see local_chunks), then write them into the model. `step`
-        is the optimizer's step count, `lagging` the parameters whose own count is behind it."""
-        lagging = lagging or {}
-        for name, start, _, main in self.local_chunks():
-            entry = values[(name, start)]
-            main.data.copy_(entry["param"].view_as(main))
-            tensors = {k: entry[k].view_as(main) for k in STATE_KEYS[self.config.optimizer] if k in entry}
-            self._set_state_of(main, lagging.get(name, step), tensors)
-        self.update_count = step
-        self._copy_main_params_to_model_params()
+    def _shards_of(self, full: Dict[str, Dict[str, torch.Tensor]]) -> ShardedOptimizerState:
+        """This rank's shards cut out of whole per-name tensors (a 'torch' checkpoint's state)."""
+        layout, values = self.sharded_state(), {}
+        for shard in layout.shards:
+            entry = full[shard.name]
+            if tuple(entry["param"].shape) != tuple(shard.shape):
+                raise ValueError(f"shape mismatch for {shard.name}: checkpoint {tuple(entry['param'].shape)}, "
+                                 f"model {tuple(shard.shape)}")
+            values[(shard.name, shard.start)] = {k: entry[k].reshape(-1)[shard.start:shard.end]
+                                                 for k in ("param", *layout.state_keys) if k in entry}
+        own = {shard.name: full[shard.name].get("step") for shard in layout.shards}
+        step = max([int(e.get("step", 0)) for e in full.values()] + [0])
+        return layout.with_values(values, step, {n: s for n, s in own.items() if s is not None})
 
     def load_common_state_dict(self, state_dict, hyperparameters: str = "check"):
         """The kind check, group-level state with its hyperparameters (see load_state_dict), loss scaler."""
         if state_dict.get("optimizer") != self.config.optimizer:
-            raise ValueError(
-                f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is {self.config.optimizer!r}"
-            )
+            raise ValueError(f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is "
+                             f"{self.config.optimizer!r}")
         # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
         saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
         for group in self.optimizer.param_groups:
@@ -283,33 +329,12 @@ class MegatronOptimizer:
     def _state_of(self, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
         return self.optimizer.state.get(main_param, {})
 
-    def chunk_state(self, main: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """A main tensor (see local_chunks) flattened as 'param', with its optimizer-state tensors (views;
-        the state keys are absent before the first step; zeros, torch's initial state, for a parameter that
-        has skipped every step so far while the others stepped)."""
-        state = self._state_of(main)
-        flat = main.detach().reshape(-1)
-        if not state and self.update_count:
-            return {"param": flat, **{k: torch.zeros_like(flat) for k in STATE_KEYS[self.config.optimizer]}}
-        return {"param": flat, **{k: state[k].reshape(-1) for k in STATE_KEYS[self.config.optimizer] if k in state}}
-
-    def local_step(self) -> int:
-        """The optimizer's step count: updates taken (the same on every rank). Every main tensor has it,
-        except one whose parameter skipped steps (find_unused_parameters): see param_steps()."""
-        return self.update_count
-
-    def param_steps(self) -> Dict[str, int]:
-        """This rank's parameters' own step counts, by name (Adam: torch keeps one per tensor; a parameter no
-        rank got a gradient for skips the step, as in torch). Non-collective."""
-        steps = {}
-        for name, _, _, main in self.local_chunks():
-            state = self._state_of(main)
-            steps[name] = int(state["step"].item()) if "step" in state else self.local_step()
-        return steps
-
     def agreed_param_steps(self) -> Dict[str, int]:
-        """param_steps() of every parameter, on every rank (one all-reduce). Collective."""
-        mine, agreed = self.param_steps(), {}
+        """Every parameter's own step count (ShardedOptimizerState.own_step), on every rank: the largest over
+        the ranks holding a shard of it (one all-reduce). Collective."""
+        state, mine, agreed = self.sharded_state(), {}, {}
+        for shard in state.shards:
+            mine[shard.name] = state.own_step(shard)
         # Expert parameters over their expert group only: other groups hold (and may name) other experts.
         for expert, group in ((False, self.data_parallel_group), (True, self.expert_data_parallel_group)):
             names = [name for p, name in self.param_to_name.items() if (p in self.expert_params) == expert]
@@ -320,14 +345,13 @@ class MegatronOptimizer:
             agreed.update(zip(names, steps.tolist()))
         return agreed
 
-    def lagging_steps(self, steps: Dict[str, int]) -> Dict[str, int]:
-        """The entries of `steps` behind local_step(): what a checkpoint stores next to the one step count."""
-        return {name: s for name, s in steps.items() if s != self.local_step()}
+    def agreed_lagging_steps(self) -> Dict[str, int]:
+        """The entries of agreed_param_steps() that differ from the optimizer's step count. Collective."""
+        return {name: s for name, s in self.agreed_param_steps().items() if s != self.update_count}
 
     def agreed_step(self) -> int:
-        """local_step(), the largest over the data-parallel ranks (a rank that owns no state yet counts 0).
-        Collective."""
-        step = torch.tensor(self.local_step(), device=self.device)
+        """The optimizer's step count, the largest over the data-parallel ranks. Collective."""
+        step = torch.tensor(self.update_count, device=self.device)
         collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
         return int(step.item())
 

@@ -305,13 +305,13 @@ def _unused_worker(strategy, resume):
             state = opt.state_dict()
             opt = _optimizer(ddp, strategy, **kwargs)
             opt.load_state_dict(state)
-        elif step == 3:  # the rank's own chunks (what torch_dist and last words write)
-            chunks = {(name, start): {k: v.clone() for k, v in opt.chunk_state(main).items()}
-                      for name, start, _, main in opt.local_chunks()}
-            common, step_count, lagging = opt.common_state_dict(), opt.local_step(), opt.lagging_steps(opt.param_steps())
+        elif step == 3:  # the rank's own shards (what torch_dist and last words write)
+            described = opt.sharded_state()
+            shards = {(s.name, s.start): {k: v.clone() for k, v in s.tensors.items()} for s in described.shards}
+            common, step_count, lagging = described.common, described.step, described.lagging_steps()
             opt = _optimizer(ddp, strategy, **kwargs)
             opt.load_common_state_dict(common)
-            opt.load_chunks(chunks, step_count, lagging)
+            opt.load_sharded_state(opt.sharded_state().with_values(shards, step_count, lagging))
         x, y, head = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen), head_of(rank)
         ddp.zero_grad_buffer()
         ((ddp(x, head) - y) ** 2).mean().backward()
@@ -325,7 +325,7 @@ def _unused_worker(strategy, resume):
     return diffs, sorted(ddp.param_to_name[p] for p in ddp.unused_params)
 
 
-@pytest.mark.parametrize("resume", ["torch", "chunks"])
+@pytest.mark.parametrize("resume", ["torch", "shards"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_parameters_no_rank_used_are_skipped_like_torch(strategy, resume):
     """Would catch Adam stepping a parameter that no rank used in an iteration (moments keep moving, weight

@@ -9,6 +9,12 @@ from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
 from pretrain_testing import pretrain_losses, tiny_pretrain_flags
 
+def _flat(opt):
+    """The rank's shards (main params, moments, steps) as the one tensor a replica transfer sends."""
+    from megatron_lite.optimizer.sharded_state import flatten
+    return flatten(opt.sharded_state(), opt.device)
+
+
 ADAM = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.05, log_num_zeros_in_grad=True, use_distributed_optimizer=True)
 
 
@@ -33,7 +39,7 @@ def _equivalence_worker(strategy):
     for instances in (1, 2, 4):
         (model, ddp, opt), norms = _train(instances, strategy, 4)
         shards = [None] * dist.get_world_size()  # shard sizes differ between positions
-        dist.all_gather_object(shards, opt._flat_shard_state())
+        dist.all_gather_object(shards, _flat(opt))
         results[instances] = dict(norms=[n for _, n in norms], state=full_state(opt), shards=shards,
                                   per_instance=dist.get_world_size(opt.grad_stats_group))
     return results
@@ -101,7 +107,7 @@ def _rebuild_worker(source):
 
     built, _ = _train(2, "optim", 3)
     opt = built[2]
-    before = opt._flat_shard_state()
+    before = _flat(opt)
     error = None
     if rank == 1:  # lose everything this rank held of the optimizer
         for main in opt.main_of.values():
@@ -120,8 +126,8 @@ def _rebuild_worker(source):
     if source == "nan-replica" and rank == 3:
         opt.main_of[0].data.copy_(poisoned)
     if source != "replica":
-        return dict(error=error, nan=bool(torch.isnan(opt._flat_shard_state()).any()))
-    restored = torch.equal(opt._flat_shard_state(), before)
+        return dict(error=error, nan=bool(torch.isnan(_flat(opt)).any()))
+    restored = torch.equal(_flat(opt), before)
     _train(2, "optim", 3, first_step=3, built=built)
     state = full_state(opt)
     same = states_equal(state, reference_state)
