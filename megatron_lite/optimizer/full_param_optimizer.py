@@ -4,8 +4,7 @@ FP32Optimizer steps the model's fp32 parameters themselves (grad = main_grad, an
 Float16OptimizerWithFloat16Params keeps fp32 main copies of fp16/bf16 parameters and casts them back.
 """
 
-from .optimizer import (MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param,
-                        qualified_param_names)
+from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param, qualified_param_names
 
 
 class _FullParamOptimizer(MegatronOptimizer):
