@@ -24,12 +24,12 @@ discussion: docs/distributed_optimizer.md::
 
 import argparse
 import os
-import time
 
 import torch
 
 from benchmarks.counting import held_bytes
 from benchmarks.launch import launch, world_size
+from benchmarks.mlp_memory import MLPStack, train_step
 from benchmarks.timing import alternate
 from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
@@ -38,23 +38,6 @@ from megatron_lite.distributed import collectives
 
 CONFIGS = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
-
-
-class MLPStack(torch.nn.Module):
-    """`layers` pre-norm residual blocks, x + W2 gelu(W1 LayerNorm(x)): 8h^2 + 7h parameters each."""
-
-    def __init__(self, hidden: int, layers: int):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
-                                torch.nn.Linear(4 * hidden, hidden))
-            for _ in range(layers)
-        )
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return x
 
 
 def name(dtype, distributed) -> str:
@@ -68,18 +51,6 @@ def build(dtype, distributed, args):
     opt = get_megatron_optimizer(OptimizerConfig(
         lr=1e-4, bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed), [ddp])
     return ddp, opt
-
-
-def train_step(ddp, opt, x, y) -> float:
-    """One full training step; returns the seconds spent in optimizer.step()."""
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    loss = (ddp(x.to(ddp.param_and_grad_buffers[0].param_dtype)).float() - y).square().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    start = time.perf_counter()
-    opt.step()  # the distributed optimizer's parameter all-gather happens in here
-    return time.perf_counter() - start
 
 
 def memory(ddp, opt) -> dict:

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.bucket_size_sweep import SETTINGS, build, sync, train_step
+from benchmarks.gpt_step import SETTINGS, build, sync, train_step
 from benchmarks.launch import launch, world_size
 from benchmarks.timing import alternate
 

@@ -1,9 +1,9 @@
 """What replicated optimizer state costs: bytes per parameter per rank and step time for
 num_distributed_optimizer_instances R = 1, 2, 4 (at dp=4), side by side in one run.
 
-The model and the accounting are sharding_memory.py's (bf16 params, fp32 grads and main params, Adam,
-the distributed optimizer, overlap_grad_reduce). With R instances each shard lives on R ranks, so a rank
-keeps 1/(d/R) of the fp32 main params and Adam moments: 12R/d bytes per parameter, on top of the 6 that
+The model and the accounting are sharding_memory.py's, from mlp_memory.py (bf16 params, fp32 grads and
+main params, Adam, the distributed optimizer, overlap_grad_reduce). With R instances each shard lives on
+R ranks, so a rank keeps 1/(d/R) of the fp32 main params and Adam moments: 12R/d bytes per parameter, on top of the 6 that
 every rank keeps (bf16 params, fp32 grads). Step times: alternating rounds, slowest rank (timing.py). ::
 
     python -m benchmarks.replica_memory [--world-size 4]
@@ -13,8 +13,7 @@ import os
 
 import torch
 
-from benchmarks.optimizer_memory import MLPStack, train_step
-from benchmarks.sharding_memory import held, run
+from benchmarks.mlp_memory import MLPStack, held, run, train_step
 from benchmarks.timing import alternate
 from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,

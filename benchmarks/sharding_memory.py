@@ -1,7 +1,7 @@
 """Model-state bytes per parameter of the four data-parallel sharding strategies, against theory, with the
 transient peak next to them, and their step times side by side.
 
-One model (benchmarks/optimizer_memory.py's stack of residual MLP blocks; each block is a ZeRO-3 unit and
+One model (benchmarks/mlp_memory.py's stack of residual MLP blocks; each block is a ZeRO-3 unit and
 a bucket) is built per (dtype, strategy) on every rank, with overlap_grad_reduce and Adam: bf16 params
 with fp32 gradients and main params, or fp32 throughout. After a few steps, the real bytes this rank holds
 are counted (params, grads, fp32 main params, Adam state; shared storage once). Theory for d ranks
@@ -18,13 +18,9 @@ hooks. Step times: alternating rounds, slowest rank (timing.py). ::
     torchrun --nproc-per-node 2 -m benchmarks.sharding_memory
 """
 
-import argparse
-
 import torch
 
-from benchmarks.counting import held_bytes
-from benchmarks.launch import launch, world_size
-from benchmarks.optimizer_memory import MLPStack, train_step
+from benchmarks.mlp_memory import MLPStack, held, run, train_step
 from benchmarks.timing import alternate
 from megatron_lite import (
     DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
@@ -44,19 +40,6 @@ def build(dtype, strategy, args):
     opt = get_megatron_optimizer(OptimizerConfig(
         lr=1e-4, bf16=dtype == torch.bfloat16, use_distributed_optimizer=strategy != "no_shard"), [ddp])
     return ddp, opt
-
-
-def held(ddp, opt) -> dict:
-    """This rank's bytes after a step, by kind (storage shared between kinds counted once)."""
-    seen, buckets = set(), [b for buf in ddp.param_and_grad_buffers for b in buf.buckets]
-    params = [buf.param_data for buf in ddp.param_and_grad_buffers if buf.param_data is not None] + list(ddp.param_to_name)
-    params += [b.param_shard for b in buckets if b.param_shard is not None]
-    grads = [buf.grad_data for buf in ddp.param_and_grad_buffers if buf.grad_data is not None]
-    grads += [b.grad_shard for b in buckets if b.grad_shard is not None] + [b.grad_data for b in buckets]
-    return dict(params=held_bytes(params, seen), grads=held_bytes(grads, seen),
-                main=held_bytes([p for g in opt.optimizer.param_groups for p in g["params"]], seen),
-                state=held_bytes([t for s in opt.optimizer.state.values() for t in s.values()
-                                  if torch.is_tensor(t) and t.dim() > 0], seen))
 
 
 def transient_peak(ddp, opt, x, y) -> int:
@@ -110,23 +93,6 @@ def benchmark(args, rank, world, device):
               f"{per['grads']:.2f} | {per['main']:.2f} | {per['state']:.2f} | "
               f"{per['params'] + per['grads'] + per['main'] + per['state']:.2f} | {theory(dtype, strategy, world):.2f} | "
               f"{per['peak']:.2f} | {timings.median_ms(k):.1f} | {timings.median_ms(k) / timings.median_ms(base):.2f}x |")
-
-
-def run(benchmark_fn, doc: str, steps: int = 20, ranks: int = 2):
-    """Parse the MLPStack flags (shared with replica_memory.py) and run `benchmark_fn` on CPU ranks."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256, help="model width h (default: 256)")
-    p.add_argument("--layers", type=int, default=6, help="residual MLP blocks (default: 6)")
-    p.add_argument("--micro-batch-size", type=int, default=32, help="rows of input per rank (default: 32)")
-    p.add_argument("--steps", type=int, default=steps, help=f"timed rounds (default: {steps})")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
-    p.add_argument("--world-size", type=int, default=ranks, help=f"ranks to spawn when not launched by torchrun "
-                   f"(default: {ranks})")
-    args = p.parse_args()
-    for flag in ("hidden", "layers", "micro_batch_size", "steps", "world_size"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    launch(benchmark_fn, args, world_size(args.world_size), cpu=True, threads_per_rank=1)
 
 
 def main():
