@@ -24,7 +24,10 @@ import torch
 
 from benchmarks.launch import launch, world_size
 from megatron_lite import (
-    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
 )
 from megatron_lite.checkpointing import load_checkpoint, save_checkpoint
 from megatron_lite.distributed import collectives

@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.counting import count_megatron_lite, count_torch, tensors_of
-from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
-from megatron_lite import OptimizerConfig, get_megatron_optimizer
+from megatron_lite import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
+)
 from megatron_lite.models import GPTConfig, GPTModel
 
 

@@ -32,7 +32,10 @@ from benchmarks.launch import launch, world_size
 from benchmarks.mlp_memory import MLPStack, train_step
 from benchmarks.timing import alternate
 from megatron_lite import (
-    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
 )
 from megatron_lite.distributed import collectives
 

@@ -15,7 +15,10 @@ import torch
 
 from benchmarks.launch import launch
 from megatron_lite import (
-    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
 )
 from megatron_lite.models import GPTConfig, GPTModel
 

@@ -16,7 +16,10 @@ import torch
 from benchmarks.mlp_memory import MLPStack, held, run, train_step
 from benchmarks.timing import alternate
 from megatron_lite import (
-    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
 )
 from megatron_lite.distributed import collectives
 

@@ -18,12 +18,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_lite import (
-    DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
 )
 from megatron_lite.optimizer import check_optimizer_matches_ddp
 from megatron_lite.training import initialize_distributed, shutdown
 from megatron_lite.training.arguments import (
-    DDP_FLAGS, OPTIMIZER_FLAGS, ddp_config_from_args, flag_error_message, optimizer_config_from_args,
+    DDP_FLAGS,
+    OPTIMIZER_FLAGS,
+    ddp_config_from_args,
+    flag_error_message,
+    optimizer_config_from_args,
 )
 from megatron_lite.training.config_flags import add_config_arguments
 

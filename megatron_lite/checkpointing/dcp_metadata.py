@@ -41,8 +41,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING, BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-    TensorProperties, TensorStorageMetadata,
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 

@@ -33,7 +33,9 @@ from . import collectives
 from .distributed_data_parallel_config import UNSHARDED_GRADIENT_STRATEGIES, DistributedDataParallelConfig
 from .expert_parallel import expert_topology, gradient_scaling_factors, is_expert_param
 from .grad_checks import (
-    globally_unused_params, raise_if_any_rank_found_nonfinite, raise_if_requires_grad_changed,
+    globally_unused_params,
+    raise_if_any_rank_found_nonfinite,
+    raise_if_requires_grad_changed,
     unused_parameters_message,
 )
 from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT, GradSyncSchedule

@@ -6,8 +6,8 @@ import torch
 
 from ..distributed import DistributedDataParallel
 from .distrib_optimizer import DistributedOptimizer
+from .full_param_optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
-from .full_param_optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from .optimizer import MegatronOptimizer, make_grad_scaler
 from .optimizer_config import OptimizerConfig
 

@@ -11,7 +11,12 @@ save_checkpoint / load_checkpoint are megatron_lite.checkpointing's, re-exported
 
 from ..checkpointing import load_checkpoint, save_checkpoint
 from .arguments import (
-    build_parser, ddp_config_from_args, gpt_config_from_args, optimizer_config_from_args, parse_args, validate_args,
+    build_parser,
+    ddp_config_from_args,
+    gpt_config_from_args,
+    optimizer_config_from_args,
+    parse_args,
+    validate_args,
 )
 from .initialize import initialize_distributed, initialize_megatron, shutdown
 from .metrics import print_rank_0

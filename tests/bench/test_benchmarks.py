@@ -3,7 +3,6 @@
 import csv
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 

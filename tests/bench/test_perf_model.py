@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from pretrain_testing import REPO
 
 from benchmarks import perf_model as pm
-from pretrain_testing import REPO
 
 
 def test_collective_times():

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import torch
-
 from distributed_helper import run_distributed
 from pretrain_testing import REPO, pretrain_losses, tiny_pretrain_flags
 

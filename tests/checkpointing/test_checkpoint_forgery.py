@@ -19,7 +19,6 @@ import sys
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 from pretrain_testing import REPO, tiny_pretrain_flags
 

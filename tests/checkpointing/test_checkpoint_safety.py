@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from distributed_helper import run_distributed
 from pretrain_testing import REPO, tiny_pretrain_flags
 
@@ -148,11 +147,11 @@ def test_rank0_failing_to_build_data_stops_every_rank_at_once():
 
 def _failing_dist_save_worker(root):
     import torch.distributed as dist
+    from optim_testing import build
 
     from megatron_lite import checkpointing
     from megatron_lite.checkpointing import torch_dist
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
     sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
@@ -186,8 +185,13 @@ def test_torch_dist_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_p
 def _sizes_worker(root):
     import torch
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, checkpointing
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        checkpointing,
+        get_megatron_optimizer,
+    )
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     torch.manual_seed(0)

@@ -5,7 +5,6 @@ newest one by every account (tracker, directory scan, load), in both checkpoint 
 import os
 
 import pytest
-
 from distributed_helper import run_distributed
 
 
@@ -14,11 +13,11 @@ def _worker(root, ckpt_format, fail_at):
     manifest.json; 'rename': renaming the temporary directory into place), then look at what is left and
     load it into a fresh model and optimizer."""
     import torch.distributed as dist
+    from optim_testing import build, full_state, megatron_steps, states_equal
 
     from megatron_lite import checkpointing
     from megatron_lite.checkpointing import files
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build, full_state, megatron_steps, states_equal
 
     rank, dp = dist.get_rank(), dist.get_world_size()
 

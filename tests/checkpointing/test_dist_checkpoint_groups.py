@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 
 WORLD = 4
@@ -40,10 +39,14 @@ def _dp_group(layout):
 def _build(layout, strategy, seed, instances=1, extra=False):
     """SmallNet (with `extra`: and an unused Linear more) wrapped over this rank's group of `layout`."""
     import torch.distributed as dist
-
     from ddp_testing import make_model
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     sharded = strategy != "no_shard"
@@ -84,9 +87,9 @@ def _round_trip_worker(root, save_layout, save_strategy, load_layout, load_strat
     background), then load into a fresh model (other initial weights) in `load_layout`; returns the
     differences from the saved state."""
     import torch.distributed as dist
+    from optim_testing import megatron_steps
 
     from megatron_lite import checkpointing
-    from optim_testing import megatron_steps
 
     ddp, opt, sched, dp_rank, dp = _build(save_layout, save_strategy, seed=0, instances=instances)
     megatron_steps(ddp, opt, dp_rank, dp, 2)
@@ -165,9 +168,9 @@ def _diverged_worker(root):
     import os
 
     import torch.distributed as dist
+    from optim_testing import megatron_steps
 
     from megatron_lite import checkpointing
-    from optim_testing import megatron_steps
 
     ddp, opt, sched, dp_rank, dp = _build("blocks", "optim", seed=0)
     index = dist.get_rank() // 2
@@ -202,9 +205,9 @@ def test_groups_holding_different_state_refuse_to_save(tmp_path):
 def _other_model_worker(root):
     """Save SmallNet from groups {0,1},{2,3}; load it where group {2,3} built a model with one more layer."""
     import torch.distributed as dist
+    from optim_testing import megatron_steps
 
     from megatron_lite import checkpointing
-    from optim_testing import megatron_steps
 
     ddp, opt, sched, dp_rank, dp = _build("blocks", "optim", seed=0)
     megatron_steps(ddp, opt, dp_rank, dp, 1)

@@ -7,11 +7,9 @@ import os
 import sys
 
 import pytest
-
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
 from pretrain_testing import REPO
-
 
 
 # ---------------------------------------------------------------------------------------- the consistency rules
@@ -65,10 +63,10 @@ def _round_trip_worker(root):
     """dp=4, R=2: 6 uninterrupted steps vs 3 steps, last words of ranks 0-2 (rank 3 'dead'), a fresh model
     and optimizer loaded from them, 3 more steps."""
     import torch.distributed as dist
+    from optim_testing import build, megatron_steps
 
     from megatron_lite.checkpointing import last_words
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
 
@@ -165,12 +163,16 @@ def test_rank_raising_an_exception_restarts_and_continues(soak, tmp_path):
 
 def _subgroup_worker(root):
     import torch.distributed as dist
+    from ddp_testing import make_model
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
     from megatron_lite.checkpointing.last_words import LastWords
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from ddp_testing import make_model
 
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

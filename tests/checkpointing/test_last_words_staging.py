@@ -6,7 +6,6 @@ import contextlib
 import os
 
 import pytest
-
 from distributed_helper import run_distributed
 
 STEPS = 5  # iterations 1..5; the failure comes in iteration 3, after 2 completed
@@ -19,12 +18,12 @@ def _worker(root, instances):
     and optimizer. Then the torn case: a failure inside the update writes nothing."""
     import torch
     import torch.distributed as dist
-
     from ddp_testing import loss_fn, make_batches
+    from optim_testing import STEP_SEED, build, full_state, states_equal
+
     from megatron_lite import checkpointing
     from megatron_lite.checkpointing import last_words
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import STEP_SEED, build, full_state, states_equal
 
     rank, dp = dist.get_rank(), dist.get_world_size()
 

@@ -8,15 +8,15 @@ import json
 import os
 
 import pytest
-
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
 from pretrain_testing import REPO, tiny_pretrain_flags
 
 
 def _fresh():
-    from megatron_lite.training.scheduler import OptimizerParamScheduler
     from optim_testing import build
+
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     _, ddp, opt = build(dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
                              num_distributed_optimizer_instances=2), dict(lr=1e-2, use_distributed_optimizer=True))
@@ -25,7 +25,6 @@ def _fresh():
 
 def _steps(ddp, opt, scheduler, first, n, words=None):
     import torch.distributed as dist
-
     from optim_testing import megatron_steps
 
     for k in range(first, first + n):
@@ -119,11 +118,11 @@ def _failing_read_worker(root, ckpt_format, victim):
     are still in step afterwards (a collective completes)."""
     import torch
     import torch.distributed as dist
+    from optim_testing import build
 
     from megatron_lite import checkpointing
     from megatron_lite.checkpointing import files, load_checkpoint, save_checkpoint, torch_dist
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     def fresh():
         _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
@@ -170,10 +169,10 @@ def test_a_read_failing_on_one_rank_ends_every_rank_with_its_cause(tmp_path, ckp
 def _other_layout_worker(root):
     """dp=4: last words written with R=2 instances, loaded by a job with R=1; returns each rank's error."""
     import torch.distributed as dist
+    from optim_testing import build
 
     from megatron_lite.checkpointing import last_words, load_checkpoint
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     ddp, opt, scheduler = _fresh()
     words = last_words.LastWords(root, opt, scheduler, 0, 0)
@@ -256,10 +255,10 @@ def test_pretrain_falls_back_past_unreadable_last_words_and_trains_on_exactly(tm
 def _different_views_worker(root):
     """dp=2: a checkpoint at 2 that rank 1 does not see (as on a node without the shared filesystem)."""
     import torch.distributed as dist
+    from optim_testing import build
 
     from megatron_lite.checkpointing import files, load_checkpoint, save_checkpoint
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     def fresh():
         _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))

@@ -4,7 +4,6 @@ tiny GPT continues with the losses of an uninterrupted run (bit-exact at the sam
 import itertools
 
 import pytest
-
 from distributed_helper import run_distributed
 from pretrain_testing import pretrain_losses, tiny_pretrain_flags
 

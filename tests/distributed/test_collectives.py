@@ -27,10 +27,10 @@ def test_no_collective_outside_collectives_module():
 
 def _observed_step_worker(use_distributed_optimizer):
     import torch
-
     from ddp_testing import loss_fn, make_batches
-    from megatron_lite.distributed import collectives
     from optim_testing import build
+
+    from megatron_lite.distributed import collectives
 
     rank = torch.distributed.get_rank()
     _, ddp, opt = build(dict(use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=True,

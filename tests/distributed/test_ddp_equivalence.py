@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 
 MICRO_BATCHES = 3
@@ -20,10 +19,15 @@ MICRO_BATCHES = 3
 
 def _run_matrix(overlap, distopt, dtype_name):
     import torch.distributed as dist
-
     from ddp_testing import (
-        compare_to_reference, global_batch_grads, make_batches, make_model, reference_grads, train_step,
+        compare_to_reference,
+        global_batch_grads,
+        make_batches,
+        make_model,
+        reference_grads,
+        train_step,
     )
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -68,8 +72,8 @@ def test_main_grad_equals_single_process_reference(dp, overlap, distopt, dtype_n
 def _run_fp32_main_grads_for_bf16(dp_expected):
     """bf16 params without grad_reduce_in_fp32 keep bf16 grads; with it, a separate fp32 grad buffer."""
     import torch.distributed as dist
-
     from ddp_testing import make_model
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     assert dist.get_world_size() == dp_expected

@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 
@@ -92,8 +91,8 @@ def test_unused_parameter_without_overlap_is_exact():
 
 def _nan_worker(overlap):
     import torch.distributed as dist
-
     from ddp_testing import loss_fn, make_batches, make_model
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank = dist.get_rank()
@@ -127,6 +126,7 @@ def test_nan_in_one_rank_raises_on_all_ranks_naming_rank_bucket_param():
 
 def _misuse_worker():
     from ddp_testing import loss_fn, make_batches, make_model
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp = DistributedDataParallel(make_model(), DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=50))
@@ -192,6 +192,7 @@ def test_step_without_finish_grad_sync_is_an_error_on_every_rank():
 
 def _requires_grad_worker(freeze, when):
     from ddp_testing import loss_fn, make_batches, make_model
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     model = make_model()
@@ -224,8 +225,8 @@ def test_changing_requires_grad_after_wrapping_names_the_parameter():
 
 def _mismatch_worker(kind):
     import torch.distributed as dist
-
     from ddp_testing import SmallNet
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank = dist.get_rank()
@@ -280,8 +281,8 @@ def _shared_checkpoint_worker():
     import copy
 
     import torch.distributed as dist
-
     from ddp_testing import mean_of_rank_grads
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank, dp = dist.get_rank(), dist.get_world_size()

@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 
@@ -36,8 +35,8 @@ class _Recorder:
 
 def _overlap_worker(distopt):
     import torch.distributed as dist
-
     from ddp_testing import loss_fn, make_batches, make_model
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank = dist.get_rank()
@@ -111,8 +110,8 @@ def _order_worker():
     import copy
 
     import torch.distributed as dist
-
     from ddp_testing import mean_of_rank_grads
+
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank, dp = dist.get_rank(), dist.get_world_size()

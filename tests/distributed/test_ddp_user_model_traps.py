@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -167,8 +166,8 @@ def test_no_wrapper_attribute_shadows_an_nn_module_method():
 # ------------------------------------------------------------------------------ megatron-core loop calls
 def _megatron_calls_worker(strategy):
     import torch.distributed as dist
-
     from ddp_testing import make_model
+
     from megatron_lite import OptimizerConfig, get_megatron_optimizer
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
@@ -240,7 +239,6 @@ def _num_buckets_worker():
 # ------------------------------------------------------------------------------ .grad after the sync
 def _grad_alias_worker(strategy):
     import torch.distributed as dist
-
     from ddp_testing import make_model
 
     ddp = _wrap(make_model(), strategy, gradient_as_bucket_view=True)
@@ -285,7 +283,6 @@ def _unused_worker(strategy, resume):
     step count lags), then a checkpoint round trip into a fresh optimizer, which must continue alike."""
     import torch.distributed as dist
 
-    from megatron_lite.optimizer import get_megatron_optimizer
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -11,7 +11,6 @@ ranks reduce), else to 1e-6 relative (gloo's summation order over four ranks is 
 import pytest
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 MICRO_BATCHES = 2

@@ -24,7 +24,6 @@ not ours, so the mode without the fp32 reduce-scatter is checked bit-exactly on 
 import pytest
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 SIZES = (37, 64, 5, 90, 23)  # ragged: buckets and shards cut through parameters
@@ -356,8 +355,12 @@ def test_nan_check_sees_what_is_sent_not_the_fp32_accumulation():
 def _step_worker(dp_kwargs, patterns):
     import torch.distributed as dist
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     config = DistributedDataParallelConfig(param_name_patterns_for_fp32_local_accumulation=patterns, **dp_kwargs)
@@ -421,7 +424,6 @@ def test_pretrain_flags_set_both_modes():
 def test_benchmark_prints_every_mode(tmp_path):
     """Smoke test of the command docs/performance.md quotes: would catch the benchmark failing to run, or a
     mode missing from its table."""
-    import os
     import subprocess
     import sys
 

@@ -6,7 +6,6 @@ once."""
 import pytest
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 
@@ -29,7 +28,12 @@ def _branch_worker(widths, strategy, steps=3, bucket_size=40):
 
     import torch.distributed as dist
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -229,8 +233,12 @@ class Stack(torch.nn.Module):
 def _zero3_worker():
     import torch.distributed as dist
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     rank = dist.get_rank()
     results = {}
@@ -284,10 +292,10 @@ def _zero3_order_worker():
     import copy
 
     import torch.distributed as dist
-
     from ddp_testing import mean_of_rank_grads
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
     from test_ddp_overlap import TwoBranches
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -5,17 +5,16 @@ strategy validation. ZeRO-3's units and gathers are tested in test_param_units.p
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 from pretrain_testing import pretrain_losses, tiny_pretrain_flags
 
 
 def _zero2_worker(overlap):
     import torch.distributed as dist
-
     from ddp_testing import make_batches, make_model
-    from megatron_lite.distributed.distributed_data_parallel import ZERO2_BUCKETS_IN_FLIGHT
     from optim_testing import build, megatron_steps
+
+    from megatron_lite.distributed.distributed_data_parallel import ZERO2_BUCKETS_IN_FLIGHT
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     runs = {}

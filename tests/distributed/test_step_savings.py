@@ -4,7 +4,6 @@ into main_grad) and log_grad_norm=False (no norm pass when not clipping)."""
 import pytest
 import torch
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
 from test_ddp_errors import _FusedWgradLinear
@@ -12,7 +11,6 @@ from test_ddp_errors import _FusedWgradLinear
 
 def _bucket_view_worker(strategy, overlap):
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     runs, aliased = {}, {}
@@ -70,7 +68,6 @@ def test_gradient_as_bucket_view_refuses_fused_wgrad_layers():
 
 def _norm_worker():
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     out = {}

@@ -22,11 +22,10 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Tuple
 
 import pytest
+import third_party_models as tpm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import third_party_models as tpm
 from distributed_helper import run_distributed
 
 LR, WD, STEPS, MICRO_BATCHES = 1e-2, 0.1, 3, 2
@@ -130,8 +129,12 @@ def torch_param_groups(module):
 
 def build_pair(case, strategy, overlap, **ddp_kwargs):
     """(megatron_lite wrapper, its optimizer, torch DDP reference, torch AdamW) on identical copies of the model."""
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     torch.manual_seed(0)
     model = case.build()

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from distributed_helper import run_distributed
 
 
@@ -74,8 +73,12 @@ def _deferred(real):
 def _worker(overlap, micro_batches, steps=3):
     import copy
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
     from megatron_lite.distributed import collectives
     from megatron_lite.distributed.distributed_data_parallel import ZERO2_BUCKETS_IN_FLIGHT
 

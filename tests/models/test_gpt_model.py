@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed_helper import run_distributed
+
 from megatron_lite.models import GPTConfig, GPTModel, num_floating_point_operations
 from megatron_lite.models import gpt as gpt_module
 from megatron_lite.models.gpt import apply_rotary, rotary_cos_sin
@@ -287,7 +287,10 @@ def _tied_gpt_distributed_optimizer_worker(pe):
     import torch.distributed as dist
 
     from megatron_lite import (
-        DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
     )
     from megatron_lite.optimizer.distrib_optimizer import shard_ranges
 

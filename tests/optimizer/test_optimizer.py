@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 
 LR, WD, CLIP, STEPS = 1e-2, 0.1, 0.05, 5
@@ -31,7 +30,6 @@ def _configs():
 
 def _equivalence_worker(dtype_name):
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps, reference_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -91,9 +89,9 @@ def test_adamw_matches_single_process_reference(dp, dtype_name):
 
 def _shard_worker(bucket_size):
     import torch.distributed as dist
+    from optim_testing import build
 
     from megatron_lite.optimizer.distrib_optimizer import shard_ranges
-    from optim_testing import build
 
     model, ddp, opt = build(dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size),
                             dict(lr=LR, use_distributed_optimizer=True))
@@ -128,10 +126,10 @@ def test_shards_cover_every_element_once_and_state_is_one_over_dp(dp):
 
 def _overflow_worker(strategy):
     import torch.distributed as dist
-
     from ddp_testing import loss_fn, make_batches
-    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
     from optim_testing import build
+
+    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     distopt = strategy != "no_shard"
@@ -201,7 +199,6 @@ class Scrambled(torch.nn.Module):
 
 def _gather_order_worker():
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -229,7 +226,6 @@ def test_overlap_param_gather_is_never_stale_when_forward_order_differs():
 
 def _sgd_and_zeros_worker():
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps, reference_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -268,7 +264,6 @@ def test_sgd_matches_torch_and_zero_counting():
 
 def _lr_worker():
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -315,7 +310,12 @@ def test_optimizer_config_validation(kwargs, field):
 
 
 def test_get_megatron_optimizer_rejects_inconsistent_setups(single_rank_group):
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     ddp = DistributedDataParallel(torch.nn.Linear(2, 2), DistributedDataParallelConfig())
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
@@ -346,11 +346,15 @@ def _mixed_dtype_worker():
     import copy
 
     import torch.distributed as dist
-
     from ddp_testing import reference_grads
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
     from optim_testing import STEP_SEED, make_batches, megatron_steps
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     master = copy.deepcopy(MixedNet()).float()

@@ -7,7 +7,6 @@ bit-exact continuation. Other dp: the gradient sums round differently, so within
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 
 LR, WD, CLIP = 1e-2, 0.1, 0.05
@@ -21,7 +20,6 @@ def _opt_kwargs(distopt, dtype):
 
 def _save_worker(path, dtype_name):
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -40,7 +38,6 @@ def _save_worker(path, dtype_name):
 
 def _resume_worker(path, distopt, bucket_size, dtype_name):
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()

@@ -4,10 +4,10 @@ memory with training continuing bit-identically."""
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
 from pretrain_testing import pretrain_losses, tiny_pretrain_flags
+
 
 def _flat(opt):
     """The rank's shards (main params, moments, steps) as the one tensor a replica transfer sends."""
@@ -19,8 +19,8 @@ ADAM = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.05, log_num_zeros_in_grad=Tru
 
 
 def _train(instances, strategy, steps, first_step=0, built=None):
-    from optim_testing import build, megatron_steps
     import torch.distributed as dist
+    from optim_testing import build, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     if built is None:
@@ -68,7 +68,6 @@ def test_instances_match_one_instance(strategy):
 
 def _num_zeros_worker():
     import torch.distributed as dist
-
     from optim_testing import build, megatron_steps
 
     out = {}

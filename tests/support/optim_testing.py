@@ -3,7 +3,6 @@
 import copy
 
 import torch
-
 from ddp_testing import loss_fn, make_batches, make_model, reference_grads
 
 STEP_SEED = 100  # batches of step k use seed STEP_SEED + k
@@ -11,7 +10,10 @@ STEP_SEED = 100  # batches of step k use seed STEP_SEED + k
 
 def build(dp_config_kwargs, opt_config_kwargs, dtype=torch.float32, model=None):
     from megatron_lite import (
-        DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig, get_megatron_optimizer,
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
     )
 
     model = model if model is not None else make_model(dtype=dtype)

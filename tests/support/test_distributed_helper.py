@@ -4,7 +4,6 @@ that rank's error (its peers, stuck in a collective, are not waited for until th
 import time
 
 import pytest
-
 from distributed_helper import FAILURE_GRACE_S, PROCESS_GROUP_TIMEOUT_S, run_distributed
 
 

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 from pretrain_testing import REPO, tiny_pretrain_flags
 
@@ -38,7 +37,6 @@ def _reload_worker(strategy, dtype_name):
     built on the loaded model: 3 steps; (b) after 2 steps, load + reload: main params become the new weights,
     moments and step counts stay."""
     import torch.distributed as dist
-
     from ddp_testing import make_model
     from optim_testing import full_state, megatron_steps, states_equal
 
@@ -190,11 +188,11 @@ def _last_words_worker(root, strategy):
     """bf16, 2 steps with last words written; a fresh model, optimizer and schedule loaded from them with
     load_checkpoint(finetune=True); and a fourth with load_optim=False only (the iteration kept)."""
     import torch.distributed as dist
+    from optim_testing import full_state, megatron_steps
 
     from megatron_lite import checkpointing
     from megatron_lite.checkpointing import last_words
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import full_state, megatron_steps
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     ddp, opt = _build(strategy, torch.bfloat16)

@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from pretrain_testing import REPO
 
 from megatron_lite.data.gpt_dataset import split_documents
 from megatron_lite.training import parse_args
-
-from pretrain_testing import REPO
 
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")
 

@@ -2,7 +2,6 @@
 and without --calculate-per-token-loss, against a single-process reference with uneven masks."""
 
 import torch
-
 from distributed_helper import run_distributed
 
 MICRO_BATCHES, DP = 2, 2
@@ -40,8 +39,12 @@ def _reference(per_token):
 def _worker(per_token, strategy):
     import torch.distributed as dist
 
-    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, OptimizerConfig
-    from megatron_lite import get_megatron_optimizer
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
     from megatron_lite.training import train_step
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 

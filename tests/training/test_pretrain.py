@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 from pretrain_testing import REPO, tiny_pretrain_flags
 
@@ -90,10 +89,11 @@ def test_resume_on_a_different_number_of_ranks(data_cache, tmp_path):
 
 def _save_with_crash_worker(root):
     from ddp_testing import make_model
+    from optim_testing import build
+
     from megatron_lite import checkpointing
     from megatron_lite.checkpointing import torch_format
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
     sched = OptimizerParamScheduler(opt, 1e-3, 1e-4, 1, 10, "cosine")

@@ -5,16 +5,15 @@ import os
 
 import pytest
 import torch
-
 from distributed_helper import run_distributed
 
 
 def _nan_loss_worker():
     import torch.distributed as dist
+    from optim_testing import build
 
     from megatron_lite.training import train_step
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     rank = dist.get_rank()
     model, ddp, opt = build(dict(), dict(lr=1e-3))  # no grad check: the loss check alone must catch it
@@ -43,9 +42,10 @@ def test_nan_loss_on_one_rank_stops_every_rank_naming_it():
 
 
 def _nan_checkpoint_worker(root):
+    from optim_testing import build
+
     from megatron_lite import checkpointing
     from megatron_lite.training.scheduler import OptimizerParamScheduler
-    from optim_testing import build
 
     model, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
     sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
