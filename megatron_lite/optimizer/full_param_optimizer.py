@@ -55,7 +55,7 @@ class _FullParamOptimizer(MegatronOptimizer):
         out = {}
         for shard in state.shards:
             entry = {k: t.view(shard.shape).float().cpu().clone() for k, t in shard.tensors.items()}
-            entry["step"] = 0 if shard.step is None else shard.step  # torch's count; 0 before a first update
+            entry["step"] = state.own_step(shard)
             out[shard.name] = entry
         return out
 

@@ -230,7 +230,11 @@ class MegatronOptimizer:
         shards = []
         for param, start, end, main, model_data in self._main_shards():
             state = self._state_of(main)
-            own_step = int(state["step"].item()) if "step" in state else None
+            if "step" in state:
+                own_step = int(state["step"].item())
+            else:  # Adam without state after updates: a parameter that skipped every step (torch's count: 0)
+                skipped_all = self.config.optimizer == "adam" and self.update_count and not state
+                own_step = 0 if skipped_all else None
             shards.append(ParamShard(self.param_to_name[param], start, end, param.shape, self._shard_tensors(main),
                                      own_step, model_data))
         return ShardedOptimizerState(self.common_state_dict(), self.update_count, tuple(shards), self.params_sharded)

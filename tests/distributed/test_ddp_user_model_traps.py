@@ -275,10 +275,16 @@ class TwoHeads(nn.Module):
         return self.heads[head](torch.tanh(self.trunk(x)))
 
 
-HEADS = [lambda rank: rank, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank]
+# Which head each rank uses at each step. The checkpoint round trip happens before step 3.
+HEADS = {
+    # head 1 unused at steps 1-2: its step count lags the optimizer's at the checkpoint
+    "lagging": [lambda rank: rank, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank],
+    # head 1 unused at steps 0-2: it has no optimizer state at all at the checkpoint
+    "never_stepped": [lambda rank: 0, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank],
+}
 
 
-def _unused_worker(strategy, resume):
+def _unused_worker(strategy, resume, heads):
     """Steps that leave a head unused on every rank (torch skips it: no moments, no weight decay, its own
     step count lags), then a checkpoint round trip into a fresh optimizer, which must continue alike."""
     import torch.distributed as dist
@@ -297,7 +303,7 @@ def _unused_worker(strategy, resume):
                                   lr=1e-2, foreach=True)
     gen = torch.Generator().manual_seed(10 + rank)
     diffs = []
-    for step, head_of in enumerate(HEADS):
+    for step, head_of in enumerate(HEADS[heads]):
         if step == 3 and resume == "torch":  # resume from the torch-format state dict into a new optimizer
             state = opt.state_dict()
             opt = _optimizer(ddp, strategy, **kwargs)
@@ -322,12 +328,14 @@ def _unused_worker(strategy, resume):
     return diffs, sorted(ddp.param_to_name[p] for p in ddp.unused_params)
 
 
+@pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("resume", ["torch", "shards"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_parameters_no_rank_used_are_skipped_like_torch(strategy, resume):
+def test_parameters_no_rank_used_are_skipped_like_torch(strategy, resume, heads):
     """Would catch Adam stepping a parameter that no rank used in an iteration (moments keep moving, weight
     decay shrinks it) where torch's optimizer skips it, and a checkpoint that gives every parameter the
-    optimizer's step count (a skipped parameter's bias correction lags, as torch's per-tensor step does)."""
-    for diffs, unused in run_distributed(_unused_worker, 2, strategy, resume):
-        assert diffs == [0.0] * len(HEADS), diffs
+    optimizer's step count (a skipped parameter's bias correction lags, as torch's per-tensor step does;
+    one that never stepped starts from 0 in every format)."""
+    for diffs, unused in run_distributed(_unused_worker, 2, strategy, resume, heads):
+        assert diffs == [0.0] * len(HEADS[heads]), diffs
         assert unused == []  # the last step used both heads
