@@ -18,6 +18,6 @@ setup(
         # transformers / peft versions of the third-party-model tests (pinned: newer releases may ask for a newer
         # torch, which pip would fetch as a multi-GB CUDA build)
         "thirdparty": ["transformers==5.24.0", "peft==0.21.2", "accelerate==1.15.0"],
-        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm"],
+        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm", "ruff==0.17.6"],
     },
 )

@@ -90,7 +90,8 @@ def sweep(args, device):
                         args.warmup, device)
     q = torch.quantile(timings.samples * 1e3, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1).tolist()
     compute = q[1][-1][0]  # [quantile][config][step, finish]
-    rows = [dict(config=name, bucket_size="" if b is None else b, num_buckets=sum(len(x.buckets) for x in m.param_and_grad_buffers),
+    rows = [dict(config=name, bucket_size="" if b is None else b,
+                 num_buckets=sum(len(x.buckets) for x in m.param_and_grad_buffers),
                  step_ms=q[1][i][0], exposed_comm_ms=q[1][i][0] - compute, finish_grad_sync_ms=q[1][i][1],
                  step_p25_ms=q[0][i][0], step_p75_ms=q[2][i][0])
             for i, ((name, b, _, _), (m, _)) in enumerate(zip(configs, runs))]

@@ -43,7 +43,8 @@ def train_step(ddp, opt, x, y) -> float:
 def held(ddp, opt) -> dict:
     """This rank's bytes after a step, by kind (storage shared between kinds counted once)."""
     seen, buckets = set(), [b for buf in ddp.param_and_grad_buffers for b in buf.buckets]
-    params = [buf.param_data for buf in ddp.param_and_grad_buffers if buf.param_data is not None] + list(ddp.param_to_name)
+    buffers = [buf.param_data for buf in ddp.param_and_grad_buffers if buf.param_data is not None]
+    params = buffers + list(ddp.param_to_name)
     params += [b.param_shard for b in buckets if b.param_shard is not None]
     grads = [buf.grad_data for buf in ddp.param_and_grad_buffers if buf.grad_data is not None]
     grads += [b.grad_shard for b in buckets if b.grad_shard is not None] + [b.grad_data for b in buckets]

@@ -61,8 +61,9 @@ def memory(ddp, opt) -> dict:
     (the fp32 optimizers' main params are the model's own storage, so they add nothing)."""
     seen = set()
     return dict(
-        params=held_bytes([b.param_data for b in ddp.param_and_grad_buffers if b.param_data is not None] + list(ddp.param_to_name),
-                          seen),  # params are views into param_data with the distributed optimizer
+        # params are views into param_data with the distributed optimizer
+        params=held_bytes([b.param_data for b in ddp.param_and_grad_buffers if b.param_data is not None]
+                          + list(ddp.param_to_name), seen),
         grads=held_bytes([b.grad_data for b in ddp.param_and_grad_buffers], seen),
         main=held_bytes([p for g in opt.optimizer.param_groups for p in g["params"]], seen),
         state=held_bytes([s[k] for s in opt.optimizer.state.values() for k in ADAM_STATE if k in s], seen))

@@ -94,7 +94,8 @@ class Timeline:
                         [t * factor for t in self.ready], self.bytes_per_element)
 
 
-def buckets(timeline: Timeline, bucket_size: int, dp: int, distributed_optimizer: bool = False) -> List[Tuple[float, int]]:
+def buckets(timeline: Timeline, bucket_size: int, dp: int,
+            distributed_optimizer: bool = False) -> List[Tuple[float, int]]:
     """(ready time, bytes) of every bucket DDP would build, in launch order."""
     layout = compute_buffer_layout(timeline.numels, bucket_size=bucket_size, data_parallel_world_size=dp,
                                    use_distributed_optimizer=distributed_optimizer)

@@ -83,8 +83,9 @@ def benchmark(args, rank, world, device):
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f)
-        print(f"wrote {args.out}: {world} ranks, forward {result['timeline']['forward'] * 1e3:.1f} ms, backward "
-              f"{result['timeline']['backward'] * 1e3:.1f} ms, optimizer {result['timeline']['optimizer'] * 1e3:.1f} ms; "
+        phases = result["timeline"]
+        print(f"wrote {args.out}: {world} ranks, forward {phases['forward'] * 1e3:.1f} ms, backward "
+              f"{phases['backward'] * 1e3:.1f} ms, optimizer {phases['optimizer'] * 1e3:.1f} ms; "
               f"measured steps (ms) " + ", ".join(f"{b}: {s * 1e3:.1f}" for b, s in result["measured"].items()))
 
 

@@ -3,8 +3,8 @@ num_distributed_optimizer_instances R = 1, 2, 4 (at dp=4), side by side in one r
 
 The model and the accounting are sharding_memory.py's, from mlp_memory.py (bf16 params, fp32 grads and
 main params, Adam, the distributed optimizer, overlap_grad_reduce). With R instances each shard lives on
-R ranks, so a rank keeps 1/(d/R) of the fp32 main params and Adam moments: 12R/d bytes per parameter, on top of the 6 that
-every rank keeps (bf16 params, fp32 grads). Step times: alternating rounds, slowest rank (timing.py). ::
+R ranks, so a rank keeps 1/(d/R) of the fp32 main params and Adam moments: 12R/d bytes per parameter, on top
+of the 6 that every rank keeps (bf16 params, fp32 grads). Step times: alternating rounds, slowest rank (timing.py). ::
 
     python -m benchmarks.replica_memory [--world-size 4]
 """
@@ -55,7 +55,8 @@ def benchmark(args, rank, world, device):
         optimizer_state = (m["main"] + m["state"]) / numel
         total = sum(m.values()) / numel
         print(f"| {r} | {world // r} | {optimizer_state:.2f} | {12 * r / world:.2f} | {total:.2f} | "
-              f"{6 + 12 * r / world:.2f} | {timings.median_ms(k):.1f} | {timings.median_ms(k) / timings.median_ms(0):.2f}x |")
+              f"{6 + 12 * r / world:.2f} | {timings.median_ms(k):.1f} | "
+              f"{timings.median_ms(k) / timings.median_ms(0):.2f}x |")
 
 
 def main():

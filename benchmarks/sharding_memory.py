@@ -7,7 +7,8 @@ with fp32 gradients and main params, or fp32 throughout. After a few steps, the 
 are counted (params, grads, fp32 main params, Adam state; shared storage once). Theory for d ranks
 (bytes per parameter, P = 2 or 4 for the params, 4 for the fp32 grads, M = 4 for bf16's main params):
 
-    no_shard P + 4 + M + 8   optim P + 4 + (M + 8)/d   optim_grads P + (4 + M + 8)/d   optim_grads_params (P + 4 + M + 8)/d
+    no_shard     P + 4 + M + 8         optim               P + 4 + (M + 8)/d
+    optim_grads  P + (4 + M + 8)/d     optim_grads_params  (P + 4 + M + 8)/d
 
 i.e. fp32 16, 8 + 8/d, 4 + 12/d, 16/d; bf16 18, 6 + 12/d, 2 + 16/d, 18/d. The transient peak is the
 largest amount of full-size gradients (ZeRO-2/3: buckets accumulating or in flight) plus gathered
@@ -94,8 +95,9 @@ def benchmark(args, rank, world, device):
         base = CONFIGS.index((dtype, "optim"))
         print(f"| {'bf16' if dtype == torch.bfloat16 else 'fp32'} | {strategy} | {per['params']:.2f} | "
               f"{per['grads']:.2f} | {per['main']:.2f} | {per['state']:.2f} | "
-              f"{per['params'] + per['grads'] + per['main'] + per['state']:.2f} | {theory(dtype, strategy, world):.2f} | "
-              f"{per['peak']:.2f} | {timings.median_ms(k):.1f} | {timings.median_ms(k) / timings.median_ms(base):.2f}x |")
+              f"{per['params'] + per['grads'] + per['main'] + per['state']:.2f} | "
+              f"{theory(dtype, strategy, world):.2f} | {per['peak']:.2f} | {timings.median_ms(k):.1f} | "
+              f"{timings.median_ms(k) / timings.median_ms(base):.2f}x |")
 
 
 def main():

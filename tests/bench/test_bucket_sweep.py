@@ -16,8 +16,8 @@ def test_quick_sweep_reports_every_bucket_size(tmp_path):
     plot = tmp_path / "plot.png"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}  # not torchrun
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # run in tmp_path
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bucket_size_sweep", "--quick", "--out", str(plot)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=55)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bucket_size_sweep", "--quick", "--out", str(plot)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=55)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
 

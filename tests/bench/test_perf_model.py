@@ -95,8 +95,9 @@ def test_calibration_feeds_the_predictor(tmp_path):
     a file that --predict takes. Would catch a calibration file the predictor cannot read."""
     out = tmp_path / "calibration.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.perf_model_calibrate", "--world-size", "2", "--cpu",
-                          "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-                          "--vocab-size", "128", "--steps", "1", "--repeats", "1", "--reps", "1", "--out", str(out)],
+                          "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                          "--seq-length", "16", "--vocab-size", "128", "--steps", "1", "--repeats", "1",
+                          "--reps", "1", "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     pred = subprocess.run([sys.executable, "-m", "benchmarks.perf_model_report", "--predict", "--calibration", str(out),

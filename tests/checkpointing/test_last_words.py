@@ -71,8 +71,9 @@ def _round_trip_worker(root):
     rank, dp = dist.get_rank(), dist.get_world_size()
 
     def fresh():
-        model, ddp, opt = build(dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
-                                     num_distributed_optimizer_instances=2), dict(lr=1e-2, use_distributed_optimizer=True))
+        ddp_kwargs = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
+                          num_distributed_optimizer_instances=2)
+        model, ddp, opt = build(ddp_kwargs, dict(lr=1e-2, use_distributed_optimizer=True))
         return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
 
     def steps(ddp, opt, scheduler, first, n, words=None):

@@ -12,6 +12,10 @@ from distributed_helper import run_distributed
 from optim_testing import full_state, states_equal
 from pretrain_testing import REPO, tiny_pretrain_flags
 
+# The distributed optimizer's DDP and optimizer configs (optim_testing.build's arguments).
+DISTOPT_DDP = dict(use_distributed_optimizer=True, bucket_size=40)
+DISTOPT = dict(lr=1e-2, use_distributed_optimizer=True)
+
 
 def _fresh():
     from optim_testing import build
@@ -125,7 +129,7 @@ def _failing_read_worker(root, ckpt_format, victim):
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     def fresh():
-        _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
+        _, ddp, opt = build(DISTOPT_DDP, DISTOPT)
         return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
 
     ddp, opt, scheduler = fresh()
@@ -179,7 +183,7 @@ def _other_layout_worker(root):
     _steps(ddp, opt, scheduler, 0, 2, words)
     words.write("test: the job died")
     dist.barrier()
-    _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
+    _, ddp, opt = build(DISTOPT_DDP, DISTOPT)
     try:
         load_checkpoint(root, ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine"))
     except ValueError as e:
@@ -261,7 +265,7 @@ def _different_views_worker(root):
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     def fresh():
-        _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40), dict(lr=1e-2, use_distributed_optimizer=True))
+        _, ddp, opt = build(DISTOPT_DDP, DISTOPT)
         return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
 
     ddp, opt, scheduler = fresh()

@@ -43,7 +43,8 @@ def test_torch_dist_loads_at_every_other_size_and_strategy(saved, source):
             assert abs(resumed[i] - straight[i]) <= 1e-5 * straight[i], (source, dp, strategy, i)
 
 
-@pytest.mark.parametrize("saved_with, loaded_with", [(["--bf16"], []), ([], ["--bf16"])], ids=["bf16-to-fp32", "fp32-to-bf16"])
+@pytest.mark.parametrize("saved_with, loaded_with", [(["--bf16"], []), ([], ["--bf16"])],
+                         ids=["bf16-to-fp32", "fp32-to-bf16"])
 def test_torch_dist_moves_between_bf16_and_fp32(saved, tmp_path, saved_with, loaded_with):
     """fp32 main params and moments are what the checkpoint keeps, so a bf16 run resumes as fp32 and back
     (ZeRO-3 on both sides: the model's shards change dtype). Would catch model tensors loaded without a

@@ -41,9 +41,8 @@ def _overlap_worker(distopt):
 
     rank = dist.get_rank()
     model = make_model()
-    ddp = DistributedDataParallel(
-        model, DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=distopt, bucket_size=50)
-    )
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=distopt, bucket_size=50)
+    ddp = DistributedDataParallel(model, config)
     n_buckets = len(ddp.param_and_grad_buffers[0].buckets)
     batches = make_batches(dist.get_world_size(), 2)[rank]
     # The first iteration learns how many times each gradient arrives per backward (megatron-core's golden

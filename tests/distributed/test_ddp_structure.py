@@ -64,14 +64,16 @@ def test_buffers_per_dtype_views_and_names(single_rank_group):
 def test_no_param_buffer_without_distributed_optimizer(single_rank_group):
     model = nn.Linear(4, 4)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig())
-    assert ddp.param_and_grad_buffers[0].param_data is None and ddp.param_and_grad_buffers[0].buckets[0].param_data is None
+    buffer = ddp.param_and_grad_buffers[0]
+    assert buffer.param_data is None and buffer.buckets[0].param_data is None
     assert ddp.param_and_grad_buffers[0].numel == ddp.param_and_grad_buffers[0].numel_unpadded == 20
 
 
 def test_bucket_size_resolution(single_rank_group):
     """Megatron: default 40M elements with overlap, one bucket (None) without overlap."""
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    assert DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True)).bucket_size == 40_000_000
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True))
+    assert ddp.bucket_size == 40_000_000
     assert DistributedDataParallel(model, DistributedDataParallelConfig(bucket_size=10)).bucket_size is None
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=72))
     assert len(ddp.param_and_grad_buffers[0].buckets) == 4

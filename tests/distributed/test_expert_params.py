@@ -347,7 +347,7 @@ def _misuse_worker(scenario):
 
     from megatron_lite import DistributedDataParallel
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model, group, config = make_moe(rank % 2), expert_group(2), ddp_config("no_shard")
     if scenario == "no_group":
         group = None

@@ -215,7 +215,8 @@ def _gather_order_worker():
         params.append([p.detach().clone() for p in model.parameters()])
     (pending_off, state_off), (pending_on, state_on) = saved
     assert not pending_off and pending_on
-    return all(torch.equal(a, b) for a, b in zip(*params)) and all(torch.equal(state_off[k], state_on[k]) for k in state_off)
+    same_state = all(torch.equal(state_off[k], state_on[k]) for k in state_off)
+    return all(torch.equal(a, b) for a, b in zip(*params)) and same_state
 
 
 def test_overlap_param_gather_is_never_stale_when_forward_order_differs():

@@ -195,7 +195,8 @@ def test_torch_dist_checkpoint_with_replicas(tmp_path):
     run_distributed(_pretrain, 4, replicas + ["--save", str(tmp_path), "--exit-interval", "2"])
     resumed = run_distributed(_pretrain, 4, replicas + ["--load", str(tmp_path)])[0]
     assert sorted(resumed) == [3, 4] and all(resumed[i] == straight[i] for i in (3, 4))
-    for dp, extra in ((4, ["--use-distributed-optimizer"]), (2, ["--data-parallel-sharding-strategy", "optim_grads_params"])):
+    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    for dp, extra in ((4, ["--use-distributed-optimizer"]), (2, zero3)):
         resumed = run_distributed(_pretrain, dp, TINY + extra + ["--load", str(tmp_path)])[0]
         assert all(abs(resumed[i] - straight[i]) <= 1e-5 * straight[i] for i in (3, 4)), (dp, extra)
 

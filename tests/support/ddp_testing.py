@@ -40,7 +40,8 @@ def make_batches(dp, micro_batches, micro_batch_size=4, seed=1, dtype=torch.floa
     g = torch.Generator().manual_seed(seed)
     return [
         [
-            (torch.randn(micro_batch_size, 8, generator=g).to(dtype), torch.randn(micro_batch_size, 3, generator=g).to(dtype))
+            (torch.randn(micro_batch_size, 8, generator=g).to(dtype),
+             torch.randn(micro_batch_size, 3, generator=g).to(dtype))
             for _ in range(micro_batches)
         ]
         for _ in range(dp)

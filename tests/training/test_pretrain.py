@@ -64,7 +64,8 @@ def test_resume_is_bit_exact(data_cache, tmp_path):
                      "--ddp-bucket-size", "20000", "--data-cache-path", data_cache, "--hidden-dropout", "0.1"]
     straight = run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "a")])[0]
     first = run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "b"), "--exit-interval", "4"])[0]
-    second = run_distributed(_pretrain_worker, 2, common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])[0]
+    resume_flags = ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")]
+    second = run_distributed(_pretrain_worker, 2, common + resume_flags)[0]
     assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
     assert [first[i] for i in range(1, 5)] + [second[i] for i in range(5, 9)] == [straight[i] for i in range(1, 9)]
     (it_a, a), (it_b, b) = _model_state(tmp_path / "a"), _model_state(tmp_path / "b")
@@ -225,7 +226,9 @@ def test_config_flags_are_generated_from_the_configs():
     from megatron_lite.models import GPTConfig
     from megatron_lite.training import arguments as a
 
-    values = {"--ddp-bucket-size": "12345", "--num-distributed-optimizer-instances": "1", "--data-parallel-sharding-strategy": "optim_grads", "--lr": "0.25", "--min-lr": "0.125", "--weight-decay": "0.5",
+    values = {"--ddp-bucket-size": "12345", "--num-distributed-optimizer-instances": "1",
+              "--data-parallel-sharding-strategy": "optim_grads", "--lr": "0.25", "--min-lr": "0.125",
+              "--weight-decay": "0.5",
               "--clip-grad": "2.5", "--adam-beta1": "0.5", "--adam-beta2": "0.75", "--adam-eps": "0.001",
               "--sgd-momentum": "0.25", "--initial-loss-scale": "64", "--min-loss-scale": "2",
               "--loss-scale-window": "7", "--hysteresis": "3", "--loss-scale": "8", "--optimizer": "sgd",
