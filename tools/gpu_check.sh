@@ -8,11 +8,13 @@
 # write, and summary.txt (each step's exit status and seconds, then the lines worth reading). Every step has
 # its own timeout, so one failing or hanging step does not stop the others; the script itself exits 0.
 #   00 env        nvidia-smi, torch version, CUDA availability (a CPU-only torch: pip install torch==2.13.0)
-#   01 tests      pytest tests/cuda (CUDA tests: NCCL at world size 1, 2 gloo ranks sharing the GPU)    ~200 s max
-#   02 pretrain   pretrain_gpt.py --model-preset gpt2-125m --bf16, mock data, GPT-2 vocabulary          ~100 s max
-#   03 pretrain   the same with --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather ~100 s max
-#   04 overhead   benchmarks.ddp_overhead_gpt: bare GPT-2 125M step vs wrapped, bf16                    ~60 s max
-#   05 calibrate  benchmarks.perf_model_calibrate --world-size 1 (NCCL)                                  ~60 s max
+#   01 tests      pytest tests/cuda (CUDA tests: NCCL at world size 1, 2 gloo ranks sharing the GPU)    180 s max
+#   02 pretrain   pretrain_gpt.py --model-preset gpt2-125m --bf16, mock data, GPT-2 vocabulary          75 s max
+#   03 pretrain   the same with --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather 75 s max
+#   04 overhead   benchmarks.ddp_overhead_gpt: bare GPT-2 125M step vs wrapped, bf16                    60 s max
+#   05 offload    benchmarks.optimizer_offload: device memory saved and step time, offload 1.0 / 0.5    60 s max
+#   06 calibrate  benchmarks.perf_model_calibrate --world-size 1 (NCCL)                                  60 s max
+# (00 env 60 s max: 510 s in all at worst; the device lends 10 minutes per command.)
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -38,7 +40,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and time
 }
 
 # ---------------------------------------------------------------- 00 environment
-step 00_env 120 bash -c "
+step 00_env 60 bash -c "
     nvidia-smi || echo 'nvidia-smi: not available'
     $PY -c 'import torch, sys; print(\"python\", sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda build\", torch.version.cuda); print(\"cuda available\", torch.cuda.is_available()); print(\"devices\", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); print(\"nccl\", torch.cuda.nccl.version() if torch.cuda.is_available() else None); print(\"bf16 supported\", torch.cuda.is_available() and torch.cuda.is_bf16_supported())'
 "
@@ -57,6 +59,7 @@ if [ "$QUICK" = 1 ]; then  # CPU smoke sizes: the same command lines, tiny and s
     PRETRAIN_SIZE=(--model-preset tiny --train-iters 4 --log-interval 2 --micro-batch-size 2 --global-batch-size 4
                    --seq-length 64 --vocab-size 512)
     OVERHEAD_SIZE=(--quick)
+    OFFLOAD_SIZE=(--quick)
     CALIBRATE_SIZE=(--num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --vocab-size 512
                     --reps 2 --steps 2 --repeats 1)
     export MLITE_CUDA_TESTS_ON_CPU=1  # tests/cuda checks its own logic on the CPU
@@ -65,30 +68,35 @@ else
     # GPT-2 125M (12 x 768, 12 heads, seq 1024, GPT-2's vocabulary padded to 50304): 32k tokens per iteration
     # in 2 micro-batches of 16. ~100-250k tokens/s expected on an H100 in eager bf16: 200 iterations take
     # 25-65 s; the timeout keeps whatever was logged if it is slower.
-    PRETRAIN_SIZE=(--model-preset gpt2-125m --train-iters 200 --log-interval 20 --micro-batch-size 16
+    PRETRAIN_SIZE=(--model-preset gpt2-125m --train-iters 100 --log-interval 20 --micro-batch-size 16
                    --global-batch-size 32 --seq-length 1024 --vocab-size 50304)
     OVERHEAD_SIZE=(--micro-batch 8 --repeats 10 --steps 3)
+    OFFLOAD_SIZE=()
     CALIBRATE_SIZE=()
 fi
 
 # ---------------------------------------------------------------- 01 the CUDA tests
-step 01_tests_cuda 200 $PY -m pytest -q -p no:cacheprovider -rfEs tests/cuda
+step 01_tests_cuda 180 $PY -m pytest -q -p no:cacheprovider -rfEs tests/cuda
 
 # ---------------------------------------------------------------- 02/03 pretrain_gpt.py: tokens/s and MFU
 COMMON=(--bf16 --mock-data --tokenizer-type NullTokenizer --eval-iters 0 --device "$DEV" "${PRETRAIN_SIZE[@]}")
-step 02_pretrain_gpt2_125m_bf16 110 $PY pretrain_gpt.py "${COMMON[@]}" --metrics-file "$OUT/02_metrics.jsonl"
-step 03_pretrain_gpt2_125m_bf16_distopt_overlap 110 $PY pretrain_gpt.py "${COMMON[@]}" --use-distributed-optimizer \
+step 02_pretrain_gpt2_125m_bf16 75 $PY pretrain_gpt.py "${COMMON[@]}" --metrics-file "$OUT/02_metrics.jsonl"
+step 03_pretrain_gpt2_125m_bf16_distopt_overlap 75 $PY pretrain_gpt.py "${COMMON[@]}" --use-distributed-optimizer \
     --overlap-grad-reduce --overlap-param-gather --metrics-file "$OUT/03_metrics.jsonl"
 
 # ---------------------------------------------------------------- 04 the wrapper's overhead on the GPU
-step 04_ddp_overhead_gpt2_125m_bf16 90 $PY -m benchmarks.ddp_overhead_gpt --device "$DEV" --dtype bf16 \
+step 04_ddp_overhead_gpt2_125m_bf16 60 $PY -m benchmarks.ddp_overhead_gpt --device "$DEV" --dtype bf16 \
     "${OVERHEAD_SIZE[@]}" --out "$OUT/04_ddp_overhead.json"
 
-# ---------------------------------------------------------------- 05 perf model calibration with NCCL
+# ---------------------------------------------------------------- 05 optimizer CPU offload: memory and time
+step 05_optimizer_offload_gpt2_125m_bf16 60 $PY -m benchmarks.optimizer_offload --device "$DEV" \
+    "${OFFLOAD_SIZE[@]}" --out "$OUT/05_optimizer_offload.json"
+
+# ---------------------------------------------------------------- 06 perf model calibration with NCCL
 CAL_DEV=()
 [ "$DEV" = cpu ] && CAL_DEV=(--cpu)
-step 05_perf_model_calibrate_nccl 90 $PY -m benchmarks.perf_model_calibrate --world-size 1 "${CAL_DEV[@]}" \
-    "${CALIBRATE_SIZE[@]}" --out "$OUT/05_perf_model_dp1.json"
+step 06_perf_model_calibrate_nccl 60 $PY -m benchmarks.perf_model_calibrate --world-size 1 "${CAL_DEV[@]}" \
+    "${CALIBRATE_SIZE[@]}" --out "$OUT/06_perf_model_dp1.json"
 
 # ---------------------------------------------------------------- summary: the lines worth reading
 {
@@ -103,8 +111,14 @@ step 05_perf_model_calibrate_nccl 90 $PY -m benchmarks.perf_model_calibrate --wo
         grep -E "Error|error|Traceback" "$f" | head -n 5
     done
     echo "--- 04 overhead"; tail -n 6 "$OUT/04_ddp_overhead_gpt2_125m_bf16.log"
-    echo "--- 05 calibrate"; tail -n 3 "$OUT/05_perf_model_calibrate_nccl.log"
+    echo "--- 05 offload"; tail -n 5 "$OUT/05_optimizer_offload_gpt2_125m_bf16.log"
+    echo "--- 06 calibrate"; tail -n 3 "$OUT/06_perf_model_calibrate_nccl.log"
 } >> "$SUMMARY" 2>&1
 echo "summary: $SUMMARY"
 sed -n "/^--- 00 env/,\$p" "$SUMMARY"
+# The device tool returns at most 8 files from $OUT: everything but the summary goes into one archive.
+if [ "${GPU_CHECK_PACK:-1}" = 1 ]; then
+    tar -C "$OUT" -czf "$OUT/../gpu_check_logs.tgz" --exclude=summary.txt . \
+        && find "$OUT" -type f ! -name summary.txt -delete && mv "$OUT/../gpu_check_logs.tgz" "$OUT/logs.tgz"
+fi
 exit 0

@@ -31,14 +31,17 @@ def _get_param_groups(model_chunks, config: OptimizerConfig) -> List[dict]:
 
 
 def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
-    """NVIDIA apex's fused kernels when importable (CUDA), else torch's: fused on CUDA, foreach on CPU."""
+    """NVIDIA apex's fused kernels when importable (CUDA), else torch's: fused on CUDA, foreach on CPU
+    (fused for optimizer_cpu_offload)."""
     apex_optimizers = None
-    if device.type == "cuda":
+    if device.type == "cuda" and not config.optimizer_cpu_offload:
         try:  # NVIDIA apex only; the unrelated PyPI package named `apex` has no `apex.optimizers`.
             import apex.optimizers as apex_optimizers
         except ImportError:
             apex_optimizers = None
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    # Offloaded main params are stepped by torch's fused CPU kernels (Megatron's choice too); torch groups
+    # the tensors by device, so a partial offload steps the rest on the device with the same optimizer.
+    kernel = {"fused": True} if device.type == "cuda" or config.optimizer_cpu_offload else {"foreach": True}
 
     def make(groups):
         inner = _make(groups)

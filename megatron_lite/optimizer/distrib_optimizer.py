@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology, shard_range
-from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param
+from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_params
 from .sharded_state import flat_numel, flatten, unflatten
 
 
@@ -88,8 +88,8 @@ class DistributedOptimizer(MegatronOptimizer):
         group_of = {p: i for i, g in enumerate(model_param_groups) for p in g["params"]}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in model_param_groups]
         self.main_of: Dict[int, torch.Tensor] = {}  # index into self.shards -> main shard
-        for i, s in enumerate(self.shards):
-            main = main_param(s.params)  # fp32: the model's own storage
+        # fp32: the model's own storage (unless offloaded to the host)
+        for i, (s, main) in enumerate(zip(self.shards, main_params([s.params for s in self.shards], config))):
             self.main_of[i] = main
             groups[group_of[s.model_param]]["params"].append(main)
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
@@ -103,10 +103,10 @@ class DistributedOptimizer(MegatronOptimizer):
     def _copy_model_grads_to_main_grads(self):
         grads, skipped = [], self._skipped()
         for i, s in enumerate(self.shards):
-            main = self.main_of[i]
-            main.grad = None if s.model_param in skipped else s.grad.float()  # a view if fp32 already
-            if main.grad is not None:
-                grads.append(main.grad)
+            if s.model_param in skipped:
+                self.main_of[i].grad = None
+            else:  # a view if fp32 already
+                grads.append(self._set_main_grad(self.main_of[i], s.grad.float()))
         return grads
 
     def _copy_main_params_to_model_params(self):

@@ -4,7 +4,7 @@ FP32Optimizer steps the model's fp32 parameters themselves (grad = main_grad, an
 Float16OptimizerWithFloat16Params keeps fp32 main copies of fp16/bf16 parameters and casts them back.
 """
 
-from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_param, qualified_param_names
+from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_params, qualified_param_names
 
 
 class _FullParamOptimizer(MegatronOptimizer):
@@ -18,24 +18,28 @@ class _FullParamOptimizer(MegatronOptimizer):
 
     def __init__(self, make_inner, config, model_chunks, model_param_groups, grad_scaler):
         # Registration order, as torch's clip_grad_norm_ sees the parameters (bit-exact norms).
-        self.main_of = {p: main_param(p) for p in qualified_param_names(model_chunks)}
+        params = list(qualified_param_names(model_chunks))
+        self.main_of = dict(zip(params, main_params(params, config)))
+        self._step_grads = {}  # model param -> its fp32 gradient of this step (on the model's device)
         groups = [{**g, "params": [self.main_of[p] for p in g["params"]]} for g in model_param_groups]
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
 
     def _copy_model_grads_to_main_grads(self):
-        skipped = self._skipped()
+        skipped, self._step_grads = self._skipped(), {}
         for model_param, main in self.main_of.items():
-            # fp32 main_grad: .float() is the same tensor
-            main.grad = None if model_param in skipped else model_param.main_grad.float()
-        return [main.grad for main in self.main_of.values() if main.grad is not None]
+            if model_param in skipped:
+                main.grad = None
+            else:  # fp32 main_grad: .float() is the same tensor
+                self._step_grads[model_param] = self._set_main_grad(main, model_param.main_grad.float())
+        return list(self._step_grads.values())
 
     def _grads_for_stats(self, main_grads):
         """Dense gradients are the same on every rank: counted locally. Expert gradients are the same only
         within an expert data-parallel group: rank 0 of each group counts them, summed over all ranks."""
         if not self.has_expert_params:
             return main_grads, None
-        dense = [m.grad for p, m in self.main_of.items() if m.grad is not None and p not in self.expert_params]
-        expert = [m.grad for p, m in self.main_of.items() if m.grad is not None and p in self.expert_params]
+        dense = [g for p, g in self._step_grads.items() if p not in self.expert_params]
+        expert = [g for p, g in self._step_grads.items() if p in self.expert_params]
         return dense, expert if self._counts_expert_grads else []
 
     def _copy_main_params_to_model_params(self):

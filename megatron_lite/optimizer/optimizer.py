@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
+from .cpu_offload import GradStaging, host_main_param, offload_plan
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer_config import OptimizerConfig
 from .sharded_state import STATE_KEYS, ParamShard, ShardedOptimizerState
@@ -91,6 +92,7 @@ class MegatronOptimizer:
         self.steps_taken = 0  # step() calls that got past their decision (an overflow skip included)
         self.update_count = 0  # inner optimizer steps taken (overflow skips excluded); set again by a load
         self.last_step_successful = True
+        self._grad_staging = GradStaging()  # optimizer_cpu_offload: the host copies of the main grads
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -146,11 +148,13 @@ class MegatronOptimizer:
             if not found_inf:
                 if self.config.clip_grad > 0.0:
                     clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
+                self._grad_staging.to_host()  # offloaded main params: their grads, unscaled and clipped
                 self.optimizer.step()
                 self.update_count += 1
             self.steps_taken += 1
             self.last_step_successful = not found_inf
             self.updating = False
+        self._grad_staging.clear()
         for p in self._main_params():
             p.grad = None  # fp32 copies of the grads (fp16/bf16 grads) are not needed any more
         if found_inf:
@@ -176,6 +180,16 @@ class MegatronOptimizer:
 
     def _copy_model_grads_to_main_grads(self) -> List[torch.Tensor]:
         raise NotImplementedError
+
+    def _set_main_grad(self, main: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Give `main` its gradient `grad` (fp32, on the model's device) and return `grad`, which the norm,
+        the overflow check and clipping then read and change in place. A main param in host memory
+        (optimizer_cpu_offload) gets a host copy of it just before the update (GradStaging)."""
+        if main.device == grad.device:
+            main.grad = grad
+        else:
+            self._grad_staging.add(main, grad)
+        return grad
 
     def _grads_for_stats(self, main_grads: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[list]]:
         """(grads, distinct_grads) for the norm and the zero count (clip_grads.py), so that every element
@@ -380,16 +394,31 @@ def main_param(model_data: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(model_data.detach().float())  # .float() of another dtype is a new tensor
 
 
+def main_params(model_datas: List[torch.Tensor], config: OptimizerConfig) -> List[torch.nn.Parameter]:
+    """main_param of each of `model_datas` (in the inner optimizer's order), except that with
+    config.optimizer_cpu_offload the planned share of them is an fp32 copy in host memory (cpu_offload.py)."""
+    on_host = [False] * len(model_datas)
+    if config.optimizer_cpu_offload:
+        on_host = offload_plan(model_datas, config.optimizer_offload_fraction)
+    return [host_main_param(t) if host else main_param(t) for t, host in zip(model_datas, on_host)]
+
+
+def _is_model_data(main: torch.Tensor, model_data: torch.Tensor) -> bool:
+    return main.device == model_data.device and main.data_ptr() == model_data.data_ptr()
+
+
 def copy_main_to_model(main: torch.Tensor, model_data: torch.Tensor):
-    """Write an updated main param back into the model (a cast); nothing to do when it is the model's data."""
-    if model_data.dtype != torch.float32:
-        model_data.copy_(main)
+    """Write an updated main param back into the model (a cast, or a copy from host memory); nothing to do
+    when it is the model's data. From pinned host memory the copy is asynchronous: later work on the
+    device (the parameter all-gather) is queued behind it."""
+    if not _is_model_data(main, model_data):
+        model_data.copy_(main.detach().view_as(model_data), non_blocking=main.is_pinned())
 
 
 def copy_model_to_main(model_data: torch.Tensor, main: torch.Tensor):
-    """The reverse of copy_main_to_model: the model's (fp16/bf16) values into its fp32 main copy."""
-    if model_data.dtype != torch.float32:
-        main.data.copy_(model_data)
+    """The reverse of copy_main_to_model: the model's values into its fp32 main copy."""
+    if not _is_model_data(main, model_data):
+        main.data.copy_(model_data.view_as(main))
 
 
 def qualified_param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:

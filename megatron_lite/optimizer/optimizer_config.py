@@ -64,6 +64,14 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """Shard main params and optimizer state across data-parallel ranks (needs DDP's matching flag)."""
 
+    optimizer_cpu_offload: bool = False
+    """Keep the fp32 main params and the optimizer state in host memory and step them on the CPU
+    (cpu_offload.py): the accelerator keeps only the model's params and grads."""
+
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the fraction of the main-param elements that live on the host (whole
+    tensors, in order). 1.0 as Megatron's --optimizer-offload-fraction (megatron-core's config says 0.0)."""
+
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping (the norm is still reported)."""
 
@@ -121,3 +129,5 @@ class OptimizerConfig:
             raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")

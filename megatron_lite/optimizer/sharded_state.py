@@ -105,7 +105,7 @@ def flatten(state: ShardedOptimizerState, device) -> torch.Tensor:
     parts += [s.tensors["param"] for s in state.shards]
     for key in state.state_keys:
         parts += [s.tensors[key] if key in s.tensors else torch.zeros_like(s.tensors["param"]) for s in state.shards]
-    return torch.cat([p.float() for p in parts])
+    return torch.cat([p.to(device=device, dtype=torch.float32) for p in parts])  # host state: offloaded
 
 
 def flat_numel(state: ShardedOptimizerState) -> int:

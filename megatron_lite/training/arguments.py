@@ -47,6 +47,7 @@ OPTIMIZER_FLAGS = {  # params_dtype follows from --fp16 / --bf16
     "adam_eps": "--adam-eps", "sgd_momentum": "--sgd-momentum",
     "fp16": "--fp16", "bf16": "--bf16", "loss_scale": "--loss-scale", "initial_loss_scale": "--initial-loss-scale",
     "min_loss_scale": "--min-loss-scale", "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
+    "optimizer_cpu_offload": "--optimizer-cpu-offload", "optimizer_offload_fraction": "--optimizer-offload-fraction",
 }
 GPT_FLAGS = {  # vocab_size comes from the tokenizer; position type, tying and dtype are mapped by hand below
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",

@@ -42,9 +42,11 @@ def megatron_steps(ddp, opt, rank, dp, steps, micro_batches=2, first_step=0, dty
 
 
 def reference_steps(dp, steps, lr, weight_decay, clip_grad, micro_batches=2, dtype=torch.float32,
-                    betas=(0.9, 0.999), eps=1e-8, first_step=0, master=None, optimizer=None, kind="adam"):
-    """torch.optim.AdamW (foreach) on fp32 master weights with torch's clip_grad_norm_; the gradients are
-    the data-parallel mean computed with the ranks' arithmetic. Returns (master model, optimizer, norms)."""
+                    betas=(0.9, 0.999), eps=1e-8, first_step=0, master=None, optimizer=None, kind="adam",
+                    kernel="foreach"):
+    """torch.optim.AdamW (`kernel`: foreach or fused) on fp32 master weights with torch's clip_grad_norm_;
+    the gradients are the data-parallel mean computed with the ranks' arithmetic. Returns (master model,
+    optimizer, norms)."""
     if master is None:
         master = make_model(dtype=torch.float32)
         with torch.no_grad():  # start from the (possibly rounded) low-precision initial weights
@@ -55,7 +57,7 @@ def reference_steps(dp, steps, lr, weight_decay, clip_grad, micro_batches=2, dty
         no_decay = [p for n, p in master.named_parameters() if n.endswith(".bias") or p.dim() == 1]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if kind == "adam":
-            optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **{kernel: True})
         else:
             optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9, foreach=True)
     norms = []
