@@ -4,7 +4,11 @@ back asynchronously. Skipped without a GPU (tests/optimizer/test_cpu_offload.py 
 
 Tolerance: the offloaded optimizer steps with torch's fused CPU AdamW, the device one with its fused CUDA
 AdamW; the two kernels round differently in the last bits, so fp32 parameters agree to 1e-5 of the largest
-value after 3 steps, and the bf16 parameters (rounded to 8 bits) to 2**-7."""
+value after 3 steps, and bf16 parameters to one bf16 rounding (2**-7 of each value). The model's gradients
+do not depend on its parameters (parallel Linear layers, a loss linear in their outputs), so both runs get
+bitwise the same gradients at every step: with a deep model a one-ulp difference of a bf16 weight changes
+later gradients, and Adam turns a sign change of a near-zero gradient into a difference of a whole lr.
+"""
 
 import pytest
 import torch
@@ -16,9 +20,19 @@ STEPS = 3
 WIDTH = 512
 
 
+class ParallelLinears(torch.nn.Module):
+    """Four Linear layers applied side by side to the input (four ZeRO-3 units, several buckets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)])
+
+    def forward(self, x):
+        return torch.stack([layer(x) for layer in self.layers])
+
+
 def _offload_worker(strategy, dtype_name):
     import torch.distributed as dist
-    import torch.nn as nn
     from cuda_testing import device, full_params
 
     from megatron_lite import (
@@ -37,7 +51,7 @@ def _offload_worker(strategy, dtype_name):
             torch.cuda.empty_cache()
         before = 0 if ON_CPU else torch.cuda.memory_allocated()
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)]).to(device=device(), dtype=dtype)
+        model = ParallelLinears().to(device=device(), dtype=dtype)
         ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
             data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=WIDTH * WIDTH,
             grad_reduce_in_fp32=dtype != torch.float32,
@@ -49,8 +63,9 @@ def _offload_worker(strategy, dtype_name):
         g = torch.Generator().manual_seed(rank)
         for _ in range(STEPS):
             x = torch.randn(8, WIDTH, generator=g).to(device=device(), dtype=dtype)
+            target = torch.randn(4, 8, WIDTH, generator=g).to(device())
             ddp.zero_grad_buffer()
-            ddp(x).float().square().mean().backward()
+            (ddp(x).float() * target).mean().backward()  # gradients independent of the parameters
             ddp.finish_grad_sync()
             ok, _, _ = opt.step()
             assert ok
@@ -83,9 +98,11 @@ def test_offloaded_optimizer_trains_like_the_device_one_and_frees_device_memory(
             run = runs[fraction]
             for name, p in device_run["params"].items():
                 q = run["params"][name]
-                scale = p.abs().max().item() or 1.0
-                tol = 1e-5 if dtype_name == "float32" else 2**-7
-                assert (q - p).abs().max().item() <= tol * scale, (fraction, name)
+                if dtype_name == "float32":
+                    assert (q - p).abs().max().item() <= 1e-5 * (p.abs().max().item() or 1.0), (fraction, name)
+                else:
+                    worst = ((q - p).abs() - 2**-7 * p.abs()).max().item()
+                    assert worst <= 0, (fraction, name, worst)
             assert run["pinned"]
             if ON_CPU:
                 continue
