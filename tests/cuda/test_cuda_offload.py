@@ -4,7 +4,8 @@ back asynchronously. Skipped without a GPU (tests/optimizer/test_cpu_offload.py 
 
 Tolerance: the offloaded optimizer steps with torch's fused CPU AdamW, the device one with its fused CUDA
 AdamW; the two kernels round differently in the last bits, so fp32 parameters agree to 1e-5 of the largest
-value after 3 steps, and bf16 parameters to one bf16 rounding (2**-7 of each value). The model's gradients
+value after 3 steps, and bf16 parameters to one bf16 rounding (2**-7 of each value, plus 1e-8 for values
+near zero, where an lr-sized update cancels the weight and fp32's rounding of it is left). The model's gradients
 do not depend on its parameters (parallel Linear layers, a loss linear in their outputs), so both runs get
 bitwise the same gradients at every step: with a deep model a one-ulp difference of a bf16 weight changes
 later gradients, and Adam turns a sign change of a near-zero gradient into a difference of a whole lr.
@@ -101,7 +102,7 @@ def test_offloaded_optimizer_trains_like_the_device_one_and_frees_device_memory(
                 if dtype_name == "float32":
                     assert (q - p).abs().max().item() <= 1e-5 * (p.abs().max().item() or 1.0), (fraction, name)
                 else:
-                    worst = ((q - p).abs() - 2**-7 * p.abs()).max().item()
+                    worst = ((q - p).abs() - 2**-7 * p.abs() - 1e-8).max().item()
                     assert worst <= 0, (fraction, name, worst)
             assert run["pinned"]
             if ON_CPU:
