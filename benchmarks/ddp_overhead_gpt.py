@@ -13,7 +13,8 @@ timed wall-clock with a device synchronize; medians are reported.
 Variants: 'bare' (zero_grad(set_to_none), forward, backward: gradients in the parameters' dtype), 'bare +
 fp32 grads' (the same plus adding every .grad into an fp32 copy, the bare equivalent of --bf16's
 accumulate-in-fp32), and megatron_lite with and without overlap_grad_reduce, grad_reduce_in_fp32 as
-pretrain_gpt.py --bf16 sets it. With --optimizer, each variant also steps an optimizer (torch's fused AdamW
+pretrain_gpt.py --bf16 sets it, plus (bf16) megatron_lite with gradients in bf16 (--grad-reduce-in-bf16),
+the like-for-like of 'bare'. With --optimizer, each variant also steps an optimizer (torch's fused AdamW
 on fp32 master copies for the bare model, megatron_lite's for the wrapped ones).
 """
 
@@ -74,9 +75,13 @@ def benchmark(args, rank, world, device):
     steps["bare"] = lambda: bare_step(False)
     if bare_fp32:
         steps["bare + fp32 grads"] = lambda: bare_step(True)
-    for name, overlap in (("megatron_lite, no overlap", False), ("megatron_lite, overlap", True)):
+    variants = [("megatron_lite, no overlap", False, True), ("megatron_lite, overlap", True, True)]
+    if dtype != torch.float32:  # the like-for-like of 'bare': gradients kept in the params' dtype
+        variants.append(("megatron_lite, overlap, bf16 grads", True, False))
+    for name, overlap, fp32_grads in variants:
         ddp = DistributedDataParallel(model(), DistributedDataParallelConfig(
-            grad_reduce_in_fp32=dtype != torch.float32, overlap_grad_reduce=overlap, bucket_size=args.bucket_size))
+            grad_reduce_in_fp32=dtype != torch.float32 and fp32_grads, overlap_grad_reduce=overlap,
+            bucket_size=args.bucket_size))
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=dtype == torch.bfloat16), [ddp]) \
             if args.optimizer else None
 
@@ -101,10 +106,10 @@ def benchmark(args, rank, world, device):
     print(f"{n_params / 1e6:.1f}M parameters, {args.dtype}, {tokens_per_step} tokens per step on {result['device']}; "
           f"{'forward+backward+optimizer' if args.optimizer else 'forward+backward'}, median of "
           f"{args.repeats}x{args.steps} steps")
-    print(f"{'variant':28s} {'ms/step':>9s} {'vs bare':>8s} {'tokens/s':>10s} {'peak rise MB':>13s}")
+    print(f"{'variant':36s} {'ms/step':>9s} {'vs bare':>8s} {'tokens/s':>10s} {'peak rise MB':>13s}")
     for k, name in enumerate(names):
         t = timings.median_ms(k)
-        print(f"{name:28s} {t:9.2f} {100 * (t / base - 1):+7.2f}% {tokens_per_step / t * 1e3:10.0f} "
+        print(f"{name:36s} {t:9.2f} {100 * (t / base - 1):+7.2f}% {tokens_per_step / t * 1e3:10.0f} "
               f"{result['peak_rise_mb'][name]:13.0f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
