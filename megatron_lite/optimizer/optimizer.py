@@ -412,7 +412,8 @@ def copy_main_to_model(main: torch.Tensor, model_data: torch.Tensor):
     when it is the model's data. From pinned host memory the copy is asynchronous: later work on the
     device (the parameter all-gather) is queued behind it."""
     if not _is_model_data(main, model_data):
-        model_data.copy_(main.detach().view_as(model_data), non_blocking=main.is_pinned())
+        from_host = main.device.type == "cpu" and model_data.device.type != "cpu"
+        model_data.copy_(main.detach().view_as(model_data), non_blocking=from_host and main.is_pinned())
 
 
 def copy_model_to_main(model_data: torch.Tensor, main: torch.Tensor):
