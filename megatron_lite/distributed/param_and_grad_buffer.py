@@ -92,46 +92,47 @@ class ParamAndGradBuffer:
 
         # Padding stays zero forever: main_grad views never cover it and the collectives only sum zeros.
         # ZeRO-2: no contiguous grad_data; each bucket's gradients have a storage of their own, freed
-        # between iterations (see Bucket).
+        # between iterations (see Bucket). ZeRO-2/3's per-bucket storages are allocated one bucket at a time,
+        # just before its Bucket (which releases them): building never holds more than one full bucket.
         self.device = device
         self.shards_grads = ddp_config.sharding.gradients
         shards_params = ddp_config.sharding.parameters
         self.grad_data = None if self.shards_grads else torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        bucket_grads = [torch.zeros(b.end - b.start, dtype=grad_dtype, device=device) if self.shards_grads
-                        else self.grad_data[b.start:b.end] for b in layout.buckets]
         self.param_data = None
         if ddp_config.use_distributed_optimizer and not shards_params:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        bucket_params = [None] * len(layout.buckets)
-        if ddp_config.use_distributed_optimizer:
-            bucket_params = [torch.zeros(b.end - b.start, dtype=param_dtype, device=device) if shards_params
-                             else self.param_data[b.start:b.end] for b in layout.buckets]
 
         self.param_index_map = {}
-        extra_main_grads = [{} for _ in layout.buckets]  # per bucket: param -> its slice of grad_data
         self._shapes = {param: tuple(param.shape) for param in self.params}
         self._param_to_name = param_to_name
-        for param, (start, end, bucket_id) in zip(self.params, layout.param_ranges):
-            self.param_index_map[param] = (start, end, bucket_id)
-            bucket_start = layout.buckets[bucket_id].start
-            if bucket_params[bucket_id] is not None:
-                view = bucket_params[bucket_id][start - bucket_start:end - bucket_start].view(param.shape)
-                view.copy_(param.data)
-                param.data = view
-            param.main_grad = bucket_grads[bucket_id][start - bucket_start:end - bucket_start].view(param.shape)
-            if param in fp32_local_accumulation and grad_dtype != torch.float32:
-                # megatron-core's "extra main_grad": accumulate here in fp32, communicate the buffer slice.
-                extra_main_grads[bucket_id][param] = param.main_grad
-                param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=device)
-
         self.buckets = []
         for bucket_id, b in enumerate(layout.buckets):
+            grad_data = torch.zeros(b.numel, dtype=grad_dtype, device=device) if self.shards_grads \
+                else self.grad_data[b.start:b.end]
+            param_data = None
+            if ddp_config.use_distributed_optimizer:
+                param_data = torch.zeros(b.numel, dtype=param_dtype, device=device) if shards_params \
+                    else self.param_data[b.start:b.end]
+            extra_main_grads = {}  # param -> its slice of grad_data
+            for index in b.param_indices:
+                param = self.params[index]
+                start, end, _ = layout.param_ranges[index]
+                self.param_index_map[param] = (start, end, bucket_id)
+                if param_data is not None:
+                    view = param_data[start - b.start:end - b.start].view(param.shape)
+                    view.copy_(param.data)
+                    param.data = view
+                param.main_grad = grad_data[start - b.start:end - b.start].view(param.shape)
+                if param in fp32_local_accumulation and grad_dtype != torch.float32:
+                    # megatron-core's "extra main_grad": accumulate here in fp32, communicate the buffer slice.
+                    extra_main_grads[param] = param.main_grad
+                    param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=device)
             self.buckets.append(
                 Bucket(
                     ddp_config=ddp_config,
                     params=[self.params[i] for i in b.param_indices],
-                    param_data=bucket_params[bucket_id],
-                    grad_data=bucket_grads[bucket_id],
+                    param_data=param_data,
+                    grad_data=grad_data,
                     offset=b.start,
                     numel_unpadded=b.numel_unpadded,
                     data_parallel_group=data_parallel_group,
@@ -139,7 +140,7 @@ class ParamAndGradBuffer:
                     bucket_id=bucket_id,
                     param_to_name=param_to_name,
                     inter_instance_group=inter_instance_group,
-                    extra_main_grads=extra_main_grads[bucket_id],
+                    extra_main_grads=extra_main_grads,
                 )
             )
         self.param_to_bucket = {p: bucket for bucket in self.buckets for p in bucket.params_list}
