@@ -234,9 +234,10 @@ def test_config_flags_are_generated_from_the_configs():
               "--loss-scale-window": "7", "--hysteresis": "3", "--loss-scale": "8", "--optimizer": "sgd",
               "--num-layers": "3", "--hidden-size": "48", "--num-attention-heads": "6", "--ffn-hidden-size": "40",
               "--max-position-embeddings": "256", "--hidden-dropout": "0.25", "--attention-dropout": "0.125",
-              "--init-method-std": "0.5"}
+              "--init-method-std": "0.5", "--optimizer-offload-fraction": "0.5"}
     switches = ["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer",
-                "--ddp-average-in-collective", "--accumulate-allreduce-grads-in-fp32", "--fp16"]
+                "--ddp-average-in-collective", "--accumulate-allreduce-grads-in-fp32", "--fp16",
+                "--optimizer-cpu-offload"]
     argv = [x for flag, value in values.items() for x in (flag, value)] + switches + [
         "--no-check-for-nan-in-loss-and-grad"]  # on by default (Megatron's): its switch is the opt-out
     args = a.parse_args(argv, world_size=1)
