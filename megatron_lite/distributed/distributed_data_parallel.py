@@ -16,6 +16,11 @@ Buckets are launched in one fixed order (the order their gradients are expected 
 the order they happen to complete: every rank then issues the same sequence of collectives even when
 autograd visits parameters in a rank-dependent order (grad_sync.py).
 
+A model built on the meta device (materialize.py: `meta_device_init()`, or modules with `reset_parameters()`)
+is materialized here: every tensor gets storage on `init_device` (ZeRO-3: only this rank's shards, in the
+buckets), and its initial values are computed one tensor at a time and kept where this rank holds them,
+bit-identical to wrapping the same model built normally.
+
 The sharding strategy is decided once (config.sharding): it shapes the buffers and buckets (what a rank
 keeps) and picks the parameter synchronization object (param_sync.py) that every parameter-side call
 below goes to; the wrapper itself never asks which strategy it runs.
@@ -40,6 +45,7 @@ from .grad_checks import (
 )
 from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT, GradSyncSchedule
 from .layout import DataParallelTopology, default_bucket_size
+from .materialize import MetaMaterializer, has_meta_tensors
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_sync import ParamSync, build_param_sync
 from .param_units import units_of
@@ -60,6 +66,9 @@ class DistributedDataParallel(torch.nn.Module):
             parameters marked `param.allreduce = False` (megatron-core's expert marker) are reduced over it
             instead, in buffers of their own (`expert_parallel_buffers`), see expert_parallel.py. Required
             when any rank has a marked parameter; None otherwise.
+        init_device: where a model built on the meta device is materialized (materialize.py); default: the
+            current CUDA device when `data_parallel_group`'s backend is NCCL, else the CPU. Ignored for a
+            model that is not on the meta device.
     """
 
     def __init__(
@@ -68,6 +77,7 @@ class DistributedDataParallel(torch.nn.Module):
         config: DistributedDataParallelConfig,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
         expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+        init_device: Optional[torch.device] = None,
     ):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -79,6 +89,18 @@ class DistributedDataParallel(torch.nn.Module):
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() "
                 "(e.g. launch with torchrun) before wrapping the model"
             )
+        # A meta model: checked for initializers (before anything is allocated), then given storage on the
+        # device (ZeRO-3: placeholders for what the buckets shard); values come after the buffers exist.
+        materializer = None
+        if has_meta_tensors(module):
+            materializer = MetaMaterializer(module)
+            if init_device is None:
+                nccl = dist.get_backend(data_parallel_group) == "nccl"
+                init_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            sharded = config.sharding.parameters
+            materializer.placeholders(torch.device(init_device),
+                                      whole=lambda t: not (sharded and isinstance(t, torch.nn.Parameter)
+                                                           and t.requires_grad))
         self.module = module
         self.ddp_config = config
         self.data_parallel_group = data_parallel_group
@@ -148,6 +170,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
         for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
+        if materializer is not None:
+            materializer.run(self._keep_initial_value)
 
         # The buckets' gradient collectives in one fixed launch order (grad_sync.py).
         registration = {p: i for i, p in enumerate(self.param_to_name)}
@@ -180,6 +204,20 @@ class DistributedDataParallel(torch.nn.Module):
         # Gathers, releases and the hooks around forward and backward (param_sync.py).
         self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, self._launch_order, units,
                                                       unit_of, self.intra_instance_group)
+
+    @torch.no_grad()
+    def _keep_initial_value(self, tensor: torch.Tensor, value: torch.Tensor):
+        """A meta-built tensor's initial value (full, on the CPU): ZeRO-3 keeps the part in this rank's shard
+        of its bucket; every other tensor holds it whole (its own storage, or its view into the buffer)."""
+        bucket = self.param_to_bucket.get(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+        if bucket is None or not bucket.shards_params:
+            tensor.data.copy_(value)
+            return
+        start, end = bucket.param_to_index[tensor]
+        low, high = max(start, bucket.shard_offset), min(end, bucket.shard_offset + bucket.shard_size)
+        if low < high:
+            bucket.param_shard[low - bucket.shard_offset:high - bucket.shard_offset].copy_(
+                value.reshape(-1)[low - start:high - start])
 
     @property
     def shards_params(self) -> bool:
