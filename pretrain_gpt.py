@@ -19,16 +19,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a che
 import torch  # noqa: E402
 
 from megatron_lite.data import build_gpt_datasets, ensure_builtin_dataset  # noqa: E402
-from megatron_lite.distributed import collectives  # noqa: E402
+from megatron_lite.distributed import collectives, meta_device_init  # noqa: E402
 from megatron_lite.models import GPTModel, num_floating_point_operations  # noqa: E402
 from megatron_lite.training import gpt_config_from_args, parse_args, pretrain, print_rank_0, shutdown  # noqa: E402
 
 
 def model_provider(args) -> GPTModel:
-    """The GPT of the architecture flags, created in the params dtype (DDP's buffers take that dtype)."""
+    """The GPT of the architecture flags, created in the params dtype (DDP's buffers take that dtype). With
+    --init-model-with-meta-device it is built on the meta device, its initialization recorded for the wrapper
+    to replay shard by shard."""
     config = gpt_config_from_args(args, args.padded_vocab_size)
     print_rank_0(f"> building GPT model: {config.num_layers} layers, hidden {config.hidden_size}, "
-                 f"{config.num_attention_heads} heads, vocab {config.vocab_size}")
+                 f"{config.num_attention_heads} heads, vocab {config.vocab_size}"
+                 + (" (on the meta device)" if args.init_model_with_meta_device else ""))
+    if args.init_model_with_meta_device:
+        with meta_device_init():
+            return GPTModel(config)
     return GPTModel(config)
 
 

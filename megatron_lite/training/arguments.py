@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(g, DistributedDataParallelConfig, DDP_LIST_FLAGS,
                          param_name_patterns_for_fp32_local_accumulation=dict(nargs="+", metavar="PATTERN",
                                                                               default=None))
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build the model on the meta device (no memory) and let DistributedDataParallel materialize "
+                        "it a tensor at a time, keeping only what this rank holds (with --data-parallel-sharding-"
+                        "strategy optim_grads_params: its shards), for models larger than one rank; bit-identical to "
+                        "the normal build (megatron_lite.meta_device_init)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, else gloo")
     g.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,

@@ -41,8 +41,13 @@ from .scheduler import OptimizerParamScheduler
 
 
 def setup_model_and_optimizer(model_provider: Callable, args, device: torch.device):
-    """The provider's model on `device`, wrapped in DistributedDataParallel, its optimizer and scheduler."""
-    model = DistributedDataParallel(model_provider(args).to(device), ddp_config_from_args(args))
+    """The provider's model on `device`, wrapped in DistributedDataParallel, its optimizer and scheduler. A
+    model the provider built on the meta device (--init-model-with-meta-device) is materialized by the wrapper,
+    directly on `device` and only what this rank holds."""
+    module = model_provider(args)
+    on_meta = any(p.is_meta for p in module.parameters())
+    model = DistributedDataParallel(module if on_meta else module.to(device), ddp_config_from_args(args),
+                                    init_device=device)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [model])
     scheduler = OptimizerParamScheduler(optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                                         args.lr_decay_iters, args.lr_decay_style)
