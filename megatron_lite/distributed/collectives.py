@@ -5,12 +5,14 @@ done on return and the handle is a no-op. On a one-rank group nothing is sent (g
 milliseconds copying a large bucket).
 
 Backend choices (measured with benchmarks/collectives_gloo.py, 2 gloo ranks, torch 2.13):
-  * gloo's reduce-scatter costs ~2.3x an all-reduce of the same bucket (16M fp32: 145 ms vs 63 ms), so on
-    gloo `reduce_scatter` all-reduces the whole bucket, which leaves the rank's shard with exactly the
-    values a reduce-scatter would produce (the other shards are reduced too, which is harmless);
+  * gloo's native reduce-scatter costs ~1.3-1.9x an all-reduce of the same bucket, so on gloo a SUM
+    `reduce_scatter` is an all-to-all (each rank sends shard j to rank j and keeps its own) followed by a
+    local sum of the copies of its shard in rank order: the bytes of a ring reduce-scatter ((N-1)/N of the
+    bucket each way) in ~0.5-1.0x the all-reduce's time; at dp=2 bitwise the all-reduce's sum (a + b is
+    commutative). Other ops (AVG, MAX) all-reduce the whole bucket;
   * NCCL (and anything else) uses the native in-place reduce-scatter / all-gather;
-  * `reduce_scatter_with_fp32_accumulation` is an all-to-all plus a local fp32 sum on every backend (gloo
-    runs all_to_all_single on CPU tensors of any dtype, bf16 included).
+  * `reduce_scatter_with_fp32_accumulation` is the same all-to-all with the sum in fp32, on every backend
+    (gloo runs all_to_all_single on CPU tensors of any dtype, bf16 included).
 
 Observers (`observe`) see every tensor collective as it is issued, with the bytes it moves: benchmarks
 count communication through them instead of patching torch.distributed.
@@ -101,34 +103,15 @@ def reduce_scatter(bucket: torch.Tensor, group=None, op: dist.ReduceOp = SUM, as
     The other shards are left unspecified (reduced, partially reduced or untouched, by backend).
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world_size == 1 or backend(group) == "gloo":
-        return all_reduce(bucket, group, op, async_op)
+    if world_size == 1:
+        return DONE
+    if backend(group) == "gloo":
+        if op != SUM:
+            return all_reduce(bucket, group, op, async_op)
+        return _all_to_all_sum(bucket, group, None, async_op)
     _notify("reduce_scatter", bucket, world_size)
     own = shard(bucket, world_size, rank)
     return _handle(_reduce_scatter_single(own, bucket, op=op, group=group, async_op=async_op))
-
-
-class _Fp32AccumulationHandle:
-    """Handle of `reduce_scatter_with_fp32_accumulation`: `wait()` waits for the all-to-all, then sums the
-    received pieces in fp32 into the rank's shard (once; later calls do nothing)."""
-
-    def __init__(self, work, received: torch.Tensor, own: torch.Tensor, world_size: int):
-        self._work, self._received, self._own, self._world_size = work, received, own, world_size
-
-    def wait(self):
-        if self._received is None:
-            return True
-        self._work.wait()
-        pieces = self._received.view(self._world_size, -1)  # piece i: shard r as rank i holds it
-        total = pieces[0].float()
-        for piece in pieces[1:]:  # fp32 adds in rank order: the result does not depend on the backend
-            total.add_(piece)
-        self._own.copy_(total)  # the one rounding back to the bucket's dtype
-        self._received = None  # free the scratch now, not when the handle goes
-        return True
-
-    def is_completed(self):
-        return self._received is None
 
 
 def reduce_scatter_with_fp32_accumulation(bucket: torch.Tensor, group=None, async_op: bool = False):
@@ -137,16 +120,47 @@ def reduce_scatter_with_fp32_accumulation(bucket: torch.Tensor, group=None, asyn
 
     What travels is the bucket in its own dtype: an all-to-all sends shard j to rank j, (N-1)/N of the
     bucket out and in per rank, what a ring reduce-scatter moves. The received copies need one bucket-sized
-    scratch tensor until `wait()`. Only SUM (pre-scale for a mean). The other shards keep the rank's own,
-    unreduced values, on every backend.
+    scratch tensor until `wait()`. Only SUM (pre-scale for a mean). The other shards keep the
+    rank's own, unreduced values, on every backend.
     """
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world_size == 1:
+    if dist.get_world_size(group) == 1:
         return DONE
+    return _all_to_all_sum(bucket, group, torch.float32, async_op)
+
+
+class _SumOnWait:
+    """Handle of a reduce-scatter done as an all-to-all: `wait()` waits for it, then sums the copies of the
+    rank's shard, rank 0's first, into the shard (once; later calls do nothing). `accumulate`: the dtype the
+    sum is done in (rounded once back to the bucket's); None: the bucket's dtype, one rounding per add."""
+
+    def __init__(self, work, received: torch.Tensor, own: torch.Tensor, world_size: int, accumulate=None):
+        self._work, self._received, self._own, self._world_size = work, received, own, world_size
+        self._accumulate = accumulate
+
+    def wait(self):
+        if self._received is None:
+            return True
+        self._work.wait()
+        pieces = self._received.view(self._world_size, -1)  # piece i: shard r as rank i holds it
+        total = pieces[0].to(self._accumulate or pieces.dtype, copy=True)
+        for piece in pieces[1:]:  # adds in rank order: the result does not depend on the backend
+            total.add_(piece)
+        self._own.copy_(total)  # with `accumulate`: the one rounding back to the bucket's dtype
+        self._received = None  # free the scratch now, not when the handle goes
+        return True
+
+    def is_completed(self):
+        return self._received is None
+
+
+def _all_to_all_sum(bucket: torch.Tensor, group, accumulate, async_op: bool):
+    """Shard j of `bucket` to rank j ((N-1)/N of the bucket travels each way; gloo copies the rank's own
+    shard locally); the copies of the rank's shard are summed into it on `wait()` (_SumOnWait)."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     _notify("all_to_all", bucket, world_size)
     received = torch.empty_like(bucket)
     work = _handle(dist.all_to_all_single(received, bucket, group=group, async_op=async_op))
-    handle = _Fp32AccumulationHandle(work, received, shard(bucket, world_size, rank), world_size)
+    handle = _SumOnWait(work, received, shard(bucket, world_size, rank), world_size, accumulate)
     if not async_op:
         handle.wait()
     return handle

@@ -57,9 +57,10 @@ def test_observe_reports_every_collective_of_a_step():
         seen, removed, buckets = run_distributed(_observed_step_worker, 2, distributed)[0]
         assert removed
         big = [(name, numel) for name, numel, size in seen if numel > 1]
-        # gloo: the reduce-scatter of each bucket is an all-reduce of the whole bucket
-        expected = [("all_reduce", n) for n in buckets] + ([("all_gather", n) for n in buckets[::-1]]
-                                                           if distributed else [])
+        # gloo: plain DDP all-reduces each bucket; the distributed optimizer's reduce-scatter is an all-to-all
+        reduction = "all_to_all" if distributed else "all_reduce"
+        expected = [(reduction, n) for n in buckets] + ([("all_gather", n) for n in buckets[::-1]]
+                                                        if distributed else [])
         assert big == expected, (distributed, seen)
         assert all(size == 2 for _, _, size in seen)
         assert any(name == "all_reduce" and numel == 1 for name, numel, _ in seen) == distributed  # norm of shards
