@@ -48,7 +48,7 @@ from .layout import DataParallelTopology, default_bucket_size
 from .materialize import MetaMaterializer, has_meta_tensors
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_sync import ParamSync, build_param_sync
-from .param_units import units_of
+from .param_units import persistent_params_together, units_of
 from .replica_check import check_replicas_agree
 
 __all__ = ["DistributedDataParallel", "ZERO2_BUCKETS_IN_FLIGHT"]
@@ -160,6 +160,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
         self.expert_parallel_buffers: List[ParamAndGradBuffer] = []  # reduced over expert_data_parallel_group
         for (param_dtype, grad_dtype, expert), params in dtype_to_params.items():
+            params = persistent_params_together(params, unit_of, len(units))  # ZeRO-3: a bucket of their own
             group, inter = (expert_data_parallel_group, None) if expert else (self.intra_instance_group,
                                                                                self.inter_instance_group)
             (self.expert_parallel_buffers if expert else self.param_and_grad_buffers).append(ParamAndGradBuffer(

@@ -68,6 +68,22 @@ class DistributedDataParallelConfig:
     root unit, gathered for the whole forward and backward. A name matching no submodule, or None on a
     model without an nn.ModuleList, is an error at wrap time listing the model's candidate classes."""
 
+    prefetch_bucket_size: Optional[int] = None
+    """ZeRO-3: how far ahead units are gathered, in parameter elements (DeepSpeed's stage3_prefetch_bucket_size;
+    Megatron-FSDP derives its prefetch from suggested_communication_unit_size). When a unit is needed, the next
+    units of the phase's fixed order are dispatched while the elements already dispatched past it are below
+    this, so the last one may overshoot (DeepSpeed's and Megatron-FSDP's rule). 0: no prefetch, each unit is
+    gathered when needed; None: exactly one unit ahead. A rank holds at most the root, the persistent
+    parameters, the unit in use, the units in the window and, in backward, one unit still receiving
+    gradients. Only with data_parallel_sharding_strategy='optim_grads_params'."""
+
+    param_persistence_threshold: int = 0
+    """ZeRO-3: parameters with fewer elements than this are kept whole on every rank (DeepSpeed's
+    stage3_param_persistence_threshold): gathered at the first forward, gathered again in place after each
+    optimizer step, never released, and never gathered in forward or backward. Their gradients and optimizer
+    state stay sharded; they cost their full size in memory. 0: none. Only with
+    data_parallel_sharding_strategy='optim_grads_params'."""
+
     reduce_scatter_with_fp32_accumulation: bool = False
     """megatron-core's reduce-scatter that sends gradients in their own (low) precision but sums them in fp32:
     an all-to-all hands every rank the other ranks' copies of its shard, which it adds up in fp32, in rank
@@ -175,6 +191,16 @@ class DistributedDataParallelConfig:
                     raise TypeError(f"num_distributed_optimizer_instances must be a positive int, got {value!r}")
                 if value < 1:
                     raise ValueError(f"num_distributed_optimizer_instances must be >= 1, got {value}")
+            elif f.name in ("prefetch_bucket_size", "param_persistence_threshold"):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                    raise TypeError(f"{f.name} must be an int >= 0, got {value!r}")
+                if value is None and f.name == "param_persistence_threshold":
+                    raise TypeError("param_persistence_threshold must be an int >= 0 (0: none), got None")
+                if value is not None and value < 0:
+                    raise ValueError(f"{f.name} must be >= 0, got {value}")
+                if value != f.default and not sharding.parameters:
+                    raise ValueError(f"{f.name}={value} tunes ZeRO-3's parameter gathers: it needs "
+                                     f"data_parallel_sharding_strategy='optim_grads_params', got {strategy!r}")
             elif f.name in ("bucket_size", "num_buckets"):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                     raise TypeError(f"{f.name} must be a positive int or None, got {value!r}")

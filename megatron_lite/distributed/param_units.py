@@ -35,12 +35,27 @@ from .prefetch import PrefetchSchedule
 
 
 def units_of(module: torch.nn.Module, config: DistributedDataParallelConfig):
-    """(units, parameter -> unit index) for ZeRO-3 (find_units, unit_of_params); ([], None) where the
-    strategy keeps whole parameters."""
+    """(units, parameter -> unit index) for ZeRO-3 (find_units, unit_of_params; parameters with fewer than
+    config.param_persistence_threshold elements go to the persistent unit, len(units) + 1); ([], None) where
+    the strategy keeps whole parameters."""
     if not config.sharding.parameters:
         return [], None
     units = find_units(module, config.fsdp_unit_modules)
-    return units, unit_of_params(module, units)
+    unit_of = unit_of_params(module, units)
+    persistent = len(units) + 1
+    return units, {p: persistent if p.numel() < config.param_persistence_threshold else unit
+                   for p, unit in unit_of.items()}
+
+
+def persistent_params_together(params: List[torch.nn.Parameter], unit_of: Optional[Dict[torch.nn.Parameter, int]],
+                               num_units: int) -> List[torch.nn.Parameter]:
+    """`params` (a buffer's, in order) with the persistent ones (unit num_units + 1) moved, in their order, to
+    the end: buckets never span two units, so small parameters scattered between large ones (biases, norms)
+    would each close a bucket of their own. Unchanged when there are none."""
+    if not unit_of:
+        return list(params)
+    persistent = [p for p in params if unit_of[p] == num_units + 1]
+    return [p for p in params if unit_of[p] != num_units + 1] + persistent
 
 
 def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
@@ -113,17 +128,25 @@ class ParamUnits:
 
     Args:
         units: the unit modules, in forward (registration) order.
-        buckets_of_unit: per unit index (and len(units) for the root), its buckets.
+        buckets_of_unit: per unit index (len(units) for the root, len(units) + 1 for the persistent
+            parameters, see units_of), its buckets.
         group: the group the parameters are sharded over; gathers run on a group of their own with the same ranks.
             An expert bucket (expert_parallel.py) is sharded over its own group, bucket.data_parallel_group:
             its gathers, too, get a group of their own, and their sequence is checked over that group.
+        prefetch_bucket_size: DistributedDataParallelConfig.prefetch_bucket_size (None: one unit ahead).
     """
 
-    def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group):
+    def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group,
+                 prefetch_bucket_size: Optional[int] = None):
         self.units = units
         self.buckets = buckets_of_unit
         self.root = buckets_of_unit.get(len(units), [])
+        # Persistent parameters (param_persistence_threshold): gathered at the first forward, then kept
+        # whole; after each optimizer step gathered again in place (start()), never released.
+        self.persistent = buckets_of_unit.get(len(units) + 1, [])
         self._root_ids = {id(b) for b in self.root}
+        self._kept_ids = self._root_ids | {id(b) for b in self.persistent}  # never released by a grad hook
+        self._persistent_ids = {id(b) for b in self.persistent}
         self._uid = {id(b): i for i, b in enumerate(self.all_buckets())}
         self.check_group = group
         # A group of their own: the order of gathers never mixes with the order of gradient collectives.
@@ -137,8 +160,10 @@ class ParamUnits:
                 self._gather_groups[id(bucket.data_parallel_group)] = (
                     dist.new_group(ranks, use_local_synchronization=True), bucket.data_parallel_group)
         forward = list(range(len(units)))
-        self._schedules = {"forward": PrefetchSchedule(forward, self._dispatch_unit),
-                           "backward": PrefetchSchedule(forward[::-1], self._dispatch_unit)}
+        sizes = [sum(b.param_data.numel() for b in buckets_of_unit.get(i, [])) for i in forward]
+        self._schedules = {
+            "forward": PrefetchSchedule(forward, self._dispatch_unit, sizes, prefetch_bucket_size),
+            "backward": PrefetchSchedule(forward[::-1], self._dispatch_unit, sizes[::-1], prefetch_bucket_size)}
         for schedule in self._schedules.values():
             schedule.restart()
         self._open = set()  # phases begun and not yet completed (see _complete)
@@ -164,6 +189,10 @@ class ParamUnits:
         """Gather a released bucket (no-op when gathered or in flight), remembering the collective."""
         if bucket.params_gathered or bucket.param_gather_handle is not None:
             return
+        self._issue(bucket, async_op)
+
+    def _issue(self, bucket: Bucket, async_op: bool):
+        """All-gather `bucket`'s shards into its full storage (grown if released), remembering the collective."""
         key = id(bucket.data_parallel_group)
         bucket.start_param_sync(async_op, group=self._gather_groups[key][0])
         count, digest = self._signature[key]
@@ -199,9 +228,10 @@ class ParamUnits:
         for schedule in self._schedules.values():
             schedule.restart()
         self._open.add("forward")
-        for bucket in self.root:
+        for bucket in self.persistent + self.root:  # the same fixed order on every rank
             self._gather(bucket, async_op=False)
             bucket.wait_params()
+            bucket.finish_param_sync()  # a persistent bucket's refresh after the optimizer step
 
     def end_forward(self):
         """End of DistributedDataParallel.forward: complete the forward phase; with autograd recording, the
@@ -230,7 +260,11 @@ class ParamUnits:
         """A gradient of bucket.params_list[index] arrived (grad hook): release the unit's bucket once its
         backward is done. The root is released by end_iteration only, so that whether it is gathered never
         depends on the rank (its gather at the next forward is then issued by every rank or by none)."""
-        if bucket.count_backward_arrival(index) and id(bucket) not in self._root_ids:
+        if id(bucket) in self._kept_ids:
+            if id(bucket) in self._root_ids:
+                bucket.count_backward_arrival(index)  # reset when end_iteration releases the root
+            return
+        if bucket.count_backward_arrival(index):
             bucket.release_params()
 
     # ---------------------------------------------------------------- releasing
@@ -238,8 +272,10 @@ class ParamUnits:
         return [b for buckets in self.buckets.values() for b in buckets]
 
     def release_all(self):
+        """Release every bucket but the persistent ones."""
         for bucket in self.all_buckets():
-            bucket.release_params()
+            if id(bucket) not in self._persistent_ids:
+                bucket.release_params()
 
     def end_iteration(self, check: bool = True):
         """finish_grad_sync: complete the open phases and release everything. With `check`, compare the
@@ -276,6 +312,7 @@ class ParamUnits:
             for bucket in self.buckets[index]:
                 self._gather(bucket, async_op=False)
                 bucket.wait_params()
+                bucket.finish_param_sync()  # a persistent bucket's refresh in flight
 
     def wait_all(self):
         for bucket in self.all_buckets():
@@ -283,8 +320,20 @@ class ParamUnits:
 
     # ---------------------------------------------------------------- DistributedDataParallel's calls
     def start(self, force_sync: bool = False):
-        """After the optimizer's step: the full parameters are stale; units gather the new shards on demand."""
+        """After the optimizer's step: the full parameters are stale; units gather the new shards on demand,
+        persistent parameters are gathered again in place now (waited for by the next forward)."""
         self.release_all()
+        self._refresh_persistent(async_op=not force_sync)
+
+    def _refresh_persistent(self, async_op: bool):
+        """All-gather the persistent buckets' shards into their (kept) full storage; skipped before their first
+        gather (every rank is at the same point: the first forward gathers them)."""
+        for bucket in self.persistent:
+            if bucket.params_gathered:
+                bucket.finish_param_sync()
+                self._issue(bucket, async_op)
+                if not async_op:
+                    bucket.finish_param_sync()
 
     def finish(self):
         """Complete the gathers in flight."""
@@ -316,6 +365,7 @@ class ParamUnits:
                 with torch.no_grad():
                     for bucket in self.all_buckets():
                         bucket.param_shard.copy_(bucket.my_shard_of(bucket.param_data))
+                self._refresh_persistent(async_op=False)  # whole again from the shards, as every rank has them
         finally:
             self.release_all()
 

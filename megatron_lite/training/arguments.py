@@ -36,6 +36,8 @@ DDP_FLAGS = {
     "calculate_per_token_loss": "--calculate-per-token-loss",
     "num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "reduce_scatter_with_fp32_accumulation": "--ddp-reduce-scatter-with-fp32-accumulation",
+    "prefetch_bucket_size": "--ddp-prefetch-bucket-size",  # DeepSpeed's stage3_prefetch_bucket_size
+    "param_persistence_threshold": "--ddp-param-persistence-threshold",  # stage3_param_persistence_threshold
 }
 # Sequence-valued DDP fields: one flag taking several values (nargs='+'), added and mapped by hand.
 DDP_LIST_FLAGS = {

@@ -110,6 +110,14 @@ def test_wrapper_runs_a_step_in_one_process(single_rank_group):
         (dict(pad_buckets_for_high_nccl_busbw=True), ValueError, "pad_buckets_for_high_nccl_busbw"),
         (dict(overlap_grad_reduce="yes"), TypeError, "overlap_grad_reduce"),
         (dict(grad_reduce_in_fp32=1), TypeError, "grad_reduce_in_fp32"),
+        (dict(prefetch_bucket_size=1000), ValueError, "prefetch_bucket_size=1000 .*optim_grads_params"),
+        (dict(param_persistence_threshold=10), ValueError, "param_persistence_threshold=10 .*optim_grads_params"),
+        (dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+              prefetch_bucket_size=-1), ValueError, "prefetch_bucket_size must be >= 0"),
+        (dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+              param_persistence_threshold=1.5), TypeError, "param_persistence_threshold must be an int"),
+        (dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+              param_persistence_threshold=None), TypeError, "param_persistence_threshold"),
     ],
 )
 def test_config_validation(kwargs, error, field):
@@ -120,6 +128,8 @@ def test_config_validation(kwargs, error, field):
 def test_config_valid_combinations():
     DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True,
                                   pad_buckets_for_high_nccl_busbw=True, bucket_size=1)
+    DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+                                  prefetch_bucket_size=0, param_persistence_threshold=100_000)
 
 
 def test_wrapper_argument_errors(single_rank_group):

@@ -328,3 +328,97 @@ def test_zero3_units_reached_in_a_rank_dependent_order():
     order, on a group of their own."""
     for exact in run_distributed(_zero3_order_worker, 2):
         assert exact == [True, True, True]
+
+
+def _window_worker(settings):
+    """The Stack trained 3 steps per setting (prefetch_bucket_size, param_persistence_threshold): the final
+    state, and in the third iteration the most non-root bytes held in full (gathered or in flight) at any
+    hook, whether persistent parameters ever were placeholders after the first forward, and the gathers of
+    one step."""
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+    from megatron_lite.distributed import collectives
+
+    rank = dist.get_rank()
+    results = []
+    for prefetch, threshold in settings:
+        model = Stack()
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+            prefetch_bucket_size=prefetch, param_persistence_threshold=threshold))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), [ddp])
+        units = ddp.param_units
+        root = set(map(id, units.root + units.persistent))
+        persistent = [p for b in units.persistent for p in b.params_list]
+        held, placeholders = [], []
+
+        def record(*_):
+            held.append(sum(b.param_data.numel() * b.param_data.element_size() for b in units.all_buckets()
+                            if id(b) not in root and (b.params_gathered or b.param_gather_handle is not None)))
+            placeholders.append(any(torch.isnan(p).any() for p in persistent))
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda m, a: record())
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(record)
+        gathers = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            held.clear()
+            with collectives.observe(lambda name, t, n: gathers.append(id(t)) if name == "all_gather" else None):
+                gathers.clear()
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                ddp(x).pow(2).mean().backward()
+                ddp.finish_grad_sync()
+                opt.step()
+                ddp.finish_param_sync()
+            placeholders.append(any(torch.isnan(p).any() for p in persistent))  # between iterations too
+        unit_bytes = max(sum(b.param_data.numel() * b.param_data.element_size() for b in units.buckets[i])
+                         for i in range(len(units.units)))
+        per_bucket = {kind: [gathers.count(id(b.param_data)) for b in buckets] for kind, buckets in
+                      (("units", [b for i in range(6) for b in units.buckets[i]]), ("root", units.root),
+                       ("persistent", units.persistent))}
+        results.append(dict(state={k: v.clone() for k, v in ddp.state_dict().items()}, max_held=max(held),
+                            unit_bytes=unit_bytes, persistent=len(persistent), placeholders=any(placeholders),
+                            gathers=per_bucket))
+    return results
+
+
+def test_prefetch_bucket_size_bounds_the_gathered_units_and_keeps_the_numbers():
+    """Would catch a prefetch window that gathers more units than prefetch_bucket_size allows (peak memory
+    above the window), one that is silently ignored (0 still prefetching, a large window gathering no more
+    than the default), or a window that changes the numbers (the gathers' order or values): every setting
+    trains bitwise like the default."""
+    unit = 16 * 16 + 16
+    settings = [(None, 0), (0, 0), (2 * unit, 0), (10 ** 9, 0)]
+    for results in run_distributed(_window_worker, 2, settings):
+        default, none, two, every = results
+        for r in results[1:]:
+            assert r["state"].keys() == default["state"].keys()
+            assert all(torch.equal(v, default["state"][k]) for k, v in r["state"].items())
+        u = default["unit_bytes"]
+        # in use + the window + (backward) one unit still receiving gradients
+        assert none["max_held"] <= 2 * u and default["max_held"] <= 3 * u and two["max_held"] <= 4 * u
+        assert every["max_held"] == 6 * u  # all six units dispatched at once: the window is used
+        assert none["max_held"] < default["max_held"] < every["max_held"]
+
+
+def test_persistent_parameters_are_never_released_and_train_the_same():
+    """Would catch a parameter below param_persistence_threshold released (a NaN placeholder after its first
+    gather, or gathered again in forward and backward), kept stale after the optimizer step (the state would
+    differ), or persistence changing the numbers."""
+    settings = [(None, 0), (None, 17)]  # 17: every bias (16 or 3 elements); no weight (>= 48)
+    for default, kept in run_distributed(_window_worker, 2, settings):
+        assert kept["persistent"] == 8 and not kept["placeholders"]
+        assert all(torch.equal(v, default["state"][k]) for k, v in kept["state"].items())
+        # one step's gathers: each unit bucket twice (forward, backward), the root's once; the persistent
+        # biases' buckets once (after the optimizer step), none in forward or backward
+        for r in (default, kept):
+            assert set(r["gathers"]["units"]) == {2} and set(r["gathers"]["root"]) == {1}, r["gathers"]
+        assert kept["gathers"]["persistent"] and set(kept["gathers"]["persistent"]) == {1}
