@@ -102,7 +102,7 @@ class ParamAndGradBuffer:
         if ddp_config.use_distributed_optimizer and not shards_params:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
 
-        self.param_index_map = {}
+        self.param_index_map = dict(zip(self.params, layout.param_ranges))  # registration order
         self._shapes = {param: tuple(param.shape) for param in self.params}
         self._param_to_name = param_to_name
         self.buckets = []
@@ -117,7 +117,6 @@ class ParamAndGradBuffer:
             for index in b.param_indices:
                 param = self.params[index]
                 start, end, _ = layout.param_ranges[index]
-                self.param_index_map[param] = (start, end, bucket_id)
                 if param_data is not None:
                     view = param_data[start - b.start:end - b.start].view(param.shape)
                     view.copy_(param.data)
