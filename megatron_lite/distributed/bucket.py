@@ -105,8 +105,12 @@ class Bucket:
             self.release_params()
         # Gradient arrivals per parameter in one backward, learned in the first iteration (megatron-core's
         # golden counts): more than one when a weight's gradient is accumulated twice, e.g. by reentrant
-        # activation checkpointing of a shared weight. None until learned.
+        # activation checkpointing of a shared weight. None until learned. Until then ZeRO-2/3 (sharded
+        # gradients) expect one arrival per parameter, so that the first iteration, too, reduces and frees
+        # each bucket (and releases each unit) during backward instead of holding every full-size gradient and
+        # gathered unit until finish_grad_sync; the other strategies launch every bucket there.
         self.expected_counts: Optional[List[int]] = None
+        self._first_iteration_counts = [1] * len(params) if self.shards_grads else None
         self.reset()
 
     def my_shard_of(self, data: torch.Tensor) -> torch.Tensor:
@@ -160,6 +164,13 @@ class Bucket:
     def check_accepts_grad(self, index: int):
         """Raise if the bucket was already launched (params_list[index]'s grad would miss the collective)."""
         if self.communication_handle is not None:
+            if self.expected_counts is None:  # ZeRO-2/3's first iteration: one arrival expected
+                raise RuntimeError(
+                    f"parameter {self.name(self.params_list[index])} received a second gradient in one backward "
+                    f"(e.g. a weight shared by reentrant activation-checkpointed segments): ZeRO-2/3 (sharded "
+                    f"gradients) reduce each bucket once all its parameters got one gradient, from the first "
+                    f"iteration on. Use non-reentrant checkpointing (use_reentrant=False) or data_parallel_sharding_"
+                    f"strategy 'optim'")
             expected = "?" if self.expected_counts is None else self.expected_counts[index]
             raise RuntimeError(
                 f"parameter {self.name(self.params_list[index])} received a second gradient after its bucket "
@@ -172,9 +183,11 @@ class Bucket:
         """Count an arrival of params_list[index]'s gradient (after check_accepts_grad(index)); returns
         whether the bucket is complete. By position, not by parameter: this is the hot path. Until the
         expected counts are learned no bucket completes here (the first iteration launches them all in
-        finish_grad_sync); a parameter expected 0 times never completes its bucket either."""
+        finish_grad_sync), except under ZeRO-2/3, which expect one arrival each until then; a parameter
+        expected 0 times never completes its bucket either."""
         count = self._counts[index] = self._counts[index] + 1
-        if self.expected_counts is None or count != self.expected_counts[index]:
+        expected = self.expected_counts if self.expected_counts is not None else self._first_iteration_counts
+        if expected is None or count != expected[index]:
             return False
         self._num_ready += 1
         return self._num_ready == len(self._counts)
@@ -308,5 +321,5 @@ class Bucket:
         parameter expected 0 times (unused in the first iteration, find_unused_parameters) that does get a
         gradient now counts as expected once: its unit's other parameters may still need the full values."""
         self._pass_counts[index] += 1
-        return self.expected_counts is not None and all(
-            c >= max(e, 1) for c, e in zip(self._pass_counts, self.expected_counts))
+        expected = self.expected_counts if self.expected_counts is not None else self._first_iteration_counts
+        return expected is not None and all(c >= max(e, 1) for c, e in zip(self._pass_counts, expected))

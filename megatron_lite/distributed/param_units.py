@@ -13,8 +13,8 @@ reverse for backward), up to one unit ahead of the one needed (prefetch.py): a p
 issues in the same sequence, whatever order its autograd happens to reach the units in. They run on a process group of
 their own, so their order never interleaves with the gradient reduce-scatters'. A unit is gathered again
 before its backward by a hook on its forward outputs, and released once all its parameters received
-their expected number of gradients (learned in the first iteration, see Bucket.expected_counts; in that
-first iteration units stay gathered until finish_grad_sync). Parameters outside every unit form the root
+their expected number of gradients (learned in the first iteration, see Bucket.expected_counts; one each
+until then, so the first iteration releases units as it goes too). Parameters outside every unit form the root
 unit (embeddings, final norm, a tied output layer): gathered at the start of the forward and released with
 the others.
 

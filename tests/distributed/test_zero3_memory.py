@@ -1,0 +1,94 @@
+"""ZeRO-3's full-size storages are bounded from the first iteration on: at no point of any iteration, the first
+included, do more gathered parameters and full-size gradients exist than the prefetch window allows (a few units),
+counted from the buckets' storages at every hook of forward and backward."""
+
+import torch
+import torch.nn as nn
+from distributed_helper import run_distributed
+
+UNITS, WIDTH = 8, 32
+
+
+class Blocks(nn.Module):
+    """An embedding-like input layer (root unit), UNITS residual MLP blocks (one unit each), a head (root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+                                    for _ in range(UNITS))
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _peaks_worker(micro_batches):
+    """Per iteration, the largest bytes of full-size gradients plus gathered parameters alive at any hook; and
+    the bytes of one unit's full parameters and the root's (all fp32)."""
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    torch.manual_seed(0)
+    model = Blocks()
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, bucket_size=10 ** 6))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
+    peak = [0]
+
+    def record(*_):
+        alive = sum(b.grad_data.untyped_storage().nbytes() + b.param_data.untyped_storage().nbytes()
+                    for b in buckets)
+        peak[0] = max(peak[0], alive)
+
+    for p in ddp.param_to_name:
+        p.register_post_accumulate_grad_hook(record)
+    for block in model.blocks:
+        block.register_forward_pre_hook(record)
+        block.register_forward_hook(record)
+    unit_bytes = buckets[0].param_data.untyped_storage().nbytes()  # after a gather: measured below
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    peaks = []
+    for _ in range(3):
+        peak[0] = 0
+        ddp.zero_grad_buffer()
+        for m in range(micro_batches):
+            x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+            with ddp.no_sync() if m < micro_batches - 1 else torch.enable_grad():
+                ((ddp(x) - y) ** 2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        peaks.append(peak[0])
+    with ddp.full_parameters():
+        unit_bytes = max(sum(b.param_data.untyped_storage().nbytes() for b in ddp.param_units.buckets[i])
+                         for i in range(UNITS))
+        root_bytes = sum(b.param_data.untyped_storage().nbytes() for b in ddp.param_units.root)
+    return peaks, unit_bytes, root_bytes
+
+
+def test_first_iteration_is_bounded_like_the_steady_state():
+    """Would catch the first iteration keeping every unit gathered (and every bucket's full-size gradients) from
+    its backward until finish_grad_sync, i.e. the whole model in memory once per run, before the expected
+    gradient counts are learned; and a steady state above the window: the root (parameters and gradients), the
+    unit computing and the one prefetched (parameters and gradients: 2 x 2 units) and the reduce-scatters in
+    flight (ZERO2_BUCKETS_IN_FLIGHT units of gradients). With gradient accumulation (no_sync micro-batches) the
+    unreduced full-size gradients of every unit stay until the last micro-batch reduces them, in every
+    iteration alike: there only the first iteration's bound is checked."""
+    from megatron_lite.distributed.grad_sync import ZERO2_BUCKETS_IN_FLIGHT
+
+    for peaks, unit, root in run_distributed(_peaks_worker, 2, 1):
+        bound = 2 * root + (4 + ZERO2_BUCKETS_IN_FLIGHT) * unit
+        whole_model = 2 * (root + UNITS * unit)
+        assert max(peaks) <= bound < whole_model / 2, (peaks, bound, whole_model)
+    for peaks, unit, root in run_distributed(_peaks_worker, 2, 2):
+        assert peaks[0] <= max(peaks[1:]) < 2 * (root + UNITS * unit), peaks
