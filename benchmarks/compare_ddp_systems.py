@@ -36,6 +36,7 @@ class System:
     count_collectives: Callable[[], contextlib.AbstractContextManager]  # yields the list of calls made inside
     flush: Callable = lambda: None  # finish deferred communication (distopt's parameter all-gathers)
     torch_ddp: Optional[torch.nn.Module] = None  # torch DDP, whose C++ reducer all-reduces unseen by Python
+    wrapper: Optional[DistributedDataParallel] = None  # megatron_lite's systems: the wrapper (its buckets)
 
 
 def make_model(args, device):
@@ -67,14 +68,15 @@ def adamw(args, device):
 
 
 def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp", strategy=None,
-             bucket_view=True, grad_norm=False):
+             bucket_view=True, grad_norm=False, **config):
     """megatron_lite with `bucket_view` (gradient_as_bucket_view, as torch-ddp) and, unless `grad_norm`, no
-    gradient norm (clip_grad=0 and log_grad_norm=False: torch computes none either)."""
+    gradient norm (clip_grad=0 and log_grad_norm=False: torch computes none either). `config`: more
+    DistributedDataParallelConfig fields (ZeRO-3's prefetch_bucket_size, say)."""
     distopt = distopt or strategy not in (None, "no_shard")
     ddp = DistributedDataParallel(make_model(args, device), DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, bucket_size=args.bucket_size, use_distributed_optimizer=distopt,
         overlap_param_gather=distopt and strategy != "optim_grads_params", data_parallel_sharding_strategy=strategy,
-        gradient_as_bucket_view=bucket_view), data_parallel_group=group)
+        gradient_as_bucket_view=bucket_view, **config), data_parallel_group=group)
     opt = get_megatron_optimizer(OptimizerConfig(
         lr=args.lr, weight_decay=args.weight_decay, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
         clip_grad=0.0, log_grad_norm=grad_norm, use_distributed_optimizer=distopt), [ddp])
@@ -94,7 +96,7 @@ def build_ml(args, device, distopt=False, overlap=True, group=None, name="ml-ddp
     shards = [b.param_shard for b in buckets if b.param_shard is not None]  # ZeRO-3's persistent params
     grads = [p.main_grad for p in params] + [b.grad_shard for b in buckets if b.grad_shard is not None]
     return System(name, step, lambda: (params + shards + main, grads, tensors_of(opt.optimizer)),
-                  count_megatron_lite, flush=ddp.finish_param_sync)
+                  count_megatron_lite, flush=ddp.finish_param_sync, wrapper=ddp)
 
 
 def plain_step(model, opt):
