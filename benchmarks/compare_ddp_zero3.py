@@ -4,8 +4,10 @@ The systems of benchmarks/compare_ddp.py that shard (ml-zero2, ml-zero3, fsdp2) 
 ml-zero3 under DistributedDataParallelConfig's gather settings: prefetch_bucket_size 0 (no prefetch), None
 (one unit ahead, the default), two units' elements, everything; param_persistence_threshold 100,000
 (DeepSpeed's default stage3_param_persistence_threshold: the norms, biases and the position embedding kept
-whole). Same model, batches, timing and counting as compare_ddp.py (alternating rounds, slowest rank per
-step, collectives counted in one extra step). One more untimed step per megatron_lite system measures the
+whole); max_reuse_distance 0 (the last layer kept from forward to backward), two units' elements (the last
+two), everything (every layer: FSDP2's reshard_after_forward=False). Same model, batches, timing and
+counting as compare_ddp.py (alternating rounds, slowest rank per step, collectives counted in one extra
+step). One more untimed step per megatron_lite system measures the
 peak of full-size storages during a step: gathered parameters plus unreduced gradients (the buckets'
 storages, sampled at every module's forward and every gradient hook; persistent parameters included).
 Results: docs/sharding_strategies.md::
@@ -35,7 +37,10 @@ def zero3_settings(unit: int):
             ("zero3 prefetch 0", dict(prefetch_bucket_size=0)),
             ("zero3 prefetch 2u", dict(prefetch_bucket_size=2 * unit)),
             ("zero3 prefetch all", dict(prefetch_bucket_size=10 ** 12)),
-            ("zero3 persist 1e5", dict(param_persistence_threshold=100_000))]
+            ("zero3 persist 1e5", dict(param_persistence_threshold=100_000)),
+            ("zero3 reuse last", dict(max_reuse_distance=0)),
+            ("zero3 reuse 2u", dict(max_reuse_distance=2 * unit)),
+            ("zero3 reuse all", dict(max_reuse_distance=10 ** 12))]
 
 
 def full_size_peak(system, args, rank, device) -> int:

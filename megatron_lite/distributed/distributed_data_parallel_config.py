@@ -77,6 +77,14 @@ class DistributedDataParallelConfig:
     parameters, the unit in use, the units in the window and, in backward, one unit still receiving
     gradients. Only with data_parallel_sharding_strategy='optim_grads_params'."""
 
+    max_reuse_distance: Optional[int] = None
+    """ZeRO-3: a unit is kept gathered from its forward to its backward, instead of released and gathered
+    again, when the parameter elements gathered in between (the units after it, in forward and again in
+    backward) are at most this (DeepSpeed's stage3_max_reuse_distance; FSDP2's reshard_after_forward=False
+    keeps every unit). 0: the last unit only, reused at once; a value >= twice the units' elements: every
+    unit, one gather per unit and step instead of two (ZeRO-2's parameter memory at the end of forward).
+    None: every unit released after its forward. Only with data_parallel_sharding_strategy='optim_grads_params'."""
+
     param_persistence_threshold: int = 0
     """ZeRO-3: parameters with fewer elements than this are kept whole on every rank (DeepSpeed's
     stage3_param_persistence_threshold): gathered at the first forward, gathered again in place after each
@@ -191,7 +199,7 @@ class DistributedDataParallelConfig:
                     raise TypeError(f"num_distributed_optimizer_instances must be a positive int, got {value!r}")
                 if value < 1:
                     raise ValueError(f"num_distributed_optimizer_instances must be >= 1, got {value}")
-            elif f.name in ("prefetch_bucket_size", "param_persistence_threshold"):
+            elif f.name in ("prefetch_bucket_size", "max_reuse_distance", "param_persistence_threshold"):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                     raise TypeError(f"{f.name} must be an int >= 0, got {value!r}")
                 if value is None and f.name == "param_persistence_threshold":

@@ -9,7 +9,7 @@ unit's parameters (layout.py). Per iteration::
                | unit 0 ... | finish_grad_sync: everything released
 
 Gathers are dispatched in one fixed order per phase (units in registration order for forward, the
-reverse for backward), up to one unit ahead of the one needed (prefetch.py): a prefetch that every rank
+reverse for backward), up to a window past the one needed (prefetch.py): a prefetch that every rank
 issues in the same sequence, whatever order its autograd happens to reach the units in. They run on a process group of
 their own, so their order never interleaves with the gradient reduce-scatters'. A unit is gathered again
 before its backward by a hook on its forward outputs, and released once all its parameters received
@@ -17,6 +17,11 @@ their expected number of gradients (learned in the first iteration, see Bucket.e
 until then, so the first iteration releases units as it goes too). Parameters outside every unit form the root
 unit (embeddings, final norm, a tied output layer): gathered at the start of the forward and released with
 the others.
+
+Tunables (DistributedDataParallelConfig, DeepSpeed's ZeRO-3 knobs; the defaults are the behaviour above):
+prefetch_bucket_size (how many elements of units are dispatched ahead: the window), max_reuse_distance (the
+last units of forward kept gathered for their backward instead of gathered again), param_persistence_threshold
+(parameters below it in a persistent bucket: whole on every rank, gathered once per optimizer step).
 
 `ParamUnits` answers the same calls from DistributedDataParallel as `ParamGather` (param_gather.py) does
 for the strategies that keep whole parameters.
@@ -134,10 +139,12 @@ class ParamUnits:
             An expert bucket (expert_parallel.py) is sharded over its own group, bucket.data_parallel_group:
             its gathers, too, get a group of their own, and their sequence is checked over that group.
         prefetch_bucket_size: DistributedDataParallelConfig.prefetch_bucket_size (None: one unit ahead).
+        max_reuse_distance: DistributedDataParallelConfig.max_reuse_distance (None: release every unit after
+            its forward).
     """
 
     def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group,
-                 prefetch_bucket_size: Optional[int] = None):
+                 prefetch_bucket_size: Optional[int] = None, max_reuse_distance: Optional[int] = None):
         self.units = units
         self.buckets = buckets_of_unit
         self.root = buckets_of_unit.get(len(units), [])
@@ -161,6 +168,11 @@ class ParamUnits:
                     dist.new_group(ranks, use_local_synchronization=True), bucket.data_parallel_group)
         forward = list(range(len(units)))
         sizes = [sum(b.param_data.numel() for b in buckets_of_unit.get(i, [])) for i in forward]
+        # Units kept gathered from their forward to their backward: the elements gathered in between (the
+        # later units, in forward and again in backward) are within max_reuse_distance. Decided once, from the
+        # sizes: the same units on every rank, so whether a gather is issued never depends on the rank.
+        self.kept_for_backward = frozenset(
+            i for i in forward if max_reuse_distance is not None and 2 * sum(sizes[i + 1:]) <= max_reuse_distance)
         self._schedules = {
             "forward": PrefetchSchedule(forward, self._dispatch_unit, sizes, prefetch_bucket_size),
             "backward": PrefetchSchedule(forward[::-1], self._dispatch_unit, sizes[::-1], prefetch_bucket_size)}
@@ -209,16 +221,17 @@ class ParamUnits:
             self._gather(bucket)  # no-op once dispatched; a unit used twice is gathered again
             bucket.wait_params()
 
-    def _complete(self, phase: str):
+    def _complete(self, phase: str, keep=frozenset()):
         """End an open phase: dispatch the units this rank did not reach (a rank that skipped a unit, e.g. a
         branch another rank took, still issues its gather, so every rank issues every phase's gathers in the
-        same sequence), then release every unit (the root stays)."""
+        same sequence), then release every unit but those in `keep` (the root stays)."""
         if phase not in self._open:
             return
         self._schedules[phase].dispatch_all()
         for index in range(len(self.units)):
-            for bucket in self.buckets.get(index, []):
-                bucket.release_params()
+            if index not in keep:
+                for bucket in self.buckets.get(index, []):
+                    bucket.release_params()
         self._open.discard(phase)
 
     def begin_forward(self):
@@ -235,9 +248,11 @@ class ParamUnits:
 
     def end_forward(self):
         """End of DistributedDataParallel.forward: complete the forward phase; with autograd recording, the
-        backward phase begins (completed by the next forward or by end_iteration)."""
-        self._complete("forward")
-        if torch.is_grad_enabled():
+        backward phase begins (completed by the next forward or by end_iteration), and the units kept for
+        backward (max_reuse_distance) stay gathered on every rank, whether it ran them or not."""
+        backward = torch.is_grad_enabled()
+        self._complete("forward", keep=self.kept_for_backward if backward else frozenset())
+        if backward:
             self._open.add("backward")
 
     def _pre_forward_hook(self, index):
@@ -247,9 +262,10 @@ class ParamUnits:
 
     def _post_forward_hook(self, index):
         def hook(module, args, output):
-            for bucket in self.buckets.get(index, []):
-                bucket.release_params()
-            if torch.is_grad_enabled():  # gather again just before this unit's backward
+            if not (index in self.kept_for_backward and torch.is_grad_enabled()):
+                for bucket in self.buckets.get(index, []):
+                    bucket.release_params()
+            if torch.is_grad_enabled():  # gather again just before this unit's backward (unless kept)
                 for tensor in _tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(lambda grad: self._need("backward", index))

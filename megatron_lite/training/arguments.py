@@ -37,6 +37,7 @@ DDP_FLAGS = {
     "num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "reduce_scatter_with_fp32_accumulation": "--ddp-reduce-scatter-with-fp32-accumulation",
     "prefetch_bucket_size": "--ddp-prefetch-bucket-size",  # DeepSpeed's stage3_prefetch_bucket_size
+    "max_reuse_distance": "--ddp-max-reuse-distance",  # DeepSpeed's stage3_max_reuse_distance
     "param_persistence_threshold": "--ddp-param-persistence-threshold",  # stage3_param_persistence_threshold
 }
 # Sequence-valued DDP fields: one flag taking several values (nargs='+'), added and mapped by hand.

@@ -112,6 +112,7 @@ def test_wrapper_runs_a_step_in_one_process(single_rank_group):
         (dict(grad_reduce_in_fp32=1), TypeError, "grad_reduce_in_fp32"),
         (dict(prefetch_bucket_size=1000), ValueError, "prefetch_bucket_size=1000 .*optim_grads_params"),
         (dict(param_persistence_threshold=10), ValueError, "param_persistence_threshold=10 .*optim_grads_params"),
+        (dict(max_reuse_distance=0), ValueError, "max_reuse_distance=0 .*optim_grads_params"),
         (dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
               prefetch_bucket_size=-1), ValueError, "prefetch_bucket_size must be >= 0"),
         (dict(data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,

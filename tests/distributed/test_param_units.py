@@ -331,10 +331,9 @@ def test_zero3_units_reached_in_a_rank_dependent_order():
 
 
 def _window_worker(settings):
-    """The Stack trained 3 steps per setting (prefetch_bucket_size, param_persistence_threshold): the final
-    state, and in the third iteration the most non-root bytes held in full (gathered or in flight) at any
-    hook, whether persistent parameters ever were placeholders after the first forward, and the gathers of
-    one step."""
+    """The Stack trained 3 steps per setting (DistributedDataParallelConfig fields): the final state, and in
+    the third iteration the most non-root bytes held in full (gathered or in flight) at any hook, whether
+    persistent parameters ever were placeholders after the first forward, and the gathers of one step."""
     import torch.distributed as dist
 
     from megatron_lite import (
@@ -347,11 +346,10 @@ def _window_worker(settings):
 
     rank = dist.get_rank()
     results = []
-    for prefetch, threshold in settings:
+    for setting in settings:
         model = Stack()
         ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
-            prefetch_bucket_size=prefetch, param_persistence_threshold=threshold))
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, **setting))
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), [ddp])
         units = ddp.param_units
         root = set(map(id, units.root + units.persistent))
@@ -396,7 +394,7 @@ def test_prefetch_bucket_size_bounds_the_gathered_units_and_keeps_the_numbers():
     than the default), or a window that changes the numbers (the gathers' order or values): every setting
     trains bitwise like the default."""
     unit = 16 * 16 + 16
-    settings = [(None, 0), (0, 0), (2 * unit, 0), (10 ** 9, 0)]
+    settings = [{}] + [dict(prefetch_bucket_size=size) for size in (0, 2 * unit, 10 ** 9)]
     for results in run_distributed(_window_worker, 2, settings):
         default, none, two, every = results
         for r in results[1:]:
@@ -413,7 +411,7 @@ def test_persistent_parameters_are_never_released_and_train_the_same():
     """Would catch a parameter below param_persistence_threshold released (a NaN placeholder after its first
     gather, or gathered again in forward and backward), kept stale after the optimizer step (the state would
     differ), or persistence changing the numbers."""
-    settings = [(None, 0), (None, 17)]  # 17: every bias (16 or 3 elements); no weight (>= 48)
+    settings = [{}, dict(param_persistence_threshold=17)]  # every bias (16 or 3 elements), no weight
     for default, kept in run_distributed(_window_worker, 2, settings):
         assert kept["persistent"] == 8 and not kept["placeholders"]
         assert all(torch.equal(v, default["state"][k]) for k, v in kept["state"].items())
@@ -422,3 +420,20 @@ def test_persistent_parameters_are_never_released_and_train_the_same():
         for r in (default, kept):
             assert set(r["gathers"]["units"]) == {2} and set(r["gathers"]["root"]) == {1}, r["gathers"]
         assert kept["gathers"]["persistent"] and set(kept["gathers"]["persistent"]) == {1}
+
+
+def test_max_reuse_distance_keeps_the_last_units_for_backward():
+    """Would catch a unit kept from forward to backward that is gathered again anyway (no saving), one kept
+    beyond max_reuse_distance (memory), a kept unit that backward reads stale or released (the numbers would
+    differ from the default's), or kept units never released (the bound after backward)."""
+    # A unit's bucket holds 16 * 16 + 16 = 272 elements, padded to at most 384. 0: the last unit (nothing
+    # gathered between its forward and backward); 800: the last two (the last one's forward and backward in
+    # between, 2 x 272..384 elements); 10 ** 9: all six
+    settings = [{}] + [dict(max_reuse_distance=d) for d in (0, 800, 10 ** 9)]
+    for default, last, two, every in run_distributed(_window_worker, 2, settings):
+        for r in (last, two, every):
+            assert all(torch.equal(v, default["state"][k]) for k, v in r["state"].items())
+        for r, kept in ((default, 0), (last, 1), (two, 2), (every, 6)):
+            assert sorted(r["gathers"]["units"]) == [1] * kept + [2] * (6 - kept), r["gathers"]
+        u = default["unit_bytes"]
+        assert last["max_held"] <= 3 * u and two["max_held"] <= 4 * u and every["max_held"] == 6 * u
