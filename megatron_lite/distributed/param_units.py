@@ -242,7 +242,9 @@ class ParamUnits:
             schedule.restart()
         self._open.add("forward")
         for bucket in self.persistent + self.root:  # the same fixed order on every rank
-            self._gather(bucket, async_op=False)
+            self._gather(bucket)
+        self._prefetch_first("forward")  # the first units' gathers run while the root's first layers compute
+        for bucket in self.persistent + self.root:
             bucket.wait_params()
             bucket.finish_param_sync()  # a persistent bucket's refresh after the optimizer step
 
@@ -254,6 +256,14 @@ class ParamUnits:
         self._complete("forward", keep=self.kept_for_backward if backward else frozenset())
         if backward:
             self._open.add("backward")
+            self._prefetch_first("backward")  # the last units' gathers run while the loss is computed
+
+    def _prefetch_first(self, phase: str):
+        """Dispatch the window of the phase's first unit before any unit is needed (the next items of the
+        same fixed order: the sequence of gathers is unchanged, they only start earlier)."""
+        schedule = self._schedules[phase]
+        if schedule.order:
+            schedule.dispatch(schedule.window_end(0))
 
     def _pre_forward_hook(self, index):
         def hook(module, args):
