@@ -1,0 +1,279 @@
+"""ZeRO-3 for a GPT whose full fp32 training state does not fit a rank's memory budget: built on the meta
+device, loaded sharded, trained under the budget on every rank; per-rank peak memory next to theory.
+
+Three runs of `--world-size` (4) spawned gloo ranks, each measured per rank with peak_rss.py (peak RSS of a
+phase above the rank's RSS before the model existed):
+
+    meta    build inside meta_device_init() + wrap (optim_grads_params) + optimizer; the first iteration; the
+            steady state (the following iterations); then a torch_dist checkpoint is saved
+    load    a second meta build that loads that checkpoint (--load's path), then one iteration
+    normal  the same model built normally and wrapped: the build alone, against the budget
+
+Theory, per rank (bytes; N parameters, d ranks, s = this rank's shard elements, about N / d):
+
+    build        8 s (parameter and gradient shards) + B (one bucket's full parameters and gradients, built
+                 one at a time) + T (the largest tensor of the replayed initialization)            + C
+    load         16 s (parameter, gradient shards and Adam's moments) + 16 s (the pieces read: main params,
+                 moments and model shards, copied in once every rank read all of its own)          + C
+    iteration    16 s + W + A + O                                                                  + C
+    normal build 4 N (the whole fp32 model, then wrapped) + 8 s + B                                + C
+      W = the gathered and full-size storages the prefetch window allows, with their scratch:
+          parameters  R + (1 + PREFETCH) U          the root unit (embeddings, final norm: gathered for the
+                                                    whole iteration), the unit computing, the one prefetched
+          gradients   3 R + (1 + IN_FLIGHT) U       the root's bucket and the tied embedding's two gradients
+                                                    (input and output uses) that autograd sums before they are
+                                                    added in; the unit computing and ZERO2_BUCKETS_IN_FLIGHT
+                                                    reduce-scatters in flight
+          scratch     (1 + PREFETCH) U + (1 + IN_FLIGHT) (d - 1) / d U     gloo's all-gather output and the
+                                                    all-to-all reduce-scatter's received copies
+          with U the largest unit's bytes (a transformer layer) and R the root's
+      A = tokens x (68 h L + 8 V): the activations this GPT's autograd saves in fp32 (per layer and token
+          17 h values: LayerNorm inputs and outputs, q/k/v, attention output, MLP input, 4h GELU input and
+          output) and the logits with their log-softmax
+      O = 4 s: torch's foreach AdamW step (one shard-sized temporary, the square root of the second moment)
+      C = what the process maps on first use whatever the model's size (library code, threads, gloo's
+          connections and buffers, autograd's state, the allocator's slack): measured first, as the peak of the
+          same build and three iterations of a GPT of one tiny layer (the `calibration` run) at the same dp
+
+The budget is a per-rank limit on that peak, below the full fp32 training state (16 N bytes: parameters,
+gradients, Adam's two moments). Run from the repository root:
+
+    python -m benchmarks.zero3_scale              # GPT 42M parameters, budget 512 MiB, dp=4 (~1 min, 2 cores)
+    python -m benchmarks.zero3_scale --quick      # a small GPT, for tests/bench (~35 s; --world-size 2 ~20 s)
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import peak_rss
+from benchmarks.launch import launch, world_size
+from megatron_lite import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    get_megatron_optimizer,
+    meta_device_init,
+)
+from megatron_lite.checkpointing import load_checkpoint, save_checkpoint
+from megatron_lite.distributed import collectives
+from megatron_lite.distributed.grad_sync import ZERO2_BUCKETS_IN_FLIGHT
+from megatron_lite.distributed.prefetch import PREFETCH
+from megatron_lite.models import GPTConfig, GPTModel
+from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+MiB = 2 ** 20
+
+MODELS = {
+    "full": dict(num_layers=12, hidden_size=512, num_attention_heads=8, vocab_size=8192, seq=64, budget_mb=512),
+    "quick": dict(num_layers=6, hidden_size=256, num_attention_heads=4, vocab_size=4096, seq=32, budget_mb=160),
+    "calibration": dict(num_layers=1, hidden_size=64, num_attention_heads=2, vocab_size=256, seq=8, budget_mb=0),
+}
+
+
+def gpt_config(shape) -> GPTConfig:
+    return GPTConfig(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+                     num_attention_heads=shape["num_attention_heads"], vocab_size=shape["vocab_size"],
+                     max_position_embeddings=shape["seq"])
+
+
+# ------------------------------------------------------------------------------------------------ building
+def build(shape, meta: bool, lr: float = 1e-4):
+    """(ddp, optimizer, scheduler): the GPT on the meta device (materialized by the wrapper) or built normally,
+    under ZeRO-3 with one unit per transformer layer."""
+    torch.manual_seed(1234)
+    if meta:
+        with meta_device_init():
+            model = GPTModel(gpt_config(shape))
+    else:
+        model = GPTModel(gpt_config(shape))
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+        use_distributed_optimizer=True, fsdp_unit_modules=("TransformerLayer",)))
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=lr, use_distributed_optimizer=True), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, lr, lr, 0, 100, "constant")
+    return ddp, optimizer, scheduler
+
+
+def train_step(ddp, optimizer, shape, step: int) -> float:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    tokens = torch.randint(0, shape["vocab_size"], (1, shape["seq"]), generator=gen)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = ddp(tokens, labels=torch.roll(tokens, -1, 1)).mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    optimizer.step()
+    return loss.item()
+
+
+# ------------------------------------------------------------------------------------------------ theory
+def theory(ddp, shape, constant: int) -> dict:
+    """Bytes per phase (module docstring), from this rank's buckets."""
+    units = ddp.param_units
+    world = ddp.data_parallel_world_size
+    shard = sum(b.shard_size for b in units.all_buckets())
+    unit = max(sum(b.grad_data.numel() for b in units.buckets[i]) for i in range(len(units.units))) * 4
+    root = sum(b.grad_data.numel() for b in units.root) * 4
+    bucket = max(b.grad_data.numel() for b in units.all_buckets()) * 4 * 2
+    largest = max(p.numel() for p in ddp.module.parameters()) * 4
+    h, layers, vocab = shape["hidden_size"], shape["num_layers"], shape["vocab_size"]
+    activations = shape["seq"] * (68 * h * layers + 8 * vocab)
+    window = (root + (1 + PREFETCH) * unit  # parameters
+              + 3 * root + (1 + ZERO2_BUCKETS_IN_FLIGHT) * unit  # gradients
+              + (1 + PREFETCH) * unit + (1 + ZERO2_BUCKETS_IN_FLIGHT) * (world - 1) * unit // world)  # scratch
+    step = 4 * shard
+    iteration = 16 * shard + window + activations + step + constant
+    full = sum(p.numel() for p in ddp.module.parameters()) * 4
+    return {"build": 8 * shard + bucket + largest + constant, "load": 32 * shard + constant,
+            "normal build": full + 8 * shard + bucket + constant,
+            "first iteration": iteration, "steady state": iteration,
+            "terms": dict(shard_state=16 * shard, window=window, activations=activations, adam_step=step,
+                          constant=constant)}
+
+
+# ------------------------------------------------------------------------------------------------ the runs
+def run_calibration(args, rank, world, device):
+    """C: the peak of a meta build and three iterations of a GPT of one tiny layer."""
+    shape = MODELS["calibration"]
+    baseline = peak_rss.rss()
+    with peak_rss.phase() as peak:
+        ddp, optimizer, _ = build(shape, meta=True)
+        for step in range(3):
+            train_step(ddp, optimizer, shape, step)
+    everyone = collectives.all_gather_object(peak.bytes - baseline)
+    if rank == 0:
+        with open(os.path.join(os.path.dirname(args.checkpoint_dir), "constant.json"), "w") as f:
+            json.dump(max(everyone), f)
+
+
+def run_meta(args, rank, world, device):
+    shape = MODELS[args.model]
+    baseline = peak_rss.rss()
+    peaks, losses = {}, []
+    with peak_rss.phase() as peak:
+        ddp, optimizer, scheduler = build(shape, meta=True)
+    peaks["build"] = peak.bytes
+    with peak_rss.phase() as peak:
+        losses.append(train_step(ddp, optimizer, shape, 0))
+    peaks["first iteration"] = peak.bytes
+    with peak_rss.phase() as peak:
+        for step in range(1, args.steps):
+            losses.append(train_step(ddp, optimizer, shape, step))
+    peaks["steady state"] = peak.bytes
+    save_checkpoint(args.checkpoint_dir, args.steps, ddp, optimizer, scheduler, args.steps, ckpt_format="torch_dist")
+    _report(args, "meta", rank, baseline, peaks, theory(ddp, shape, args.constant), losses)
+
+
+def run_load(args, rank, world, device):
+    shape = MODELS[args.model]
+    baseline = peak_rss.rss()
+    ddp, optimizer, scheduler = build(shape, meta=True)
+    peaks = {}
+    with peak_rss.phase() as peak:
+        load_checkpoint(args.checkpoint_dir, ddp, optimizer, scheduler, load_rng=False)
+    peaks["load"] = peak.bytes
+    losses = [train_step(ddp, optimizer, shape, args.steps)]
+    _report(args, "load", rank, baseline, peaks, theory(ddp, shape, args.constant), losses)
+
+
+def run_normal(args, rank, world, device):
+    shape = MODELS[args.model]
+    baseline = peak_rss.rss()
+    with peak_rss.phase() as peak:
+        ddp, _, _ = build(shape, meta=False)
+    expected = theory(ddp, shape, args.constant)
+    _report(args, "normal", rank, baseline, {"build": peak.bytes}, dict(expected, build=expected["normal build"]), [])
+
+
+def _report(args, run, rank, baseline, peaks, expected, losses):
+    """Rank 0 prints every rank's peaks (above its baseline) next to theory and the budget, and keeps them for
+    the verdict (results.json next to the checkpoint)."""
+    everyone = collectives.all_gather_object({k: v - baseline for k, v in peaks.items()})
+    if rank:
+        return
+    with open(os.path.join(os.path.dirname(args.checkpoint_dir), "results.json"), "a") as f:
+        f.write(json.dumps({"run": run, "peaks": {phase: [r[phase] for r in everyone] for phase in peaks},
+                            "losses": losses}) + "\n")
+    budget = MODELS[args.model]["budget_mb"] * MiB
+    for phase in peaks:
+        values = [r[phase] for r in everyone]
+        within = all(v <= budget for v in values)
+        print(f"  {run:6s} {phase:16s} peak per rank (MiB): {' '.join(f'{v / MiB:6.1f}' for v in values)} | "
+              f"theory {expected[phase] / MiB:6.1f} | budget {budget / MiB:.0f}: "
+              f"{'within' if within else 'EXCEEDED'}", flush=True)
+    if run == "meta":
+        print("         theory terms (MiB): " + ", ".join(f"{k} {v / MiB:.1f}" for k, v in expected["terms"].items())
+              + f" | losses {' '.join(f'{x:.4f}' for x in losses)}", flush=True)
+    if run == "load":
+        print(f"         loss after loading: {losses[0]:.4f}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the small GPT, for the smoke test (--model quick)")
+    parser.add_argument("--model", choices=["full", "quick"], default="full", help="full: 42M parameters")
+    parser.add_argument("--world-size", type=int, default=4, help="ranks to spawn (gloo, CPU)")
+    parser.add_argument("--steps", type=int, default=3, help="training iterations of the meta run")
+    parser.add_argument("--budget-mb", type=int, help="the per-rank budget in MiB (default: the model's)")
+    args = parser.parse_args(argv)
+    args.model = "quick" if args.quick else args.model
+    if not peak_rss.available():
+        raise SystemExit("zero3_scale: needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    shape = MODELS[args.model]
+    if args.budget_mb is not None:
+        shape["budget_mb"] = args.budget_mb
+    n = sum(p.numel() for p in _meta_model(shape).parameters())
+    world = world_size(args.world_size)
+    print(f"GPT {shape['num_layers']} layers, hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, "
+          f"seq {shape['seq']}: {n / 1e6:.1f}M parameters; full fp32 training state 16 B/param = "
+          f"{16 * n / MiB:.0f} MiB; budget {shape['budget_mb']} MiB per rank; dp={world} (gloo, CPU); "
+          f"peaks: RSS above each rank's RSS before the model", flush=True)
+    # glibc's malloc would keep freed tensors' memory in its arenas (its mmap threshold grows with the
+    # sizes freed): every allocation of 64 KiB or more mapped on its own, so RSS follows the live tensors.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="zero3_scale_") as tmp:
+        args.checkpoint_dir = os.path.join(tmp, "ckpt")
+        launch(run_calibration, args, world, cpu=True)
+        with open(os.path.join(tmp, "constant.json")) as f:
+            args.constant = json.load(f)
+        print(f"C (calibration: a one-layer GPT's build and 3 iterations): {args.constant / MiB:.1f} MiB", flush=True)
+        for run in (run_meta, run_load, run_normal):
+            launch(run, args, world, cpu=True)
+        with open(os.path.join(tmp, "results.json")) as f:
+            results = [json.loads(line) for line in f]
+    verdict(results, shape, n)
+    print(f"done in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def verdict(results, shape, n) -> bool:
+    """Print whether the meta-built model trained under the budget on every rank and in every phase, and
+    whether the normal build exceeded it; returns the first."""
+    budget = shape["budget_mb"] * MiB
+    sharded = max(v for r in results if r["run"] != "normal" for values in r["peaks"].values() for v in values)
+    normal = max(v for r in results if r["run"] == "normal" for values in r["peaks"].values() for v in values)
+    full = 16 * n
+    print(f"meta-built ZeRO-3: largest peak of any rank and phase {sharded / MiB:.1f} MiB "
+          f"{'<=' if sharded <= budget else '>'} budget {budget / MiB:.0f} MiB "
+          f"{'<' if budget < full else '>='} full fp32 training state {full / MiB:.0f} MiB", flush=True)
+    why = ("exceeded" if normal > budget else "not exceeded: the sharded fp32 Adam state, 16/d B/param, is not "
+           "below the 4 B/param of the fp32 weights a normal build holds unless d > 4; see docs/sharding_strategies.md")
+    print(f"normal build: largest peak {normal / MiB:.1f} MiB {'>' if normal > budget else '<='} budget ({why})",
+          flush=True)
+    return sharded <= budget
+
+
+def _meta_model(shape) -> GPTModel:
+    with torch.device("meta"):
+        return GPTModel(gpt_config(shape))
+
+
+if __name__ == "__main__":
+    main()
