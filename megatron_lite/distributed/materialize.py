@@ -127,10 +127,10 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if not any(t.is_meta for t in tensors + [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]):
-            if _draws_random_numbers(func) and any(_writes(func, i) for i in range(len(args))):
-                raise ValueError(f"meta_device_init: {func} draws random numbers into a tensor that is not on the "
-                                 f"meta device; under the meta build it would take other numbers than in a normal "
-                                 f"build. Create that tensor without an explicit device")
+            if _draws_from_default_generator(func, args, kwargs):
+                raise ValueError(f"meta_device_init: {func} draws from the default generator into a tensor that is "
+                                 f"not on the meta device; under the meta build it would take other numbers than in "
+                                 f"a normal build. Create that tensor without an explicit device")
             return out
         name = func.overloadpacket.__name__
         known = set(self.record.storage)
@@ -152,8 +152,19 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _draws_random_numbers(func) -> bool:
-    return any("Generator" in str(a.type) for a in func._schema.arguments)
+_RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
+           "multinomial", "poisson", "uniform_", "normal_", "random_", "exponential_", "geometric_", "log_normal_",
+           "cauchy_", "bernoulli_"}
+
+
+def _draws_from_default_generator(func, args, kwargs) -> bool:
+    """Whether `func` draws random numbers from the default generator (no explicit generator given)."""
+    if func.overloadpacket.__name__ not in _RANDOM:
+        return False
+    for index, argument in enumerate(func._schema.arguments):
+        if "Generator" in str(argument.type):
+            return (args[index] if index < len(args) else kwargs.get(argument.name)) is None
+    return True  # an overload without a generator argument (torch.randn(size)) uses the default one
 
 
 def _writes(func, index: int) -> bool:

@@ -200,3 +200,18 @@ def test_materializing_holds_one_tensor_at_a_time():
     materializer.run(lambda t, value: seen.append(value.shape == t.shape))
     assert all(seen) and len(seen) == len(list(model.parameters()))
     assert materializer.peak_live_bytes == largest < total / 4
+
+
+class NoisyBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("noise", torch.randn(3, device="cpu"))  # explicit device: not on meta
+
+
+def test_random_draw_off_the_meta_device_is_refused():
+    """Would catch a silently different model: a tensor drawn from the default generator on the CPU during the
+    meta build takes other numbers than in a normal build (the meta ops before it drew none)."""
+    with pytest.raises(ValueError, match="draws from the default generator"):
+        with meta_device_init():
+            NoisyBuffer()
