@@ -63,7 +63,7 @@ def _loss(kind, ddp, batch):
     return ((ddp(x) - y) ** 2).mean()
 
 
-def _run(kind, how, strategy, steps=2):
+def _run(kind, how, strategy, steps=2, **config):
     """Wrap, then train `steps` steps: (full parameters and buffers after wrapping, this rank's shards after
     wrapping, the default generator's next draw after wrapping, full parameters after training, losses)."""
     import torch.distributed as dist
@@ -79,7 +79,7 @@ def _run(kind, how, strategy, steps=2):
     sharded = strategy != "no_shard"
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=2000,
-        use_distributed_optimizer=sharded, fsdp_unit_modules=MODELS[kind][1]))
+        use_distributed_optimizer=sharded, fsdp_unit_modules=MODELS[kind][1], **config))
     rng_after_wrap = torch.get_rng_state()
     shards = [b.own_params.clone() if sharded else torch.cat([p.detach().reshape(-1) for p in b.params_list])
               for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
@@ -102,10 +102,10 @@ def _run(kind, how, strategy, steps=2):
     return initial, shards, rng_after_wrap, final, losses
 
 
-def _bitwise_worker(kind, how, strategies):
+def _bitwise_worker(kind, how, strategies, **config):
     verdicts = {}
     for strategy in strategies:
-        normal, meta = _run(kind, "normal", strategy), _run(kind, how, strategy)
+        normal, meta = _run(kind, "normal", strategy, **config), _run(kind, how, strategy, **config)
         verdicts[strategy] = {
             "initial": normal[0].keys() == meta[0].keys() and all(torch.equal(normal[0][k], meta[0][k])
                                                                   for k in normal[0]),
@@ -136,6 +136,14 @@ def test_plain_meta_with_reset_parameters_is_bitwise_the_normal_build():
     for verdicts in run_distributed(_bitwise_worker, 2, "sequential", "plain", ("optim", "optim_grads_params")):
         for strategy, verdict in verdicts.items():
             assert all(verdict.values()), (strategy, verdict)
+
+
+def test_meta_built_zero3_with_persistent_small_parameters_and_no_prefetch():
+    """Would catch initial values that miss the buckets the ZeRO-3 gather settings add: small parameters kept whole in
+    a persistent bucket (param_persistence_threshold), or a prefetch window of zero."""
+    for verdicts in run_distributed(_bitwise_worker, 2, "gpt", "recorded", ("optim_grads_params",),
+                                    param_persistence_threshold=100, prefetch_bucket_size=0):
+        assert all(verdicts["optim_grads_params"].values()), verdicts
 
 
 class NoInit(nn.Module):
