@@ -142,7 +142,8 @@ class _SumOnWait:
             return True
         self._work.wait()
         pieces = self._received.view(self._world_size, -1)  # piece i: shard r as rank i holds it
-        total = pieces[0].to(self._accumulate or pieces.dtype, copy=True)
+        # Summed into the scratch's first piece (no new memory) unless the sum has a dtype of its own.
+        total = pieces[0] if self._accumulate in (None, pieces.dtype) else pieces[0].to(self._accumulate)
         for piece in pieces[1:]:  # adds in rank order: the result does not depend on the backend
             total.add_(piece)
         self._own.copy_(total)  # with `accumulate`: the one rounding back to the bucket's dtype
