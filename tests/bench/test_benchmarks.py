@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/compare_ddp.py: it runs end to end and writes complete results (no timing checks)."""
+"""Smoke tests of benchmarks/compare_ddp.py and compare_ddp_zero3.py: they run end to end and report complete
+results (no timing checks)."""
 
 import csv
 import importlib.util
@@ -29,3 +30,23 @@ def test_compare_ddp_tiny_writes_all_systems_and_losses_agree(tmp_path):
         assert s["comm_bytes_per_rank_per_step"] > 0 and min(s["model_state_bytes_per_rank"]) > 0, s
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "compare_ddp.png").stat().st_size > 0
+
+
+def test_compare_ddp_zero3_tiny_reports_every_setting():
+    """Catches a ZeRO-3 setting that fails to build or step, losses that drift from torch DDP's, ZeRO-3
+    communicating more than FSDP2 (the gloo reduce-scatter falling back to an all-reduce), and a
+    max_reuse_distance that saves no gather."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compare_ddp_zero3", "--tiny"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 7 and cells[1][:1].isdigit():
+            rows[cells[0]] = dict(comm=float(cells[3]), peak=cells[4])
+    assert {"torch-ddp", "fsdp2", "ml-zero2", "ml-zero3", "zero3 prefetch 0", "zero3 persist 1e5",
+            "zero3 reuse all"} <= set(rows), out.stdout
+    assert "agree with torch-ddp within 0.0001: True" in out.stdout
+    assert rows["ml-zero3"]["comm"] <= rows["fsdp2"]["comm"]
+    assert rows["zero3 reuse all"]["comm"] < rows["ml-zero3"]["comm"]
+    assert rows["ml-zero3"]["peak"] != "n/a" and rows["fsdp2"]["peak"] == "n/a"
