@@ -99,6 +99,20 @@ def test_seed_out_of_range_is_a_flag_error(seed, capsys):
     assert "--seed must be an integer in [0, 2**64)" in flag_error([f"--seed={seed}"], capsys)
 
 
+
+@pytest.mark.parametrize("flag", ["--ddp-prefetch-bucket-size", "--ddp-max-reuse-distance",
+                                  "--ddp-param-persistence-threshold"])
+def test_zero3_gather_flags_reach_the_config_and_need_zero3(flag, capsys):
+    """Would catch a ZeRO-3 tunable flag that never reaches DistributedDataParallelConfig, or one that is
+    silently ignored under a strategy that gathers nothing (it must name the flag and the strategy)."""
+    from megatron_lite.training.arguments import ddp_config_from_args
+
+    zero3 = ["--overlap-grad-reduce", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    config = ddp_config_from_args(parse_args(zero3 + [flag, "7"], world_size=2))
+    assert getattr(config, flag[len("--ddp-"):].replace("-", "_")) == 7
+    message = flag_error([flag, "7"], capsys)
+    assert flag in message and "--data-parallel-sharding-strategy='optim_grads_params'" in message
+
 def test_cli_flag_error_before_start_up(tmp_path):
     """Catches `python pretrain_gpt.py --split abc` getting past parsing (a traceback after start-up, or
     the built-in corpus built first) instead of argparse's usage error and exit code 2."""
