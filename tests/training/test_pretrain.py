@@ -227,7 +227,9 @@ def test_config_flags_are_generated_from_the_configs():
     from megatron_lite.training import arguments as a
 
     values = {"--ddp-bucket-size": "12345", "--num-distributed-optimizer-instances": "1",
-              "--data-parallel-sharding-strategy": "optim_grads", "--lr": "0.25", "--min-lr": "0.125",
+              "--data-parallel-sharding-strategy": "optim_grads_params", "--lr": "0.25", "--min-lr": "0.125",
+              "--ddp-prefetch-bucket-size": "4096", "--ddp-max-reuse-distance": "8192",
+              "--ddp-param-persistence-threshold": "100",
               "--weight-decay": "0.5",
               "--clip-grad": "2.5", "--adam-beta1": "0.5", "--adam-beta2": "0.75", "--adam-eps": "0.001",
               "--sgd-momentum": "0.25", "--initial-loss-scale": "64", "--min-loss-scale": "2",
