@@ -18,13 +18,10 @@ the like-for-like of 'bare'. With --optimizer, each variant also steps an optimi
 on fp32 master copies for the bare model, megatron_lite's for the wrapped ones).
 """
 
-import argparse
-import json
-import os
-
 import torch
 
 from benchmarks.launch import launch
+from benchmarks.sized_args import parse_sized, sized_parser, write_json
 from benchmarks.timing import alternate
 from megatron_lite import (
     DistributedDataParallel,
@@ -111,33 +108,16 @@ def benchmark(args, rank, world, device):
         t = timings.median_ms(k)
         print(f"{name:36s} {t:9.2f} {100 * (t / base - 1):+7.2f}% {tokens_per_step / t * 1e3:10.0f} "
               f"{result['peak_rise_mb'][name]:13.0f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the small defaults (a CPU smoke run)")
-    for name, (default, quick) in SIZES.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help=f"default {default} ({quick} with --quick)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    p = sized_parser(__doc__, SIZES)
     p.add_argument("--bucket-size", type=int, default=None, help="elements per bucket with overlap (default: "
                    "Megatron's, max(40M, 1M x dp))")
     p.add_argument("--optimizer", action="store_true", help="time the optimizer step as well")
-    p.add_argument("--out", default=None, help="also write the result as JSON here")
-    args = p.parse_args()
-    for name, (default, quick) in SIZES.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else default)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
-    cpu = args.device == "cpu" or not torch.cuda.is_available()
+    args, cpu = parse_sized(p, SIZES)
     launch(benchmark, args, 1, cpu=cpu, threads_per_rank=None if cpu else 1)
-
 
 if __name__ == "__main__":
     main()

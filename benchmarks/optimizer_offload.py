@@ -13,13 +13,10 @@ optimizer) trained with its optimizer on the device, and offloaded to the host a
     python -m benchmarks.optimizer_offload --device cpu --quick   # a smoke run (nothing to save on a CPU)
 """
 
-import argparse
-import json
-import os
-
 import torch
 
 from benchmarks.launch import launch
+from benchmarks.sized_args import parse_sized, sized_parser, write_json
 from benchmarks.timing import alternate
 from megatron_lite import (
     DistributedDataParallel,
@@ -99,30 +96,12 @@ def benchmark(args, rank, world, device):
         t = timings.median_ms(k)
         print(f"{name:16s} {result['held_mb'][name]:9.0f} {result['state_device_mb'][name]:13.0f} "
               f"{result['state_host_mb'][name]:14.0f} {t:9.1f} {t / base:9.2f}x")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the small defaults (a CPU smoke run)")
-    for name, (default, quick) in SIZES.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help=f"default {default} ({quick} with --quick)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
-    p.add_argument("--out", default=None, help="also write the result as JSON here")
-    args = p.parse_args()
-    for name, (default, quick) in SIZES.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else default)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
-    cpu = args.device == "cpu" or not torch.cuda.is_available()
+    args, cpu = parse_sized(sized_parser(__doc__, SIZES), SIZES)
     launch(benchmark, args, 1, cpu=cpu)  # on the GPU, torch's default threads step the offloaded state
-
 
 if __name__ == "__main__":
     main()
