@@ -7,8 +7,8 @@ but every rank joins the process group with `device='cuda'`:
     with one GPU has one rank);
   * backend 'gloo', world size 2: two ranks sharing GPU 0, collectives on CUDA tensors through gloo (which
     stages them through host memory), so that the sharded paths really communicate.
-Pools are kept per (backend, world size) for the pytest session (a CUDA context costs seconds), with a file
-rendezvous, a process-group timeout and a result timeout, as in distributed_helper.py.
+Pools are kept per (backend, world size) for the pytest session (a CUDA context costs seconds), on
+distributed_helper.Pool (a file rendezvous, a process-group timeout and a result timeout).
 `fn` must be a module-level function (pickled by reference).
 
 MLITE_CUDA_TESTS_ON_CPU=1 runs the same tests on the CPU (gloo only, 'nccl' becomes gloo): a check of the
@@ -17,20 +17,17 @@ tests' own logic on a machine without a GPU, nothing more.
 
 import atexit
 import os
-import queue
-import tempfile
 import traceback
 
-import torch.multiprocessing as mp
+from distributed_helper import Pool
 
 PROCESS_GROUP_TIMEOUT_S = 60
 DEFAULT_TIMEOUT_S = 120
-FAILURE_GRACE_S = 5
 ON_CPU = os.environ.get("MLITE_CUDA_TESTS_ON_CPU") == "1"
 """The tests' dry run on the CPU (see the module docstring)."""
 
 
-def _worker(rank, world_size, backend, init_file, tasks, results):
+def _worker(rank, world_size, init_file, tasks, results, backend):
     import torch
     import torch.distributed as dist
 
@@ -55,54 +52,6 @@ def _worker(rank, world_size, backend, init_file, tasks, results):
     dist.destroy_process_group()
 
 
-class _Pool:
-    def __init__(self, backend, world_size):
-        ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        self._dir = tempfile.TemporaryDirectory(prefix="mlite_cuda_rdzv_")
-        init_file = os.path.join(self._dir.name, "rendezvous")
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, backend, init_file, self.tasks[r], self.results))
-                      for r in range(world_size)]
-        for p in self.procs:
-            p.start()
-
-    def run(self, fn, args, kwargs, timeout):
-        for q in self.tasks:
-            q.put((fn, args, kwargs))
-        outputs, failures, deadline = {}, {}, timeout
-        while len(outputs) + len(failures) < self.world_size:
-            try:
-                rank, ok, value = self.results.get(timeout=deadline)
-            except queue.Empty:
-                if failures:
-                    break
-                missing = sorted(set(range(self.world_size)) - set(outputs))
-                raise TimeoutError(f"{fn.__name__}: ranks {missing} gave no result within {timeout} s")
-            (outputs if ok else failures)[rank] = value
-            if failures:
-                deadline = FAILURE_GRACE_S
-        if failures:
-            raise AssertionError("\n".join(f"--- rank {r} of {self.world_size} failed:\n{tb}"
-                                           for r, tb in sorted(failures.items())))
-        return [outputs[r] for r in range(self.world_size)]
-
-    def close(self):
-        for q in self.tasks:
-            try:
-                q.put(None)
-            except Exception:
-                pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self._dir.cleanup()
-
-
 _pools = {}
 
 
@@ -111,7 +60,7 @@ def run_on_cuda(fn, world_size, *args, backend="gloo", timeout=DEFAULT_TIMEOUT_S
     key = (backend, world_size)
     pool = _pools.get(key)
     if pool is None:
-        pool = _pools[key] = _Pool(backend, world_size)
+        pool = _pools[key] = Pool(world_size, _worker, (backend,))
     try:
         return pool.run(fn, args, kwargs, timeout)
     except BaseException:

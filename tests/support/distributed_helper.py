@@ -44,8 +44,12 @@ def _worker(rank, world_size, init_file, tasks, results):
     dist.destroy_process_group()
 
 
-class _Pool:
-    def __init__(self, world_size):
+class Pool:
+    """`world_size` spawned ranks serving tasks: `target(rank, world_size, init_file, tasks, results, *extra)`
+    joins the process group through the rendezvous file and answers each (fn, args, kwargs) task with
+    (rank, ok, value). tests/cuda/cuda_ranks.py runs its CUDA ranks on it with a target of its own."""
+
+    def __init__(self, world_size, target=_worker, extra=()):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory(prefix="mlite_rdzv_")
@@ -53,7 +57,8 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=target, args=(r, world_size, init_file, self.tasks[r], self.results, *extra),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -88,7 +93,7 @@ class _Pool:
             except Exception:
                 pass
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -102,7 +107,7 @@ def run_distributed(fn, world_size=2, *args, timeout=DEFAULT_TIMEOUT_S, **kwargs
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results."""
     pool = _pools.get(world_size)
     if pool is None:
-        pool = _pools[world_size] = _Pool(world_size)
+        pool = _pools[world_size] = Pool(world_size)
     try:
         return pool.run(fn, args, kwargs, timeout)
     except BaseException:
