@@ -89,9 +89,9 @@ def test_reduced_gradients_match_the_reference(strategy, overlap, dtype_name, gr
 
 def _train_worker(dtype_name, configs, steps=3):
     import torch.distributed as dist
-    from cuda_testing import cuda_batches, device, full_params
-    from ddp_testing import loss_fn, make_model
-    from optim_testing import STEP_SEED
+    from cuda_testing import device, full_params
+    from ddp_testing import make_model
+    from optim_testing import megatron_steps
 
     from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
 
@@ -104,22 +104,9 @@ def _train_worker(dtype_name, configs, steps=3):
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, weight_decay=0.01, clip_grad=1.0,
                                                      bf16=dtype == torch.bfloat16, use_distributed_optimizer=sharded),
                                      [ddp])
-        norms = []
-        for k in range(steps):
-            batches = cuda_batches(dp, 2, seed=STEP_SEED + k, dtype=dtype)[rank]
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            for i, (x, y) in enumerate(batches):
-                if i < len(batches) - 1:
-                    with ddp.no_sync():
-                        opt.scale_loss(loss_fn(ddp, x, y) / len(batches)).backward()
-                else:
-                    opt.scale_loss(loss_fn(ddp, x, y) / len(batches)).backward()
-            ddp.finish_grad_sync()
-            ok, norm, _ = opt.step()
-            assert ok
-            norms.append(norm)
-        out[label] = dict(params=full_params(ddp), norms=norms)
+        results = megatron_steps(ddp, opt, rank, dp, steps, dtype=dtype, device=device())
+        assert all(ok for ok, _ in results)
+        out[label] = dict(params=full_params(ddp), norms=[norm for _, norm in results])
     return out
 
 

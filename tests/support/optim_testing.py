@@ -22,11 +22,15 @@ def build(dp_config_kwargs, opt_config_kwargs, dtype=torch.float32, model=None):
     return model, ddp, opt
 
 
-def megatron_steps(ddp, opt, rank, dp, steps, micro_batches=2, first_step=0, dtype=torch.float32):
-    """Megatron's training step; returns the per-step (update_successful, grad_norm) list."""
+def megatron_steps(ddp, opt, rank, dp, steps, micro_batches=2, first_step=0, dtype=torch.float32,
+                   device=None):
+    """Megatron's training step; returns the per-step (update_successful, grad_norm) list. `device`: where
+    the batches go (drawn on the CPU, so every device trains on the same data)."""
     out = []
     for k in range(first_step, first_step + steps):
         batches = make_batches(dp, micro_batches, seed=STEP_SEED + k, dtype=dtype)[rank]
+        if device is not None:
+            batches = [(x.to(device), y.to(device)) for x, y in batches]
         ddp.zero_grad_buffer()
         opt.zero_grad()
         for i, (x, y) in enumerate(batches):
