@@ -17,9 +17,8 @@ tests' own logic on a machine without a GPU, nothing more.
 
 import atexit
 import os
-import traceback
 
-from distributed_helper import Pool
+from distributed_helper import Pool, serve
 
 PROCESS_GROUP_TIMEOUT_S = 60
 DEFAULT_TIMEOUT_S = 120
@@ -38,17 +37,7 @@ def _worker(rank, world_size, init_file, tasks, results, backend):
         os.environ["MLITE_CUDA_TESTS_ON_CPU"] = "1"
     initialize_distributed("gloo" if ON_CPU else backend, "cpu" if ON_CPU else "cuda", PROCESS_GROUP_TIMEOUT_S / 60,
                            rank, world_size, f"file://{init_file}")
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        fn, args, kwargs = task
-        try:
-            results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:
-            results.put((rank, False, traceback.format_exc()))
-        if not ON_CPU:
-            torch.cuda.synchronize()
+    serve(rank, tasks, results, after_each=None if ON_CPU else torch.cuda.synchronize)
     dist.destroy_process_group()
 
 

@@ -32,6 +32,13 @@ def _worker(rank, world_size, init_file, tasks, results):
 
     torch.set_num_threads(1)  # 2 cores, up to 4 ranks: oversubscription only slows things down
     initialize_distributed("gloo", "cpu", PROCESS_GROUP_TIMEOUT_S / 60, rank, world_size, f"file://{init_file}")
+    serve(rank, tasks, results)
+    dist.destroy_process_group()
+
+
+def serve(rank, tasks, results, after_each=None):
+    """A rank's task loop: answer each (fn, args, kwargs) with (rank, ok, value or traceback) until None;
+    `after_each()` runs after every task (e.g. a device synchronize)."""
     while True:
         task = tasks.get()
         if task is None:
@@ -41,7 +48,8 @@ def _worker(rank, world_size, init_file, tasks, results):
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, keep serving
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+        if after_each is not None:
+            after_each()
 
 
 class Pool:
