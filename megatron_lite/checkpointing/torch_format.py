@@ -32,7 +32,10 @@ CHECKPOINT_FILENAME = "model_optim_rng.pt"
 def payload(iteration: int, model, optimizer, scheduler, consumed_train_samples: int, args: Optional[dict],
             group=None) -> Optional[dict]:
     """Every rank (collective over `group`): the checkpoint's content on the group's rank 0, None elsewhere."""
-    model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # Streamed to the CPU (ZeRO-3: one unit gathered at a time); kept by the rank that writes, and by every rank
+    # when the experts' entries are collected from each position (experts.split).
+    keep = dist.get_rank(group) == 0 or experts.has_experts(optimizer)
+    model_state = {k: v for k, v in model.iter_full_state_dict() if keep}
     optimizer_state = optimizer.state_dict()
     # Expert parameters: every expert-parallel position's, in a section of their own (experts.py).
     expert_section = experts.split(model, optimizer, model_state, optimizer_state, group)

@@ -29,7 +29,7 @@ below goes to; the wrapper itself never asks which strategy it runs.
 import contextlib
 import functools
 import types
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -431,8 +431,34 @@ class DistributedDataParallel(torch.nn.Module):
     # A Megatron checkpoint holds the bare module's keys, without a `module.` prefix.
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()  # never save parameters whose all-gather is still pending
-        # ZeRO-3: gathered, and copied (the gathered storage is released afterwards).
+        # ZeRO-3: read unit by unit (one unit gathered at a time) and copied, on the parameters' device.
         return self.param_sync.state_dict(self.module, *args, **kwargs)
+
+    def iter_full_state_dict(self, rank0_only: bool = False,
+                             cpu_offload: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The bare module's state dict, streamed: `(key, tensor)` for every entry of `module.state_dict()`, in
+        its order (buffers included, a tied parameter under each of its names), each tensor a full copy.
+
+        ZeRO-3 gathers one unit at a time (the root's and the persistent parameters for the whole export):
+        each unit's entries are copied, then it is released before the next one is gathered, so exporting
+        never needs the whole model gathered (full_state_dict.py). Other strategies hold whole parameters and
+        only copy them. `dict(model.iter_full_state_dict())` is `state_dict()`, bitwise.
+
+        Collective: call it on every rank of the data-parallel group and iterate to the end (stopping early
+        still issues the gathers left, when the generator is closed).
+
+        Args:
+            rank0_only: only data-parallel rank 0 receives entries (FSDP's option of that name); the other
+                ranks still take part in every gather, and their iteration yields nothing.
+            cpu_offload: copy to the CPU (the default: the device then holds at most one gathered unit and
+                the root); False keeps the copies on the parameters' device.
+        """
+        self.finish_param_sync()  # never read parameters whose all-gather is still pending
+        receives = not rank0_only or self.data_parallel_rank == 0
+        for key, value in self.param_sync.iter_state_dict(self.module):
+            if receives:
+                yield key, (value.to("cpu" if cpu_offload else value.device, copy=True)
+                            if isinstance(value, torch.Tensor) else value)
 
     def untrained_state_dict(self) -> Dict[str, torch.Tensor]:
         """The bare module's state entries that are not trainable parameters (buffers, frozen parameters),

@@ -8,8 +8,8 @@ module with parameters then needs its buckets from the prefetch schedule (prefet
 order up to the bucket after the one needed) and waits for its own.
 
 `ParamGather` and ZeRO-3's `ParamUnits` (param_units.py) answer the same calls from DistributedDataParallel
-(start / finish, full_parameters, state_dict, the forward and gradient hooks), so the wrapper never asks
-which strategy it runs; here the unit calls do nothing, as the parameters are never released.
+(start / finish, full_parameters, state_dict / iter_state_dict, the forward and gradient hooks), so the wrapper
+never asks which strategy it runs; here the unit calls do nothing, as the parameters are never released.
 """
 
 import contextlib
@@ -87,6 +87,9 @@ class ParamGather:
 
     def state_dict(self, module: torch.nn.Module, *args, **kwargs):
         return module.state_dict(*args, **kwargs)
+
+    def iter_state_dict(self, module: torch.nn.Module, prefix: str = "", keep_vars: bool = False):
+        return iter(module.state_dict(prefix=prefix, keep_vars=keep_vars).items())
 
     def begin_forward(self):
         pass

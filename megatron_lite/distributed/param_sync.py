@@ -13,7 +13,8 @@ what the config shards (`DistributedDataParallelConfig.sharding`):
     grad_arrived         nothing                              release a unit whose backward is done
     end_iteration        nothing                              release all, check the gather sequence
     full_parameters      nothing (whole already)              gather every unit inside the context
-    state_dict           module.state_dict()                  gathered, copied
+    state_dict           module.state_dict()                  read unit by unit, copied
+    iter_state_dict      module.state_dict()'s items          the same, one unit gathered at a time
     ===================  ===================================  ==========================================
 """
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from . import collectives
 from .bucket import Bucket
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .full_state_dict import iter_state_dict
 from .prefetch import PrefetchSchedule
 
 
@@ -332,13 +333,24 @@ class ParamUnits:
             )
 
     def gather_all(self):
-        """Every unit gathered, synchronously, in the fixed order (for state_dict and the like)."""
+        """Every unit gathered, synchronously, in the fixed order (for full_parameters and the like)."""
         self.release_all()  # whatever a rank still holds: every rank then issues every gather
         for index in sorted(self.buckets):
-            for bucket in self.buckets[index]:
-                self._gather(bucket, async_op=False)
-                bucket.wait_params()
-                bucket.finish_param_sync()  # a persistent bucket's refresh in flight
+            self.gather_unit(index)
+
+    def gather_unit(self, index: int):
+        """Unit `index`'s buckets gathered, synchronously (len(units): the root, len(units) + 1: the persistent
+        parameters; collective: every rank gathers the same units in the same sequence)."""
+        for bucket in self.buckets.get(index, []):
+            self._gather(bucket, async_op=False)
+            bucket.wait_params()
+            bucket.finish_param_sync()  # a persistent bucket's refresh in flight
+
+    def release_unit(self, index: Optional[int]):
+        """Release unit `index`'s buckets (None: nothing; the persistent ones are never released)."""
+        if index is not None and index != len(self.units) + 1:
+            for bucket in self.buckets.get(index, []):
+                bucket.release_params()
 
     def wait_all(self):
         for bucket in self.all_buckets():
@@ -365,10 +377,18 @@ class ParamUnits:
         """Complete the gathers in flight."""
         self.wait_all()
 
-    def state_dict(self, module: torch.nn.Module, *args, **kwargs):
-        """`module.state_dict()` with every unit gathered: copies, as the gathered storage is released after."""
-        with self.full_parameters():
-            return {k: v.clone() for k, v in module.state_dict(*args, **kwargs).items()}
+    def iter_state_dict(self, module: torch.nn.Module, prefix: str = "", keep_vars: bool = False):
+        """`module.state_dict()`'s items, one unit gathered at a time, each valid until the next is requested
+        (full_state_dict.py; collective: iterate to the end on every rank)."""
+        return iter_state_dict(self, module, prefix, keep_vars)
+
+    def state_dict(self, module: torch.nn.Module, destination=None, prefix: str = "", keep_vars: bool = False):
+        """`module.state_dict()`, read unit by unit (never more than one unit gathered at a time): copies, as
+        the gathered storage is released after each unit."""
+        state = {} if destination is None else destination
+        for key, value in self.iter_state_dict(module, prefix, keep_vars):
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return state
 
     @contextlib.contextmanager
     def reading_placeholders(self):
