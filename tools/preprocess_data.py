@@ -1,5 +1,8 @@
 """Tokenize text into an indexed dataset (PREFIX.bin/.idx) for pretrain_gpt.py's --data-path PREFIX.
 
+The files are in Megatron-LM's MMIDIDX format (megatron_lite/data/indexed_dataset.py), one sequence per
+document: megatron-core's IndexedDataset reads them, and Megatron-LM's own preprocessing output trains here.
+
     python tools/preprocess_data.py --input notes.txt more.jsonl --output-prefix data/my_corpus
     python tools/preprocess_data.py --input builtin --output-prefix data/stdlib_docs --workers 2
 

@@ -1,6 +1,6 @@
 """Data: tokenizers, the indexed token dataset, GPT samples and the built-in corpus.
 
-Text -> `tools/preprocess_data.py` (a tokenizer) -> PREFIX.bin/.idx (`IndexedDataset`) ->
+Text -> `tools/preprocess_data.py` (a tokenizer) -> PREFIX.bin/.idx (Megatron-LM's MMIDIDX, `IndexedDataset`) ->
 `GPTDataset` (windows of seq_length + 1 tokens, shuffled per epoch) -> `get_batch_for_rank` /
 `micro_batch_iterator`.
 """

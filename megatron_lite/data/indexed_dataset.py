@@ -1,37 +1,68 @@
-"""A memory-mapped token dataset in two files: PREFIX.bin (tokens) and PREFIX.idx (document offsets).
+"""A memory-mapped token dataset in Megatron-LM's MMIDIDX format: PREFIX.bin (tokens), PREFIX.idx (index).
 
 ::
 
-    PREFIX.bin   | doc 0 tokens | doc 1 tokens | ... | doc n-1 tokens |     raw ids, uint16 or int32 (LE)
-                 ^0             ^offsets[1]    ^offsets[2]            ^offsets[n] = num_tokens
+    PREFIX.bin   | seq 0 tokens | seq 1 tokens | ... | seq n-1 tokens |    raw ids, little-endian, dtype below
+                 ^0             ^pointers[1]   ^pointers[2]                 (pointers are in bytes)
 
-    PREFIX.idx   | magic "MLITEIDX" | version u64 | dtype code u8 | 7 pad | n_docs u64 |   32-byte header
-                 | offsets: n_docs + 1 int64 (LE), in tokens, offsets[0] = 0          |
+    PREFIX.idx   | "MMIDIDX\\0\\0" | version u64 = 1 | dtype code u8 | n u64 | d u64 |     34-byte header
+                 | sequence_lengths:  n x int32, in tokens                       |
+                 | sequence_pointers: n x int64, byte offset of each sequence in the .bin |
+                 | document_indices:  d x int64, 0 first and n last: document k is
+                 |                    sequences [document_indices[k], document_indices[k+1])  |
+                 | (sequence_modes:   n x int8, multimodal datasets only; skipped here)  |
 
-Documents are stored back to back, so the corpus is one concatenated token stream and a document is a
-slice of it. This is a simpler format than Megatron-LM's MMIDIDX (no separate sequence/document
-levels); the files are not interchangeable. The builder writes both files under temporary names and
-renames them into place, the .idx last, so a reader never sees a half-written dataset, and every
-reader checks that the two files agree in size.
+    dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
+
+This is the layout megatron-core's `IndexedDataset` reads and `IndexedDatasetBuilder` writes, so a dataset
+made by Megatron-LM's `tools/preprocess_data.py` trains here as is, and megatron-core reads ours. As in
+megatron-core's GPTDataset, a *sequence* is the unit of training data: `len(dataset)` counts sequences,
+`dataset[i]` is sequence i, and `--split` divides sequences. Without sentence splitting (the default of
+both preprocessing tools) every document is one sequence. Sequences are stored back to back, so the
+corpus is one concatenated token stream (`get_tokens`); an index whose pointers leave gaps is rejected.
+
+The builder writes both files under temporary names and renames them into place, the .idx last, so a
+reader never sees a half-written dataset; every reader checks that the two files agree in size.
 """
 
 import os
 import struct
 import uuid
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-MAGIC = b"MLITEIDX"
+MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-_HEADER = struct.Struct("<8sQB7xQ")  # magic, version, dtype code, padding (keeps offsets 8-aligned), n_docs
-_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
-_MEGATRON_MAGIC = b"MMIDIDX\x00"
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
+DTYPES = {
+    1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
+    5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f4"), 8: np.dtype("<u2"),
+}
+"""Megatron-LM's dtype code -> the on-disk dtype of the token ids."""
+_OLD_MEGATRON_LITE_MAGIC = b"MLITEIDX"  # megatron-lite's own format before it adopted MMIDIDX
 
 
 def dtype_for_vocab_size(vocab_size: int) -> np.dtype:
-    """Args: vocab_size. Returns: uint16 when every id fits with room to spare (< 65500), else int32."""
-    return _DTYPES[1] if vocab_size < 65500 else _DTYPES[2]
+    """Args: vocab_size. Returns: uint16 when every id fits with room to spare (< 65500), else int32
+    (megatron-core's choice, `DType.optimal_dtype`)."""
+    return DTYPES[8] if vocab_size < 65500 else DTYPES[4]
+
+
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
+    for code, candidate in DTYPES.items():
+        if candidate == dtype:
+            return code
+    names = ", ".join(d.name for d in DTYPES.values())
+    raise ValueError(f"dtype {np.dtype(dtype).name} has no MMIDIDX code; use one of {names}")
+
+
+def _largest_exact_id(dtype: np.dtype) -> int:
+    """The largest token id `dtype` stores exactly (floats: every integer up to 2**(mantissa bits + 1))."""
+    if np.issubdtype(dtype, np.integer):
+        return int(np.iinfo(dtype).max)
+    return 2 ** (np.finfo(dtype).nmant + 1)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -49,21 +80,26 @@ def _fsync_dir(directory: str) -> None:
 
 
 class IndexedDatasetBuilder:
-    """Appends documents to PREFIX.bin/.idx; nothing is visible under PREFIX until `finalize()`.
+    """Appends documents to PREFIX.bin/.idx (MMIDIDX); nothing is visible under PREFIX until `finalize()`.
 
     Usable as a context manager: a normal exit finalizes, an exception deletes the temporary files.
 
     Args:
         prefix: output path without extension (its directory is created if needed).
-        vocab_size: every token id must be in [0, vocab_size); it also picks the on-disk dtype.
+        vocab_size: every token id must be in [0, vocab_size).
+        dtype: the on-disk dtype, one of `DTYPES` (default: `dtype_for_vocab_size(vocab_size)`); it must
+            hold every id below vocab_size exactly.
     """
 
-    def __init__(self, prefix: str, vocab_size: int):
+    def __init__(self, prefix: str, vocab_size: int, dtype=None):
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.prefix = prefix
         self.vocab_size = vocab_size
-        self.dtype = dtype_for_vocab_size(vocab_size)
+        self.dtype = dtype_for_vocab_size(vocab_size) if dtype is None else DTYPES[_dtype_code(dtype)]
+        if vocab_size - 1 > _largest_exact_id(self.dtype):
+            raise ValueError(f"dtype {self.dtype.name} cannot hold token ids up to {vocab_size - 1} "
+                             f"(vocab_size {vocab_size}); leave dtype out to choose one that can")
         directory = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(directory, exist_ok=True)
         # Unique temporary names in the same directory (so os.replace is an atomic rename): concurrent
@@ -72,20 +108,28 @@ class IndexedDatasetBuilder:
         self._bin_tmp = prefix + ".bin" + tag
         self._idx_tmp = prefix + ".idx" + tag
         self._bin_file = open(self._bin_tmp, "wb")
-        self._offsets = [0]
+        self._sequence_lengths = []
+        self._document_indices = [0]
+        self._num_tokens = 0
         self._done = False
 
-    def add_document(self, ids: Sequence[int]) -> None:
+    def add_document(self, ids: Sequence[int], sequence_lengths: Optional[Sequence[int]] = None) -> None:
         """Append one document.
 
         Args:
             ids: its token ids (a list or a 1-D integer array; may be empty), eod included if wanted.
+            sequence_lengths: how `ids` divides into sequences (e.g. sentences), summing to len(ids);
+                default one sequence, which is what GPT preprocessing writes.
         """
         if self._done:
             raise ValueError(f"{self.prefix}: add_document after finalize()/abort()")
         array = np.asarray(ids)
         if array.ndim != 1:
             raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {array.shape}")
+        lengths = [int(array.size)] if sequence_lengths is None else [int(n) for n in sequence_lengths]
+        if any(n < 0 or n > np.iinfo(np.int32).max for n in lengths) or sum(lengths) != array.size:
+            raise ValueError(f"sequence_lengths {lengths} must be in [0, 2**31) and sum to the document's "
+                             f"{array.size} tokens (document {self.num_documents} of {self.prefix})")
         if array.size:
             if not np.issubdtype(array.dtype, np.integer):
                 raise ValueError(f"token ids must be integers, got dtype {array.dtype}")
@@ -94,10 +138,12 @@ class IndexedDatasetBuilder:
                 # Without this check an id >= 65536 would silently wrap around in uint16.
                 raise ValueError(
                     f"token id {low if low < 0 else high} out of range [0, {self.vocab_size}) "
-                    f"(document {len(self._offsets) - 1} of {self.prefix})"
+                    f"(document {self.num_documents} of {self.prefix})"
                 )
             self._bin_file.write(array.astype(self.dtype, copy=False).tobytes())
-        self._offsets.append(self._offsets[-1] + int(array.size))
+        self._sequence_lengths.extend(lengths)
+        self._document_indices.append(len(self._sequence_lengths))
+        self._num_tokens += int(array.size)
 
     def finalize(self) -> str:
         """Write PREFIX.idx and move both files into place (PREFIX.bin first, PREFIX.idx last).
@@ -111,9 +157,16 @@ class IndexedDatasetBuilder:
         self._bin_file.flush()
         os.fsync(self._bin_file.fileno())
         self._bin_file.close()
+        lengths = np.asarray(self._sequence_lengths, dtype="<i4")
+        pointers = np.zeros(len(lengths), dtype="<i8")
+        np.cumsum(lengths[:-1], dtype="<i8", out=pointers[1:])
+        pointers *= self.dtype.itemsize
         with open(self._idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(self._offsets) - 1))
-            f.write(np.asarray(self._offsets, dtype="<i8").tobytes())
+            f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(lengths),
+                                 len(self._document_indices)))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(np.asarray(self._document_indices, dtype="<i8").tobytes())
             f.flush()
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, self.prefix + ".bin")
@@ -131,11 +184,11 @@ class IndexedDatasetBuilder:
 
     @property
     def num_documents(self) -> int:
-        return len(self._offsets) - 1
+        return len(self._document_indices) - 1
 
     @property
     def num_tokens(self) -> int:
-        return self._offsets[-1]
+        return self._num_tokens
 
     def __enter__(self):
         return self
@@ -147,18 +200,63 @@ class IndexedDatasetBuilder:
             self.finalize()
 
 
-def _dtype_code(dtype: np.dtype) -> int:
-    return next(code for code, d in _DTYPES.items() if d == dtype)
+def _read_index(prefix: str):
+    """Parse and check PREFIX.idx. Returns: (dtype, sequence_lengths int32, sequence_pointers int64,
+    document_indices int64), the arrays read into memory."""
+    idx_path = prefix + ".idx"
+    with open(idx_path, "rb") as f:
+        header = f.read(_HEADER.size)
+        if header.startswith(_OLD_MEGATRON_LITE_MAGIC):
+            raise ValueError(
+                f"{idx_path}: written in megatron-lite's old format (magic {_OLD_MEGATRON_LITE_MAGIC!r}); "
+                f"megatron-lite now reads and writes Megatron-LM's MMIDIDX format: regenerate the dataset "
+                f"with `python tools/preprocess_data.py --input YOUR_TEXT --output-prefix {prefix}`")
+        if len(header) >= len(MAGIC) and header[:len(MAGIC)] != MAGIC:
+            raise ValueError(f"{idx_path}: bad magic {header[:len(MAGIC)]!r}, not a Megatron-LM MMIDIDX index "
+                             f"(write PREFIX.bin/.idx with tools/preprocess_data.py)")
+        if len(header) < _HEADER.size:
+            raise ValueError(f"{idx_path}: truncated header ({len(header)} of {_HEADER.size} bytes)")
+        _, version, code, n, d = _HEADER.unpack(header)
+        if version != VERSION:
+            raise ValueError(f"{idx_path}: unsupported MMIDIDX version {version} (this code reads {VERSION})")
+        if code not in DTYPES:
+            raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
+        expected = _HEADER.size + 12 * n + 8 * d
+        actual = os.path.getsize(idx_path)
+        if actual not in (expected, expected + n):  # + n: the int8 sequence modes of a multimodal dataset
+            raise ValueError(f"{idx_path}: truncated or corrupt: {actual} bytes, expected {expected} for "
+                             f"{n} sequences and {d} document indices")
+        lengths = np.fromfile(f, dtype="<i4", count=n).astype(np.int32, copy=False)
+        pointers = np.fromfile(f, dtype="<i8", count=n).astype(np.int64, copy=False)
+        document_indices = np.fromfile(f, dtype="<i8", count=d).astype(np.int64, copy=False)
+    if d < 1 or document_indices[0] != 0 or document_indices[-1] != n or np.any(np.diff(document_indices) < 0):
+        raise ValueError(f"{idx_path}: corrupt document indices (must start at 0, never decrease, end at {n})")
+    if np.any(lengths < 0):
+        raise ValueError(f"{idx_path}: corrupt sequence lengths (negative)")
+    dtype = DTYPES[code]
+    contiguous = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], dtype=np.int64, out=contiguous[1:])
+    if not np.array_equal(pointers, contiguous * dtype.itemsize):
+        raise ValueError(f"{idx_path}: sequence pointers leave gaps or overlap in the .bin; megatron-lite reads "
+                         f"sequences stored back to back (what Megatron-LM's preprocessing writes)")
+    return dtype, lengths, pointers, document_indices
 
 
 class IndexedDataset:
-    """Read-only view of PREFIX.bin/.idx; documents are numpy views into a memory map (no copies).
+    """Read-only view of PREFIX.bin/.idx; sequences are numpy views into a memory map (no copies).
+
+    Attributes:
+        dtype: the token ids' on-disk dtype.
+        sequence_lengths, sequence_pointers, document_indices: the index, as stored (see the module picture).
+        offsets: n + 1 int64 token offsets, sequence i is tokens [offsets[i], offsets[i + 1]) of the stream.
+        sizes: the sequence lengths as int64; num_tokens: the stream's length.
 
     Args:
         prefix: path without extension.
 
     Raises:
-        ValueError naming the file if it is missing, not a megatron-lite index, or truncated.
+        ValueError naming the file if it is missing, not an MMIDIDX index (an old megatron-lite one is
+        named as such, with the command that regenerates it), or truncated.
     """
 
     def __init__(self, prefix: str):
@@ -167,31 +265,10 @@ class IndexedDataset:
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 raise ValueError(f"{path}: no such file (write PREFIX.bin/.idx with tools/preprocess_data.py)")
-        with open(idx_path, "rb") as f:
-            header = f.read(_HEADER.size)
-            if len(header) >= len(MAGIC) and header[: len(MAGIC)] != MAGIC:
-                hint = " (a Megatron-LM MMIDIDX index; megatron-lite uses its own format: re-run " \
-                       "tools/preprocess_data.py)" if header.startswith(_MEGATRON_MAGIC) else ""
-                raise ValueError(f"{idx_path}: bad magic {header[:8]!r}, not a megatron-lite index{hint}")
-            if len(header) < _HEADER.size:
-                raise ValueError(f"{idx_path}: truncated header ({len(header)} of {_HEADER.size} bytes)")
-            _, version, code, n_docs = _HEADER.unpack(header)
-            if version != VERSION:
-                raise ValueError(f"{idx_path}: unsupported version {version} (this code reads {VERSION})")
-            if code not in _DTYPES:
-                raise ValueError(f"{idx_path}: unknown dtype code {code}")
-            expected = _HEADER.size + 8 * (n_docs + 1)
-            actual = os.path.getsize(idx_path)
-            if actual != expected:
-                raise ValueError(
-                    f"{idx_path}: truncated or corrupt: {actual} bytes, expected {expected} for {n_docs} documents"
-                )
-            # Start of every document in the token stream, then the total: n_docs + 1 entries.
-            self.offsets = np.fromfile(f, dtype="<i8", count=n_docs + 1).astype(np.int64)
-        if self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0):
-            raise ValueError(f"{idx_path}: corrupt document offsets (must start at 0 and never decrease)")
-        self.dtype = _DTYPES[code]
-        self.sizes = np.diff(self.offsets)  # document lengths in tokens, int64
+        self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = _read_index(prefix)
+        self.offsets = np.zeros(len(self.sequence_lengths) + 1, dtype=np.int64)
+        np.cumsum(self.sequence_lengths, dtype=np.int64, out=self.offsets[1:])
+        self.sizes = np.diff(self.offsets)  # sequence lengths in tokens, int64
         self.num_tokens = int(self.offsets[-1])
         expected = self.num_tokens * self.dtype.itemsize
         actual = os.path.getsize(bin_path)
@@ -204,18 +281,23 @@ class IndexedDataset:
         self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens else np.empty(0, self.dtype)
 
     def __len__(self) -> int:
+        """The number of sequences (megatron-core's `len(IndexedDataset)`)."""
         return len(self.sizes)
 
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
     def __getitem__(self, i: int) -> np.ndarray:
-        """Args: i, a document index (negative counts from the end). Returns: its tokens, a view."""
+        """Args: i, a sequence index (negative counts from the end). Returns: its tokens, a view."""
         n = len(self)
         if not -n <= i < n:
-            raise IndexError(f"document {i} out of range for {n} documents in {self.prefix}")
+            raise IndexError(f"sequence {i} out of range for {n} sequences in {self.prefix}")
         i %= n
         return self._tokens[self.offsets[i]: self.offsets[i + 1]]
 
     def get_tokens(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the concatenated stream, across document boundaries.
+        """Tokens [start, start + length) of the concatenated stream, across sequence boundaries.
 
         Args:
             start: first token index (>= 0).

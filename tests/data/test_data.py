@@ -158,8 +158,8 @@ def test_indexed_dataset_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"d\.bin: truncated"):
         IndexedDataset(prefix)
     open(bin_, "wb").write(good_bin)
-    open(idx, "wb").write(b"MMIDIDX\x00\x00" + good_idx[9:])
-    with pytest.raises(ValueError, match=r"d\.idx: bad magic.*Megatron-LM"):
+    open(idx, "wb").write(b"NOTANIDX\x00" + good_idx[9:])
+    with pytest.raises(ValueError, match=r"d\.idx: bad magic.*not a Megatron-LM MMIDIDX index"):
         IndexedDataset(prefix)
     for cut in (len(good_idx) - 8, 10, 0):
         open(idx, "wb").write(good_idx[:cut])
