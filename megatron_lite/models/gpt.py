@@ -1,7 +1,11 @@
-"""A GPT decoder (pre-LayerNorm, Megatron-style init) that knows nothing about distribution.
+"""A GPT decoder (pre-norm, Megatron-style init) that knows nothing about distribution.
 
     input_ids [b, s] -> word (+ learned position) embeddings -> num_layers x TransformerLayer
         -> final_layernorm -> output projection (tied to the word embeddings by default) -> logits [b, s, V]
+
+The defaults are GPT-2's shape (LayerNorm, GELU, multi-head attention, biases); the Llama-class options are
+megatron.core's: normalization='RMSNorm', gated_linear_unit with activation_func='silu' (SwiGLU),
+num_query_groups (grouped-query attention), add_bias_linear=False, position_embedding_type='rope'.
 
 Parameter names follow megatron.core (`layers.0.self_attention.linear_qkv.weight`, ...). Data parallelism
 wraps this module from the outside (DistributedDataParallel), so it imports torch only.
@@ -14,6 +18,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
 @dataclass
@@ -31,7 +37,20 @@ class GPTConfig:
     max_position_embeddings: int
     """Longest sequence the model accepts (rows of the learned position embedding)."""
     ffn_hidden_size: Optional[int] = None
-    """Width of the MLP's hidden layer; None means 4 * hidden_size."""
+    """Width of the MLP's hidden layer; None means 4 * hidden_size, or with gated_linear_unit Megatron's
+    --swiglu rule int(4 * hidden_size * 2 / 3 / 64) * 64 (about the same parameter count in three matrices)."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm', or 'RMSNorm' (x / sqrt(mean(x^2) + eps) * weight: no mean subtraction, no bias)."""
+    gated_linear_unit: bool = False
+    """Gated MLP: linear_fc1 makes two halves and the MLP computes act(gate) * up (SwiGLU with
+    activation_func='silu'; Megatron's --swiglu sets both)."""
+    activation_func: str = "gelu"
+    """The MLP's activation: 'gelu' or 'silu'."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads of grouped-query attention: each serves num_attention_heads / num_query_groups query
+    heads; None means num_attention_heads (multi-head attention)."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers (Megatron's --disable-bias-linear turns them off)."""
     position_embedding_type: str = "learned"
     """'learned' (absolute, added to the word embeddings) or 'rope' (rotary, applied to q and k)."""
     rotary_base: float = 10000.0
@@ -50,16 +69,34 @@ class GPTConfig:
     """dtype the parameters are created in."""
 
     def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size if isinstance(self.hidden_size, int) else None
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int) and self.hidden_size > 0:
+            # Megatron's rule (arguments.py): a gated MLP has three matrices, so 2/3 of the width, rounded
+            # down to a multiple of 64.
+            self.ffn_hidden_size = (int((4 * self.hidden_size * 2 / 3) / 64) * 64 if self.gated_linear_unit is True
+                                    else 4 * self.hidden_size)
+            if self.ffn_hidden_size == 0:  # a non-positive hidden_size is named by the checks below
+                raise ValueError(f"ffn_hidden_size: the gated_linear_unit default int(4 * hidden_size * 2 / 3 / 64)"
+                                 f" * 64 is 0 for hidden_size {self.hidden_size}: give ffn_hidden_size")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                     "ffn_hidden_size"):
+                     "ffn_hidden_size", "num_query_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                              f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_query_groups ({self.num_query_groups})")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
+        if self.activation_func not in _ACTIVATIONS:
+            raise ValueError(f"activation_func must be one of {sorted(_ACTIVATIONS)}, got {self.activation_func!r}")
+        for name in ("gated_linear_unit", "add_bias_linear", "share_embeddings_and_output_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.position_embedding_type not in ("learned", "rope"):
             raise ValueError(
                 f"position_embedding_type must be 'learned' or 'rope', got {self.position_embedding_type!r}")
@@ -91,45 +128,69 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
+def norm(config: GPTConfig) -> nn.Module:
+    """config.normalization over the hidden dimension; torch's RMSNorm adds eps inside the square root, as
+    Megatron's does."""
+    kind = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+    return kind(config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+
+
 class SelfAttention(nn.Module):
+    """Causal self-attention; with num_query_groups < num_attention_heads, query head i reads key/value group
+    i // (num_attention_heads / num_query_groups)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        h, dtype = config.hidden_size, config.params_dtype
+        h, dtype, bias = config.hidden_size, config.params_dtype, config.add_bias_linear
         self.num_heads, self.head_dim = config.num_attention_heads, h // config.num_attention_heads
+        self.num_query_groups = config.num_query_groups
         self.dropout = config.attention_dropout
-        self.linear_qkv = nn.Linear(h, 3 * h, dtype=dtype)  # fused q, k, v
-        self.linear_proj = nn.Linear(h, h, dtype=dtype)
+        # Fused [q (all heads) | k (all groups) | v (all groups)]; with as many groups as heads this is the
+        # multi-head [3, heads, head_dim] layout.
+        kv = self.num_query_groups * self.head_dim
+        self.linear_qkv = nn.Linear(h, h + 2 * kv, bias=bias, dtype=dtype)
+        self.linear_proj = nn.Linear(h, h, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.linear_qkv(x).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if rotary is not None:  # q, k, v: [b, heads, s, head_dim]
+        groups, d = self.num_query_groups, self.head_dim
+        q, k, v = self.linear_qkv(x).split([h, groups * d, groups * d], dim=-1)
+        q = q.view(b, s, self.num_heads, d).transpose(1, 2)  # [b, heads, s, head_dim]
+        k, v = (t.view(b, s, groups, d).transpose(1, 2) for t in (k, v))  # [b, groups, s, head_dim]
+        if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                             is_causal=True)
+                                             is_causal=True, enable_gqa=groups != self.num_heads)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, h))
 
 
 class MLP(nn.Module):
+    """fc2(act(fc1(x))), or gated: fc1 makes [gate | up] and the MLP computes fc2(act(gate) * up)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        dtype = config.params_dtype
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size, dtype=dtype)
-        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, dtype=dtype)
+        dtype, bias, ffn = config.params_dtype, config.add_bias_linear, config.ffn_hidden_size
+        self.gated = config.gated_linear_unit
+        self.activation = _ACTIVATIONS[config.activation_func]
+        self.linear_fc1 = nn.Linear(config.hidden_size, 2 * ffn if self.gated else ffn, bias=bias, dtype=dtype)
+        self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        x = self.linear_fc1(x)
+        if self.gated:
+            gate, up = x.chunk(2, dim=-1)
+            return self.linear_fc2(self.activation(gate) * up)
+        return self.linear_fc2(self.activation(x))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        h, eps, dtype = config.hidden_size, config.layernorm_epsilon, config.params_dtype
-        self.input_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
+        self.input_layernorm = norm(config)
         self.self_attention = SelfAttention(config)
-        self.pre_mlp_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
+        self.pre_mlp_layernorm = norm(config)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -157,7 +218,7 @@ class GPTModel(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, h, dtype=dtype)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
-        self.final_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon, dtype=dtype)
+        self.final_layernorm = norm(config)
         # Tied: no second Parameter; forward uses word_embeddings.weight, so its grad sums both uses.
         self.output_layer = None
         if not config.share_embeddings_and_output_weights:
@@ -167,7 +228,7 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def _init_weights(self):
         """Megatron's init: N(0, std) weights, N(0, std / sqrt(2L)) for the residual branches' output
-        projections (keeps the residual stream's variance independent of depth), zero biases, unit LN."""
+        projections (keeps the residual stream's variance independent of depth), zero biases, unit norms."""
         std = self.config.init_method_std
         scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
@@ -176,9 +237,10 @@ class GPTModel(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=scaled_std if scaled else std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [b, s, vocab] (params dtype), or with `labels` [b, s] per-token cross-entropy [b, s] in fp32."""
@@ -211,17 +273,22 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length
     """Model FLOPs of one training step (forward + backward) on batch_size x seq_length tokens.
 
     A matmul of [m, k] @ [k, n] costs 2mkn; backward costs twice forward (grads of inputs and weights):
-        forward = 2 * T * L * (4h^2 + 2h * ffn)       # linear_qkv 3h^2, linear_proj h^2, MLP 2h * ffn
+        forward = 2 * T * L * (h * (h + 2 * kv) + h^2 + m * h * ffn)   # linear_qkv, linear_proj, MLP
                 + L * 2 * 2 * b * s^2 * h              # q @ k^T and probs @ v (full square, as Megatron)
                 + 2 * T * h * V                        # logits
         step    = 3 * forward,  T = b * s tokens
-    With ffn = 4h this is Megatron's 72 * T * L * h^2 * (1 + s / (6h) + V / (12 L h)). LayerNorms,
-    softmax, GELU and rotary are elementwise and left out (the convention MFU numbers are quoted with).
+    kv = num_query_groups * head_dim (h without grouped-query attention); m = 3 matrices of h x ffn in a gated
+    MLP (fc1's two halves and fc2), else 2, as Megatron's ffn_expansion_factor. Multi-head with ffn = 4h is
+    Megatron's 72 * T * L * h^2 * (1 + s / (6h) + V / (12 L h)). Norms, softmax, activations and rotary are
+    elementwise and left out (the convention MFU numbers are quoted with).
     """
     b, s, L, h = batch_size, seq_length, config.num_layers, config.hidden_size
     ffn = config.ffn_hidden_size if config.ffn_hidden_size is not None else 4 * h
+    groups = config.num_query_groups if config.num_query_groups is not None else config.num_attention_heads
+    kv = groups * (h // config.num_attention_heads)
+    mlp_matrices = 3 if config.gated_linear_unit else 2
     tokens = b * s
-    forward = (2.0 * tokens * L * (4 * h * h + 2 * h * ffn)
+    forward = (2.0 * tokens * L * (h * (h + 2 * kv) + h * h + mlp_matrices * h * ffn)
                + L * 2.0 * 2.0 * b * s * s * h
                + 2.0 * tokens * h * config.vocab_size)
     return 3.0 * forward

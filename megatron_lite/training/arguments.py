@@ -52,11 +52,14 @@ OPTIMIZER_FLAGS = {  # params_dtype follows from --fp16 / --bf16
     "min_loss_scale": "--min-loss-scale", "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
     "optimizer_cpu_offload": "--optimizer-cpu-offload", "optimizer_offload_fraction": "--optimizer-offload-fraction",
 }
-GPT_FLAGS = {  # vocab_size comes from the tokenizer; position type, tying and dtype are mapped by hand below
+GPT_FLAGS = {  # vocab_size comes from the tokenizer; position type, tying, biases, activation and dtype are
+    # mapped by hand below (gpt_config_from_args)
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
     "ffn_hidden_size": "--ffn-hidden-size", "max_position_embeddings": "--max-position-embeddings",
     "hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout",
-    "init_method_std": "--init-method-std",
+    "init_method_std": "--init-method-std", "normalization": "--normalization",
+    "gated_linear_unit": "--swiglu",  # sets activation_func='silu' too
+    "num_query_groups": "--num-query-groups",  # with --group-query-attention
 }
 SCHEDULE_FLAGS = {"lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--lr-decay-iters",
                   "lr_decay_style": "--lr-decay-style"}
@@ -70,6 +73,11 @@ MODEL_PRESETS = {
     "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, **RECIPE),
     "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, **RECIPE),
     "gpt2-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, **RECIPE),
+    # Llama's architecture at tiny's size: RMSNorm, SwiGLU (ffn 320 by Megatron's rule), 2 key/value groups,
+    # rotary positions, no linear biases, an output layer of its own.
+    "llama-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, normalization="RMSNorm",
+                       swiglu=True, group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
+                       position_embedding_type="rope", untie_embeddings_and_output_weights=True, **RECIPE),
     "none": {},
 }
 # Megatron-LM's defaults of the flags a preset may set (None: required, or derived from other flags).
@@ -77,7 +85,10 @@ MEGATRON_DEFAULTS = dict(num_layers=None, hidden_size=None, num_attention_heads=
                          min_lr=0.0, weight_decay=0.01, adam_beta2=0.999, lr_decay_style="linear",
                          lr_warmup_fraction=None, hidden_dropout=0.1, attention_dropout=0.1, micro_batch_size=None,
                          global_batch_size=None, train_iters=None, log_interval=100, eval_interval=1000,
-                         eval_iters=100)
+                         eval_iters=100, normalization="LayerNorm", swiglu=False, group_query_attention=False,
+                         disable_bias_linear=False, position_embedding_type="learned_absolute",
+                         untie_embeddings_and_output_weights=False)
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
 # ------------------------------------------------------------------------------------------ configs from flags
@@ -108,10 +119,17 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
 
 
 def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
+    groups = args.num_query_groups
+    if groups is not None and not args.group_query_attention:  # Megatron would silently ignore it
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention and groups is None:
+        groups = 1  # Megatron's default for --num-query-groups: one key/value head (multi-query attention)
     return config_from_args(
         GPTConfig, GPT_FLAGS, args, vocab_size=vocab_size, params_dtype=params_dtype_from_args(args),
         position_embedding_type="rope" if args.position_embedding_type == "rope" else "learned",
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        num_query_groups=groups, activation_func="silu" if args.swiglu else "gelu",
+        add_bias_linear=not args.disable_bias_linear)
 
 
 def flag_error_message(error: ValueError) -> str:
@@ -138,6 +156,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
+def _preset_architecture(preset: dict) -> str:
+    """The flags a preset sets beyond its size and the recipe, spelled as flags (' (--swiglu ...)')."""
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in preset.items()
+             if k not in RECIPE and k not in ARCHITECTURE_KEYS]
+    return f" ({' '.join(flags)})" if flags else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Megatron-style GPT pre-training with megatron_lite (launch with torchrun).",
@@ -147,18 +172,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-preset", choices=list(MODEL_PRESETS), default="tiny",
                    help="fills the flags you do not give (printed at start-up): " + "; ".join(
                        f"{k}: {v['num_layers']} layers, hidden {v['hidden_size']}, {v['num_attention_heads']} "
-                       f"heads, seq {v['seq_length']}" for k, v in MODEL_PRESETS.items() if v)
-                   + "; all three with the recipe "
+                       f"heads, seq {v['seq_length']}" + _preset_architecture(v)
+                       for k, v in MODEL_PRESETS.items() if v)
+                   + "; all with the recipe "
                    + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in RECIPE.items())
                    + ". none: Megatron's defaults, the architecture flags required")
     docs = field_docs(GPTConfig)
     add_config_arguments(g, GPTConfig, GPT_FLAGS, max_position_embeddings=dict(
-        help=docs["max_position_embeddings"] + " (default: --seq-length)"))
+        help=docs["max_position_embeddings"] + " (default: --seq-length)"),
+        normalization=dict(choices=["LayerNorm", "RMSNorm"]),
+        num_query_groups=dict(help=docs["num_query_groups"] + " Needs --group-query-attention (default with it: 1, "
+                                   "Megatron's)"))
     g.add_argument("--seq-length", type=int, help="tokens per sample")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
                    help="learned absolute position embeddings added to the input, or rotary embeddings in attention")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output layer instead of reusing the word-embedding matrix")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the attention and MLP linear layers (GPTConfig.add_bias_linear=False)")
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")
     g.add_argument("--micro-batch-size", type=int, help="samples per rank per micro-batch")

@@ -30,6 +30,9 @@ def sequential():
 MODELS = {"gpt": (tiny_gpt, ("TransformerLayer",)),
           "gpt_untied_rope": (lambda: tiny_gpt(share_embeddings_and_output_weights=False,
                                                position_embedding_type="rope"), ("TransformerLayer",)),
+          "gpt_llama": (lambda: tiny_gpt(normalization="RMSNorm", gated_linear_unit=True, activation_func="silu",
+                                         num_query_groups=2, add_bias_linear=False, position_embedding_type="rope",
+                                         share_embeddings_and_output_weights=False), ("TransformerLayer",)),
           "sequential": (sequential, ("Linear",))}
 
 
@@ -143,6 +146,14 @@ def test_meta_built_zero3_with_persistent_small_parameters_and_no_prefetch():
     a persistent bucket (param_persistence_threshold), or a prefetch window of zero."""
     for verdicts in run_distributed(_bitwise_worker, 2, "gpt", "recorded", ("optim_grads_params",),
                                     param_persistence_threshold=100, prefetch_bucket_size=0):
+        assert all(verdicts["optim_grads_params"].values()), verdicts
+
+
+def test_meta_built_llama_is_bitwise_the_normal_build_under_zero3():
+    """The Llama-class GPT (RMSNorm, SwiGLU, grouped-query attention, no linear biases, untied output). Would catch
+    a parameter of its modules (nn.RMSNorm, the narrower k/v rows, the doubled fc1) replayed with other random
+    numbers or sharded from another range than the normal build's, or the generator left elsewhere after it."""
+    for verdicts in run_distributed(_bitwise_worker, 2, "gpt_llama", "recorded", ("optim_grads_params",)):
         assert all(verdicts["optim_grads_params"].values()), verdicts
 
 

@@ -236,10 +236,11 @@ def test_config_flags_are_generated_from_the_configs():
               "--loss-scale-window": "7", "--hysteresis": "3", "--loss-scale": "8", "--optimizer": "sgd",
               "--num-layers": "3", "--hidden-size": "48", "--num-attention-heads": "6", "--ffn-hidden-size": "40",
               "--max-position-embeddings": "256", "--hidden-dropout": "0.25", "--attention-dropout": "0.125",
-              "--init-method-std": "0.5", "--optimizer-offload-fraction": "0.5"}
+              "--init-method-std": "0.5", "--optimizer-offload-fraction": "0.5", "--normalization": "RMSNorm",
+              "--num-query-groups": "2"}
     switches = ["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer",
                 "--ddp-average-in-collective", "--accumulate-allreduce-grads-in-fp32", "--fp16",
-                "--optimizer-cpu-offload"]
+                "--optimizer-cpu-offload", "--swiglu", "--group-query-attention", "--disable-bias-linear"]
     argv = [x for flag, value in values.items() for x in (flag, value)] + switches + [
         "--no-check-for-nan-in-loss-and-grad"]  # on by default (Megatron's): its switch is the opt-out
     args = a.parse_args(argv, world_size=1)
@@ -257,6 +258,8 @@ def test_config_flags_are_generated_from_the_configs():
                 assert getattr(config, field) == expected, (field, flag)
             assert docs[field][:40] in help_text, (field, docs[field])
     assert isinstance(configs[2][0], GPTConfig) and configs[1][0].params_dtype == torch.float16
+    # Mapped by hand: --swiglu's activation and --disable-bias-linear's inverted field.
+    assert (configs[2][0].activation_func, configs[2][0].add_bias_linear) == ("silu", False)
     argv = [x if x != "--ddp-bucket-size" else "--ddp-num-buckets" for x in argv]
     assert a.ddp_config_from_args(a.parse_args(argv, world_size=1)).num_buckets == 12345
 
