@@ -29,8 +29,14 @@ def model_provider(args) -> GPTModel:
     --init-model-with-meta-device it is built on the meta device, its initialization recorded for the wrapper
     to replay shard by shard."""
     config = gpt_config_from_args(args, args.padded_vocab_size)
+    llama = [config.normalization if config.normalization != "LayerNorm" else "",  # only what differs from GPT-2
+             f"{'SwiGLU' if config.activation_func == 'silu' else 'gated ' + config.activation_func} ffn "
+             f"{config.ffn_hidden_size}" if config.gated_linear_unit else "",
+             f"{config.num_query_groups} query groups" if config.num_query_groups != config.num_attention_heads
+             else "", "" if config.add_bias_linear else "no linear biases"]
     print_rank_0(f"> building GPT model: {config.num_layers} layers, hidden {config.hidden_size}, "
                  f"{config.num_attention_heads} heads, vocab {config.vocab_size}"
+                 + "".join(f", {x}" for x in llama if x)
                  + (" (on the meta device)" if args.init_model_with_meta_device else ""))
     if args.init_model_with_meta_device:
         with meta_device_init():
