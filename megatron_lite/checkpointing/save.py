@@ -27,7 +27,8 @@ from . import experts, files, last_words, torch_dist, torch_format
 
 # The run's arguments stored in a checkpoint and compared on load (Megatron's check_checkpoint_args).
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
-                     "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings")
+                     "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings",
+                     "normalization", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear")
 
 
 def checkpoint_args(args) -> dict:

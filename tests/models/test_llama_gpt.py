@@ -232,3 +232,26 @@ def test_llama_tiny_trains_through_pretrain_gpt():
     losses = run_distributed(pretrain_losses, 2, argv)[0]
     values = [losses[i] for i in sorted(losses)]
     assert all(math.isfinite(v) for v in values) and values[-1] < values[0], losses
+
+
+def _resume_message(argv):
+    """pretrain_gpt.main on this rank; the ValueError's message, or None when it ran."""
+    try:
+        pretrain_losses(argv)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_resuming_with_other_llama_options_names_the_option(tmp_path):
+    """Would catch the Llama options missing from the checkpoint's recorded architecture arguments: a checkpoint
+    loaded into a run with another --swiglu, --normalization, ... then fails on some parameter's shape or name
+    deep in the load instead of naming the option to change."""
+    save = tiny_pretrain_flags(train_iters="2", save=str(tmp_path))
+    assert run_distributed(_resume_message, 1, save) == [None]
+    for changed, key in ((dict(swiglu=True), "swiglu"), (dict(normalization="RMSNorm"), "normalization"),
+                         (dict(disable_bias_linear=True), "disable_bias_linear"),
+                         (dict(group_query_attention=True), "group_query_attention")):
+        argv = tiny_pretrain_flags(train_iters="4", load=str(tmp_path), **changed)
+        message = run_distributed(_resume_message, 1, argv)[0]
+        assert message is not None and f"{key}=" in message, (changed, message)
