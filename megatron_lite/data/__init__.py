@@ -21,5 +21,6 @@ __all__ = [
     "build_tokenizer",
     "IndexedDataset", "IndexedDatasetBuilder",
     "builtin_corpus_documents", "write_builtin_dataset", "ensure_builtin_dataset",
-    "split_documents", "GPTDataset", "MockGPTDataset", "get_batch_for_rank", "micro_batch_iterator", "build_gpt_datasets",
+    "split_documents", "GPTDataset", "MockGPTDataset",
+    "get_batch_for_rank", "micro_batch_iterator", "build_gpt_datasets",
 ]
