@@ -231,6 +231,15 @@ class Stack(torch.nn.Module):
         return self.head(h)
 
 
+def _train_step(ddp, opt, x):
+    """One training step of the ZeRO-3 workers below: the mean square of the output as the loss."""
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    opt.step()
+
+
 def _zero3_worker():
     import torch.distributed as dist
 
@@ -263,11 +272,7 @@ def _zero3_worker():
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             if step == 2:
                 gathered.clear()  # the first iterations learn the gradient arrivals; look at the third
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            ddp(x).pow(2).mean().backward()
-            ddp.finish_grad_sync()
-            opt.step()
+            _train_step(ddp, opt, x)
         ddp.finish_param_sync()
         released = None
         if strategy == "optim_grads_params":
@@ -371,11 +376,7 @@ def _window_worker(settings):
             held.clear()
             with collectives.observe(lambda name, t, n: gathers.append(id(t)) if name == "all_gather" else None):
                 gathers.clear()
-                ddp.zero_grad_buffer()
-                opt.zero_grad()
-                ddp(x).pow(2).mean().backward()
-                ddp.finish_grad_sync()
-                opt.step()
+                _train_step(ddp, opt, x)
                 ddp.finish_param_sync()
             placeholders.append(any(torch.isnan(p).any() for p in persistent))  # between iterations too
         unit_bytes = max(sum(b.param_data.numel() * b.param_data.element_size() for b in units.buckets[i])
