@@ -51,7 +51,6 @@ class GradStaging:
 
     def to_host(self):
         pending, self._pending = self._pending, []
-        device_types = set()
         for main, grad in pending:
             buffer = self._buffers.get(id(main))
             if buffer is None:
@@ -60,8 +59,7 @@ class GradStaging:
                 self._buffers[id(main)] = buffer
             buffer.copy_(grad.view(main.shape), non_blocking=True)
             main.grad = buffer
-            device_types.add(grad.device.type)
-        if "cuda" in device_types:
+        if any(grad.is_cuda for _, grad in pending):
             torch.cuda.current_stream().synchronize()  # the copies were queued behind the unscale / clip
 
     def clear(self):
