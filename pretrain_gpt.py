@@ -40,8 +40,10 @@ def model_provider(args) -> GPTModel:
                  + (" (on the meta device)" if args.init_model_with_meta_device else ""))
     if args.init_model_with_meta_device:
         with meta_device_init():
-            return GPTModel(config)
-    return GPTModel(config)
+            model = GPTModel(config)
+    else:
+        model = GPTModel(config)
+    return model.compile_layers() if args.torch_compile else model
 
 
 def train_valid_test_datasets_provider(args, tokenizer):

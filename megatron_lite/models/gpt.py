@@ -244,7 +244,7 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [b, s, vocab] (params dtype), or with `labels` [b, s] per-token cross-entropy [b, s] in fp32."""
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         if s > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {s} exceeds max_position_embeddings ({self.config.max_position_embeddings})")
@@ -259,6 +259,11 @@ class GPTModel(nn.Module):
         x = self.embedding_dropout(x)
         for layer in self.layers:
             x = layer(x, rotary)
+        return self.output_head(x, labels)
+
+    def output_head(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final norm and the output layer: logits, or with `labels` the per-token loss (fp32)."""
+        b, s, _ = x.shape
         x = self.final_layernorm(x)
         weight = self.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         logits = F.linear(x, weight)
@@ -267,6 +272,18 @@ class GPTModel(nn.Module):
         # The loss in fp32 (a bf16 log-softmax over a large vocabulary loses most of its precision).
         losses = F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(b * s), reduction="none")
         return losses.view(b, s)
+
+    def compile_layers(self, **compile_kwargs) -> "GPTModel":
+        """torch.compile each transformer layer's forward and the output head, one region each (torchtitan's
+        per-block compile; `compile_kwargs` go to torch.compile). Module and parameter hooks stay outside the
+        compiled code, so DistributedDataParallel's buckets still reduce while backward runs through the other
+        layers and ZeRO-3 still gathers and frees a layer at a time. Call before or after wrapping; the
+        parameters and the state_dict are unchanged. Numerics follow the compiled kernels' fusion (close to
+        eager, not bitwise). Returns the model."""
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, **compile_kwargs)
+        self.output_head = torch.compile(self.output_head, **compile_kwargs)
+        return self
 
 
 def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length: int) -> float:

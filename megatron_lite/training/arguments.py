@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="no biases in the attention and MLP linear layers (GPTConfig.add_bias_linear=False)")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each transformer layer and the output head separately (GPTModel."
+                        "compile_layers): faster on GPUs, the first iterations slower while it compiles; numerics "
+                        "close to eager, not bitwise (docs/performance.md)")
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")
     g.add_argument("--micro-batch-size", type=int, help="samples per rank per micro-batch")
