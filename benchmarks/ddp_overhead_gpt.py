@@ -29,7 +29,8 @@ from megatron_lite import (
     OptimizerConfig,
     get_megatron_optimizer,
 )
-from megatron_lite.models import GPTConfig, GPTModel
+from megatron_lite.models import GPTConfig, GPTModel, num_floating_point_operations
+from megatron_lite.training.metrics import mfu
 
 SIZES = dict(layers=(12, 2), hidden=(768, 64), heads=(12, 2), seq=(1024, 32), vocab=(50304, 512), micro_batch=(8, 2),
              repeats=(10, 2), steps=(3, 2), warmup=(2, 1))
@@ -43,7 +44,8 @@ def benchmark(args, rank, world, device):
 
     def model():
         torch.manual_seed(0)
-        return GPTModel(config).to(device)
+        gpt = GPTModel(config).to(device)
+        return gpt.compile_layers() if args.compile else gpt
 
     tokens = torch.randint(args.vocab, (args.micro_batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
@@ -98,15 +100,20 @@ def benchmark(args, rank, world, device):
     tokens_per_step = args.micro_batch * args.seq
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   dtype=args.dtype, params=n_params, tokens_per_step=tokens_per_step, optimizer=args.optimizer,
+                  compile=args.compile,
                   median_ms={n: timings.median_ms(k) for k, n in enumerate(names)},
                   peak_rise_mb={n: timings.peak_rise_bytes[k] / 2**20 for k, n in enumerate(names)})
-    print(f"{n_params / 1e6:.1f}M parameters, {args.dtype}, {tokens_per_step} tokens per step on {result['device']}; "
+    print(f"{n_params / 1e6:.1f}M parameters, {args.dtype}{', compiled' if args.compile else ''}, {tokens_per_step} "
+          f"tokens per step on {result['device']}; "
           f"{'forward+backward+optimizer' if args.optimizer else 'forward+backward'}, median of "
           f"{args.repeats}x{args.steps} steps")
-    print(f"{'variant':36s} {'ms/step':>9s} {'vs bare':>8s} {'tokens/s':>10s} {'peak rise MB':>13s}")
+    flops = num_floating_point_operations(config, args.micro_batch, args.seq)
+    result["mfu"] = {n: mfu(flops, timings.median_ms(k) / 1e3, device, 1) for k, n in enumerate(names)}
+    print(f"{'variant':36s} {'ms/step':>9s} {'vs bare':>8s} {'tokens/s':>10s} {'MFU':>6s} {'peak rise MB':>13s}")
     for k, name in enumerate(names):
-        t = timings.median_ms(k)
-        print(f"{name:36s} {t:9.2f} {100 * (t / base - 1):+7.2f}% {tokens_per_step / t * 1e3:10.0f} "
+        t, utilization = timings.median_ms(k), result["mfu"][name]
+        shown = "-" if utilization is None else f"{100 * utilization:.1f}%"
+        print(f"{name:36s} {t:9.2f} {100 * (t / base - 1):+7.2f}% {tokens_per_step / t * 1e3:10.0f} {shown:>6s} "
               f"{result['peak_rise_mb'][name]:13.0f}")
     write_json(args.out, result)
 
@@ -116,6 +123,8 @@ def main():
     p.add_argument("--bucket-size", type=int, default=None, help="elements per bucket with overlap (default: "
                    "Megatron's, max(40M, 1M x dp))")
     p.add_argument("--optimizer", action="store_true", help="time the optimizer step as well")
+    p.add_argument("--compile", action="store_true", help="every variant's model with GPTModel.compile_layers "
+                   "(pretrain_gpt.py --torch-compile); the warmup steps compile")
     args, cpu = parse_sized(p, SIZES)
     launch(benchmark, args, 1, cpu=cpu, threads_per_rank=None if cpu else 1)
 
