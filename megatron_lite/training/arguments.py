@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, help="iterations to train for")
     g.add_argument("--seed", type=int, default=1234, help="seeds the model init (identical on every rank), "
                                                           "data shuffling and dropout")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible reruns on GPUs: deterministic kernels only (torch."
+                        "use_deterministic_algorithms; an op without one is an error), NCCL_ALGO=Ring and "
+                        "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless already set to a reproducible value (Megatron's flag)")
     precision = ("fp16", "bf16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
                  "hysteresis")
     add_config_arguments(g, OptimizerConfig, {k: OPTIMIZER_FLAGS[k] for k in precision})

@@ -85,6 +85,25 @@ def vocab_size_with_padding(vocab_size: int, divisor: int = 128) -> int:
     return -(-vocab_size // divisor) * divisor
 
 
+# --deterministic-mode: the environment bit-exact reruns need (Megatron's values). NCCL reads NCCL_ALGO when a
+# communicator is created and cuBLAS CUBLAS_WORKSPACE_CONFIG when its handle is: both before the first collective
+# or matmul, so this runs first thing at start-up. A value the launcher set is kept if it is one of these.
+DETERMINISTIC_ENV = {"NCCL_ALGO": ("Ring",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
+
+
+def apply_deterministic_mode(env=os.environ):
+    """Set the environment DETERMINISTIC_ENV names (keeping an accepted value already set) and make torch use
+    deterministic kernels only (an op without one raises instead of running). Raises ValueError for a value
+    that would break reproducibility."""
+    for name, accepted in DETERMINISTIC_ENV.items():
+        if env.get(name, accepted[0]) not in accepted:
+            raise ValueError(f"--deterministic-mode: {name}={env[name]!r} is not reproducible; unset it or use "
+                             f"one of {list(accepted)}")
+    for name, accepted in DETERMINISTIC_ENV.items():
+        env.setdefault(name, accepted[0])
+    torch.use_deterministic_algorithms(True)
+
+
 def initialize_megatron(args) -> Tuple[torch.device, object]:
     """pretrain()'s start-up: process group and device, the seed of the identical initial replicas, the
     tokenizer. Sets `args.padded_vocab_size` (the one value known only once the tokenizer is built).
@@ -92,6 +111,8 @@ def initialize_megatron(args) -> Tuple[torch.device, object]:
     Returns:
         (device, tokenizer)
     """
+    if args.deterministic_mode:
+        apply_deterministic_mode()
     device = initialize_distributed(args.distributed_backend, args.device, args.distributed_timeout_minutes)
     if dist.get_world_size() != args.data_parallel_size:
         raise ValueError(f"arguments were validated for {args.data_parallel_size} ranks, the group has "
