@@ -14,7 +14,13 @@
 #   04 overhead   benchmarks.ddp_overhead_gpt: bare GPT-2 125M step vs wrapped, bf16                    60 s max
 #   05 offload    benchmarks.optimizer_offload: device memory saved and step time, offload 1.0 / 0.5    60 s max
 #   06 calibrate  benchmarks.perf_model_calibrate --world-size 1 (NCCL)                                  60 s max
-# (00 env 60 s max: 510 s in all at worst; the device lends 10 minutes per command.)
+#   07 pretrain   02 with --torch-compile (per-layer torch.compile)                                     150 s max
+#   08 pretrain   07 with the whole batch in one micro-batch of 32                                       150 s max
+#   09 overhead   04 with every variant compiled (--compile)                                             150 s max
+#   10 determinism  ZeRO-3 gpt2-125m 20 iterations: normal build twice, with --deterministic-mode twice and
+#                 meta-device built with it once; the five run side by side                               120 s max
+# (00 env 60 s max: 1080 s in all at worst; the device lends 10 minutes per command: choose steps with
+#  GPU_CHECK_STEPS="00 07 08", the step numbers to run, space-separated; default all.)
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -25,9 +31,10 @@ QUICK="${GPU_CHECK_QUICK:-0}"
 PY="${PYTHON:-python}"
 export PYTHONUNBUFFERED=1
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and time
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record status and time (skipped unless GPU_CHECK_STEPS has it)
     local name="$1" limit="$2"
     shift 2
+    case " ${GPU_CHECK_STEPS:-${name%%_*}} " in *" ${name%%_*} "*) ;; *) return 0 ;; esac
     local log="$OUT/$name.log" start end rc
     start=$(date +%s)
     echo "=== $name (timeout ${limit}s): $*" | tee -a "$SUMMARY"
@@ -98,13 +105,62 @@ CAL_DEV=()
 step 06_perf_model_calibrate_nccl 60 $PY -m benchmarks.perf_model_calibrate --world-size 1 "${CAL_DEV[@]}" \
     "${CALIBRATE_SIZE[@]}" --out "$OUT/06_perf_model_dp1.json"
 
+# ---------------------------------------------------------------- 07/08/09 compiled: tokens/s, MFU, overhead
+step 07_pretrain_gpt2_125m_bf16_compile 150 $PY pretrain_gpt.py "${COMMON[@]}" --torch-compile \
+    --metrics-file "$OUT/07_metrics.jsonl"
+step 08_pretrain_gpt2_125m_bf16_compile_mbs32 150 $PY pretrain_gpt.py "${COMMON[@]}" --torch-compile \
+    --micro-batch-size "${MBS_ALL:-32}" --metrics-file "$OUT/08_metrics.jsonl"
+step 09_ddp_overhead_gpt2_125m_bf16_compile 150 $PY -m benchmarks.ddp_overhead_gpt --device "$DEV" --dtype bf16 \
+    "${OVERHEAD_SIZE[@]}" --compile --out "$OUT/09_ddp_overhead_compile.json"
+
+# ---------------------------------------------------------------- 10 reproducibility of the meta-device build
+# Is the meta build's loss difference on CUDA (issue 21) CUDA's nondeterminism or a real difference?
+DET=(--model-preset gpt2-125m --bf16 --mock-data --tokenizer-type NullTokenizer --eval-iters 0 --device "$DEV"
+     --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params --overlap-grad-reduce
+     --overlap-param-gather --train-iters 20 --log-interval 1 --micro-batch-size 4 --global-batch-size 8
+     --seq-length 1024 --vocab-size 50304)
+[ "$QUICK" = 1 ] && DET=("${DET[@]}" --num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 64
+                        --vocab-size 512 --train-iters 4)
+RUNS=("normal_a" "normal_b" "det_normal_a --deterministic-mode" "det_normal_b --deterministic-mode"
+      "det_meta --deterministic-mode --init-model-with-meta-device")
+{
+    for run in "${RUNS[@]}"; do
+        set -- $run
+        name=$1; shift
+        echo "$PY pretrain_gpt.py ${DET[*]} $* --metrics-file $OUT/10_$name.jsonl > $OUT/10_$name.log 2>&1 &"
+    done
+    echo "wait"
+    # Per run: the lm loss of every iteration (metrics JSONL), and which runs agree bitwise.
+    echo "$PY - $OUT/10_*.jsonl <<'PYEOF'"
+    cat <<'PYEOF'
+import json, sys
+runs = {}
+for path in sys.argv[1:]:
+    rows = [json.loads(line) for line in open(path)]
+    runs[path.rsplit("/", 1)[-1][3:-6]] = [r["lm_loss"] for r in rows if "lm_loss" in r]
+for name, losses in runs.items():
+    print(f"{name:14s} {len(losses):3d} iterations, last {losses[-1] if losses else None!r}")
+names = list(runs)
+for i, a in enumerate(names):
+    for b in names[i + 1:]:
+        same = runs[a] == runs[b]
+        first = next((k for k, (x, y) in enumerate(zip(runs[a], runs[b])) if x != y), None)
+        where = f"differ from iteration {first + 1}" if first is not None else "differ in length"
+        print(f"{a} vs {b}: {'bitwise equal' if same else where}")
+PYEOF
+    echo "PYEOF"
+} > "$OUT/10_determinism.sh"
+step 10_determinism 120 bash "$OUT/10_determinism.sh"
+for f in "$OUT"/10_*_*.log; do grep -E "Error|Traceback" "$f" | head -n 3 | sed "s|^|$(basename "$f"): |"; done \
+    >> "$OUT/10_determinism.log" 2>&1
+
 # ---------------------------------------------------------------- summary: the lines worth reading
 {
     echo
     echo "--- 00 env"; grep -E "^(python|torch|cuda available|devices|nccl|bf16)" "$OUT/00_env.log"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
     echo "--- 01 tests"; tail -n 25 "$OUT/01_tests_cuda.log"
-    for f in "$OUT"/02_*.log "$OUT"/03_*.log; do
+    for f in "$OUT"/0[2378]_*.log; do
         echo "--- $(basename "$f"): parameters and the last log lines"
         grep -E "parameters \|" "$f"
         grep -E "iteration +[0-9]+/" "$f" | tail -n 3 | sed -E 's/\| learning rate.*\| lm loss/| lm loss/'
@@ -113,6 +169,8 @@ step 06_perf_model_calibrate_nccl 60 $PY -m benchmarks.perf_model_calibrate --wo
     echo "--- 04 overhead"; tail -n 6 "$OUT/04_ddp_overhead_gpt2_125m_bf16.log"
     echo "--- 05 offload"; tail -n 5 "$OUT/05_optimizer_offload_gpt2_125m_bf16.log"
     echo "--- 06 calibrate"; tail -n 3 "$OUT/06_perf_model_calibrate_nccl.log"
+    echo "--- 09 overhead, compiled"; tail -n 6 "$OUT/09_ddp_overhead_gpt2_125m_bf16_compile.log"
+    echo "--- 10 determinism"; cat "$OUT/10_determinism.log"
 } >> "$SUMMARY" 2>&1
 echo "summary: $SUMMARY"
 sed -n "/^--- 00 env/,\$p" "$SUMMARY"
