@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from megatron_lite.data import build_gpt_datasets, ensure_builtin_dataset  # noqa: E402
 from megatron_lite.distributed import collectives, meta_device_init  # noqa: E402
+from megatron_lite.fault_tolerance import live_recovery_enabled, pretrain_live  # noqa: E402
 from megatron_lite.models import GPTModel, num_floating_point_operations  # noqa: E402
 from megatron_lite.training import gpt_config_from_args, parse_args, pretrain, print_rank_0, shutdown  # noqa: E402
 
@@ -92,7 +93,9 @@ def flops_per_iteration(args) -> float:
 def main(argv=None, world_size=None) -> dict:
     """Parse `argv` (default: the command line) and train; returns pretrain()'s summary."""
     args = parse_args(argv, world_size)
-    return pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step, flops_per_iteration)
+    # Started by megatron_lite.fault_tolerance.launch: a lost rank is replaced without restarting the others.
+    train = pretrain_live if live_recovery_enabled() else pretrain
+    return train(args, train_valid_test_datasets_provider, model_provider, forward_step, flops_per_iteration)
 
 
 if __name__ == "__main__":

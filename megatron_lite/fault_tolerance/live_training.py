@@ -1,0 +1,301 @@
+"""Live recovery: the training loop that survives the loss of a rank without restarting the others.
+
+    python -m megatron_lite.fault_tolerance.launch --nproc-per-node 4 pretrain_gpt.py \\
+        --use-distributed-optimizer --num-distributed-optimizer-instances 2 ...
+
+Started by the supervisor (launch.py), pretrain_gpt.py runs pretrain_live() instead of pretrain(). When rank 3
+of dp=4, R=2 dies::
+
+    rank 3 killed   supervisor: generation 1, replaced [3]; starts a new rank 3 (only that process)
+    ranks 0-2       a collective fails (gloo: at once; behind a survivor that left: the collective timeout)
+                    -> snapshot: the state of the last iteration this rank completed (see _snapshot)
+                    -> wait for generation 1; join it: a fresh gloo WORLD on the store prefix gen_1
+    every rank      build the model, optimizer, scheduler anew (the same construction collectives on every
+                    rank), then heal:
+                      agree (one all_gather_object): target = the newest iteration a survivor completed
+                      survivors load their snapshot; a replica at the target sends its shard to every rank
+                      that lacks it (send_shard_state / recv_shard_state); the schedule, the data position,
+                      the RNG and the optimizer's common state come from the lowest up-to-date rank
+    every rank      redo the interrupted iteration, and on
+
+The processes of the survivors, and their state, never go away: the model, the optimizer state, the data
+position and the RNG are carried in memory into the objects of the new generation (their wrappers are
+re-created because they hold the old process groups). No update is ever applied without every instance's
+gradient: an iteration is either completed by a rank (its update applied) or not, and a rank behind the
+target takes the target's state from a replica, so the loss sequence and the weights are the uninterrupted
+run's, bit for bit. When a shard has no holder at the target (both holders of a shard lost), the workers
+exit with EXIT_FALLBACK after writing their last words, and the supervisor restarts the whole job (--load).
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checkpointing import LastWords, checkpoint_args, load_checkpoint, save_checkpoint
+from ..checkpointing.rng import get_rng_state, set_rng_state
+from ..data import micro_batch_iterator
+from ..distributed import collectives
+from ..optimizer.sharded_state import flatten, unflatten
+from ..training.initialize import initialize_megatron
+from ..training.metrics import TrainingLog, print_rank_0
+from ..training.training import setup_model_and_optimizer, train_step
+from .membership import EXIT_FALLBACK, GenerationSuperseded, Membership
+
+
+class LiveRecoveryImpossible(RuntimeError):
+    """No replica holds some shard at the iteration to resume from (or this rank's update was torn)."""
+
+
+@dataclass
+class Progress:
+    """Where training stands: what an iteration boundary records (and a snapshot carries)."""
+
+    iteration: int
+    consumed: int
+    rng: dict
+    scheduler: dict
+    steps_taken: int  # the optimizer's step() count matching this record
+    losses: Optional[Dict[str, float]] = None  # the iteration's reported losses, when known
+    last_saved: Optional[int] = None
+
+
+@dataclass
+class Snapshot:
+    """A survivor's state, taken when its iteration was interrupted: a copy, independent of the objects
+    (which hold the old process groups and are rebuilt)."""
+
+    progress: Progress
+    flat: torch.Tensor  # optimizer.sharded_state() flattened (sharded_state.flatten: the replica wire format)
+    common: dict  # optimizer.common_state_dict()
+
+
+@dataclass
+class Timings:
+    """Seconds of one recovery, for the log (the soak collects them)."""
+
+    failed_at: float = 0.0
+    marks: Dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str):
+        self.marks[name] = time.time()
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    """A collective that failed because of another rank (gloo's errors, a timeout), not this rank's bug."""
+    text = str(error)
+    return isinstance(error, (dist.DistError, GenerationSuperseded)) or (
+        isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "Connection", "Timed out", "timed out")))
+
+
+def _snapshot(progress: Progress, staged: Optional[Progress], optimizer, scheduler) -> Snapshot:
+    """This rank's consistent state after an interrupted iteration: the iteration the optimizer's state
+    belongs to is the staged one if the update was applied (optimizer.steps_taken says so; the update is
+    local, so it is either done or not), else the last committed one."""
+    if optimizer.updating:
+        raise LiveRecoveryImpossible("the optimizer update was torn (it raised half-way)")
+    progress_now = progress
+    if staged is not None and optimizer.steps_taken == staged.steps_taken:
+        if scheduler.num_steps < staged.scheduler["num_steps"]:
+            scheduler.step()  # the update happened, the failure came in its parameter all-gather
+        progress_now = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
+                                staged.steps_taken, staged.losses, progress.last_saved)
+    return Snapshot(progress_now, flatten(optimizer.sharded_state(), torch.device("cpu")).clone(),
+                    optimizer.common_state_dict())
+
+
+def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress:
+    """Every rank of the new generation: agree on the iteration to resume from and bring every rank's state
+    to it (see the module docstring). Returns the progress to continue from."""
+    rank = dist.get_rank()
+    topology = optimizer.data_parallel_topology
+    mine = None if snapshot is None else (snapshot.progress.iteration, snapshot.progress.steps_taken)
+    everyone = collectives.all_gather_object(mine, None)
+    target = max((s[0] for s in everyone if s is not None), default=None)
+    if target is None:
+        raise LiveRecoveryImpossible("no rank holds any state")
+    current = [s is not None and s[0] == target for s in everyone]
+    donors = {}
+    for position in range(topology.intra_distributed_optimizer_instance_size):
+        holders = topology.holders(position)
+        up_to_date = [r for r in holders if current[r]]
+        if not up_to_date:
+            raise LiveRecoveryImpossible(
+                f"shard position {position} (held by rank(s) {list(holders)}) has no replica at iteration "
+                f"{target}: both holders were lost; falling back to the last words / the periodic checkpoint")
+        for r in holders:
+            if not current[r]:
+                donors[r] = up_to_date[0]
+    reference = current.index(True)
+    small = snapshot.progress if current[rank] else None
+    small = collectives.broadcast_object((small, snapshot.common if current[rank] else None), None, reference)
+    progress, common = small
+    optimizer.load_common_state_dict(common)
+    scheduler.load_state_dict(progress.scheduler)
+    # Survivors at the target load their own copy; the others load the fresh state for now (the same
+    # parameter all-gather on every rank), then receive theirs from a replica.
+    described = optimizer.sharded_state()
+    optimizer.load_sharded_state(unflatten(snapshot.flat, described) if current[rank] else described)
+    model.finish_param_sync()
+    for dst in sorted(donors):
+        if donors[dst] == rank:
+            optimizer.send_shard_state(dst)
+        elif dst == rank:
+            optimizer.recv_shard_state(donors[dst])
+    model.start_param_sync(force_sync=True)  # the received shards reach the other ranks of their instance
+    model.finish_param_sync()
+    set_rng_state(progress.rng)
+    optimizer.steps_taken = progress.steps_taken
+    return progress
+
+
+def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
+                  forward_step_func: Callable, flops_per_iteration: Optional[Callable] = None) -> dict:
+    """pretrain() under the live-recovery supervisor (same arguments; evaluation is not run). Returns
+    {'iteration', 'losses', 'recoveries'}."""
+    membership = Membership.from_env()
+    # Every rank started afresh (generation 0, or the supervisor restarting the whole job): start as pretrain()
+    # does; else this process is a replacement, healed from the survivors.
+    fresh_job = set(membership.replaced()) == set(range(membership.world_size))
+    snapshot: Optional[Snapshot] = None
+    live = None  # (progress, optimizer, scheduler) once this generation's state is consistent
+    losses, recoveries = {}, []
+    timings: Optional[Timings] = None
+    while True:
+        words = None
+        try:
+            membership.join()
+            if timings is not None:
+                timings.mark("joined")
+            device, tokenizer = initialize_megatron(args)
+            train_ds, _, _ = collectives.run_collectively(train_valid_test_datasets_provider, args, tokenizer)
+            model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, device)
+            membership.limit_group_timeouts()  # the groups the model just created, too
+            if fresh_job:
+                progress = _start(args, model, optimizer, scheduler)
+            else:
+                progress = _heal(snapshot, model, optimizer, scheduler)
+                if timings is not None:
+                    timings.mark("healed")
+            fresh_job = False
+            snapshot, live = None, (progress, optimizer, scheduler)
+            rank, dp = dist.get_rank(), dist.get_world_size()
+            log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
+            if args.save and args.last_words:
+                words = LastWords(args.save, optimizer, scheduler, progress.iteration, progress.consumed,
+                                  checkpoint_args(args))
+            if progress.losses is not None and progress.iteration not in losses:
+                losses[progress.iteration] = progress.losses  # completed by the survivors, not logged here yet
+                log.training(progress.iteration, progress.consumed, progress.losses,
+                             optimizer.param_groups[0]["lr"], optimizer.get_loss_scale().item(), None, True)
+            if args.save and args.save_interval and progress.iteration % args.save_interval == 0 \
+                    and progress.last_saved != progress.iteration and progress.iteration > 0:
+                _save(args, progress, model, optimizer, scheduler)  # interrupted by the failure: again
+            iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp)
+            while progress.iteration < args.train_iters:
+                staged: Optional[Progress] = None
+
+                def stage(reduced_losses=None):
+                    nonlocal staged
+                    scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
+                    staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size,
+                                      get_rng_state(), scheduled, optimizer.steps_taken + 1, reduced_losses,
+                                      progress.last_saved)
+                    if words is not None:
+                        words.stage(staged.iteration, staged.consumed)
+                try:
+                    reported, ok, grad_norm = train_step(forward_step_func, iterator, model, optimizer, scheduler,
+                                                         args.num_micro_batches, args.check_for_nan_in_loss_and_grad,
+                                                         stage)
+                except BaseException:
+                    snapshot = _snapshot(progress, staged, optimizer, scheduler)
+                    raise
+                progress = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
+                                    optimizer.steps_taken, reported, progress.last_saved)
+                live = (progress, optimizer, scheduler)
+                if words is not None:
+                    words.commit()
+                losses[progress.iteration] = reported
+                log.training(progress.iteration, progress.consumed, reported, optimizer.param_groups[0]["lr"],
+                             optimizer.get_loss_scale().item(), grad_norm, ok)
+                if timings is not None:
+                    timings.mark("redone")
+                    recoveries.append(_report(timings, membership.generation))
+                    timings = None
+                if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
+                    try:
+                        _save(args, progress, model, optimizer, scheduler)
+                    except BaseException:
+                        snapshot = _snapshot(progress, None, optimizer, scheduler)
+                        raise
+            if args.save and progress.last_saved != progress.iteration:
+                _save(args, progress, model, optimizer, scheduler)
+            log.close()
+            return {"iteration": progress.iteration, "losses": losses, "recoveries": recoveries}
+        except (LiveRecoveryImpossible, TimeoutError) as e:
+            _fall_back(f"live recovery is impossible: {e}")
+        except BaseException as e:
+            # Last words first, as pretrain() leaves them: with replicas the survivors' files of a single
+            # failure form a complete set, which the whole-job restart (the fallback) resumes from.
+            if words is not None:
+                words.write(f"{type(e).__name__}: {e}")
+            if not _is_peer_failure(e):
+                raise
+            if snapshot is None and live is not None:  # a failure outside train_step (a save, the log)
+                snapshot = _snapshot(live[0], None, live[1], live[2])
+            live = None
+            timings = timings or Timings(time.time())
+            print(f"[rank {membership.rank}] > generation {membership.generation} failed "
+                  f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); waiting for the next one", flush=True)
+            try:
+                membership.wait_for_next_generation()
+            except TimeoutError as timeout:
+                _fall_back(str(timeout))
+            timings.mark("generation")
+            print(f"[rank {membership.rank}] > joining generation {membership.generation} (replaced: "
+                  f"{membership.replaced()})", flush=True)
+
+
+def _start(args, model, optimizer, scheduler) -> Progress:
+    """The first generation: from scratch or --load, as pretrain() does."""
+    iteration, consumed = 0, 0
+    if args.load:
+        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
+                                              checkpoint_args(args), "check", False, True, True)
+        if loaded is not None:
+            iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
+            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)")
+    return Progress(iteration, consumed, get_rng_state(), scheduler.state_dict(), optimizer.steps_taken,
+                    last_saved=iteration if iteration else None)
+
+
+def _save(args, progress: Progress, model, optimizer, scheduler):
+    save_checkpoint(args.save, progress.iteration, model, optimizer, scheduler, progress.consumed,
+                    args=checkpoint_args(args), ckpt_format=args.ckpt_format)
+    progress.last_saved = progress.iteration
+    print_rank_0(f"> saved checkpoint at iteration {progress.iteration} to {args.save}")
+
+
+def _report(timings: Timings, generation: int) -> dict:
+    """The recovery's phases in seconds: waiting for the new generation (detection and the supervisor),
+    forming its groups (every rank arrived, gloo rendezvous), building and healing, the redone iteration."""
+    marks, start = timings.marks, timings.failed_at
+    order = [("detect_and_wait", "generation"), ("form_groups", "joined"), ("build_and_heal", "healed"),
+             ("redo_iteration", "redone")]
+    out, last = {"generation": generation}, start
+    for name, mark in order:
+        if mark in marks:
+            out[name] = round(marks[mark] - last, 3)
+            last = marks[mark]
+    out["total"] = round(last - start, 3)
+    print(f"[rank {dist.get_rank()}] > recovered into generation {generation}: {out}", flush=True)
+    return out
+
+
+def _fall_back(reason: str):
+    """Give up live recovery (the supervisor then restarts the whole job, which resumes with --load from the
+    newest complete last words, written at the first failure, or the periodic checkpoint)."""
+    print(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] > {reason}", flush=True)
+    raise SystemExit(EXIT_FALLBACK)

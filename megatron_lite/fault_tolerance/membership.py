@@ -1,0 +1,149 @@
+"""Who is in the job now: generations of the process group over torch.distributed's TCPStore.
+
+The supervisor (launch.py) hosts a c10d TCPStore (the store torchrun's agent hosts) and is the only one
+that decides membership: when a worker dies it bumps the generation and starts a replacement for that
+rank only. Every rank forms the process group of generation g on its own key space of the store::
+
+    store key                      written by        meaning
+    generation                     supervisor        the current generation g (0 at the start)
+    gen_<g>/replaced               supervisor        JSON list of the ranks started afresh in generation g
+    gen_<g>/arrived                every rank        counter; the rank that makes it WORLD sets .../ready
+    gen_<g>/trouble                a rank            "a collective of generation g failed" (see launch.py)
+    gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
+
+A survivor whose collective fails (gloo raises within milliseconds when a peer process dies, or at the
+collective timeout when a peer it waits for has itself left to recover) calls wait_for_next_generation();
+once the new generation is ready on every rank it calls join(): the old groups are dropped and a fresh
+gloo WORLD is created on the new prefix. Nothing waits without a deadline.
+"""
+
+import datetime
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.distributed as dist
+
+ENV_STORE = "MEGATRON_LITE_LIVE_STORE"  # host:port of the supervisor's TCPStore: live recovery is on
+ENV_GENERATION = "MEGATRON_LITE_LIVE_GENERATION"
+ENV_COLLECTIVE_TIMEOUT = "MEGATRON_LITE_LIVE_COLLECTIVE_TIMEOUT"
+ENV_JOIN_TIMEOUT = "MEGATRON_LITE_LIVE_JOIN_TIMEOUT"
+EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts the whole job (--load)
+
+
+class GenerationSuperseded(RuntimeError):
+    """A newer generation began while this one was forming (another rank died meanwhile)."""
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """The live-recovery timeouts (launch.py's flags, passed to the workers in their environment)."""
+
+    collective_timeout_s: float = 3.0
+    """A collective waiting longer than this fails (the gloo group's timeout). It is how a survivor blocked
+    behind another survivor (one that already left to recover) learns of the failure: gloo cannot abort an
+    operation in flight, so it bounds the detection time; it must exceed the longest gap between two ranks'
+    arrivals at one collective in a healthy run (a periodic save, a slow evaluation)."""
+    join_timeout_s: float = 60.0
+    """How long a rank waits for a new generation (the supervisor noticing the death) and for every rank of
+    it to arrive (the replacement starting). Past it the rank gives up live recovery (EXIT_FALLBACK)."""
+
+    def __post_init__(self):
+        for name in ("collective_timeout_s", "join_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> "LiveConfig":
+        return cls(float(os.environ.get(ENV_COLLECTIVE_TIMEOUT, cls.collective_timeout_s)),
+                   float(os.environ.get(ENV_JOIN_TIMEOUT, cls.join_timeout_s)))
+
+
+def live_recovery_enabled() -> bool:
+    """Whether this process was started by the live-recovery supervisor (launch.py)."""
+    return ENV_STORE in os.environ
+
+
+def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the supervisor's TCPStore at `address` ("host:port")."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class Membership:
+    """This rank's view of the generations: joins the process group of the current one, waits for the next.
+
+    Args:
+        store: the supervisor's TCPStore (a client).
+        rank, world_size: this rank and the job's size (fixed: a replacement takes the dead rank's place).
+        generation: the generation this process starts in (0, or the one it was started for).
+        config: the timeouts.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, generation: int, config: LiveConfig):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.generation, self.config = generation, config
+
+    @classmethod
+    def from_env(cls) -> "Membership":
+        config = LiveConfig.from_env()
+        return cls(connect_store(os.environ[ENV_STORE], config.join_timeout_s), int(os.environ["RANK"]),
+                   int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")), config)
+
+    def current_generation(self) -> int:
+        return int(self.store.get("generation")) if self.store.check(["generation"]) else 0
+
+    def replaced(self, generation: Optional[int] = None) -> List[int]:
+        """The ranks started afresh in `generation` (default: this one)."""
+        key = f"gen_{self.generation if generation is None else generation}/replaced"
+        return json.loads(self.store.get(key)) if self.store.check([key]) else []
+
+    def join(self):
+        """Form the default process group of this generation (gloo, WORLD = every rank): wait until every
+        rank has arrived (the replacement may still be importing torch), then rendezvous on the generation's
+        prefix. The previous generation's groups (every group: WORLD and the instances') are destroyed
+        first."""
+        prefix = f"gen_{self.generation}"
+        if self.store.add(f"{prefix}/arrived", 1) == self.world_size:
+            self.store.set(f"{prefix}/ready", "1")
+        self._wait(lambda: self.store.check([f"{prefix}/ready"]), f"every rank of generation {self.generation}")
+        if dist.is_initialized():
+            dist.destroy_process_group()  # measured: milliseconds, also with an operation pending
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=self.rank,
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+
+    def limit_group_timeouts(self):
+        """Give every process group of this generation (WORLD and the ones created since, e.g. the
+        distributed-optimizer instances', which torch creates with its 30-minute default) the collective
+        timeout. torch has no public setter; `_set_pg_timeout` is the one torch.distributed.elastic uses."""
+        timeout = datetime.timedelta(seconds=self.config.collective_timeout_s)
+        for group in list(dist.distributed_c10d._world.pg_map):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+    def report_trouble(self):
+        """Tell the supervisor a collective of this generation failed (it starts a new generation even if no
+        process died, e.g. after a spurious timeout)."""
+        self.store.set(f"gen_{self.generation}/trouble", str(self.rank))
+
+    def wait_for_next_generation(self) -> int:
+        """After a failure: wait for the supervisor's next generation and adopt it. Returns it."""
+        self.report_trouble()
+        self._wait(lambda: self.current_generation() > self.generation, "the next generation")
+        self.generation = self.current_generation()
+        return self.generation
+
+    def _wait(self, done, what: str):
+        deadline = time.monotonic() + self.config.join_timeout_s
+        start = self.generation
+        while not done():
+            if self.current_generation() > start and what != "the next generation":
+                raise GenerationSuperseded(f"generation {start} was superseded while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: no {what} within {self.config.join_timeout_s} s "
+                                   f"(MEGATRON_LITE_LIVE_JOIN_TIMEOUT)")
+            time.sleep(0.01)
