@@ -115,7 +115,8 @@ class GPTConfig:
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [len(positions), head_dim] (fp32) for rotating pairs (i, i + head_dim/2) by positions * theta_i."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    # megatron-core's and transformers' expression: base ** (-x) rounds differently in the last bit.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = torch.outer(positions.float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # megatron.core's non-interleaved ("rotate half") layout
     return angles.cos(), angles.sin()

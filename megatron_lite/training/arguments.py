@@ -60,6 +60,7 @@ GPT_FLAGS = {  # vocab_size comes from the tokenizer; position type, tying, bias
     "init_method_std": "--init-method-std", "normalization": "--normalization",
     "gated_linear_unit": "--swiglu",  # sets activation_func='silu' too
     "num_query_groups": "--num-query-groups",  # with --group-query-attention
+    "layernorm_epsilon": "--norm-epsilon", "rotary_base": "--rotary-base",
 }
 SCHEDULE_FLAGS = {"lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--lr-decay-iters",
                   "lr_decay_style": "--lr-decay-style"}
