@@ -106,8 +106,9 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
     micro-batches, unless the model was wrapped with calculate_per_token_loss: then the gradients (summed
     over ranks) are divided by the number of tokens in the whole global batch, after the reduction.
 
-    `before_update()`, if given, runs after the gradients and losses are reduced, just before optimizer.step()
-    (the last-words record of the iteration is staged there).
+    `before_update(losses)`, if given, runs after the gradients and losses are reduced, just before
+    optimizer.step(), with the reduced losses (the last-words and live-recovery records of the iteration are
+    staged there).
 
     Returns:
         (reported losses averaged over micro-batches and data-parallel ranks, update_successful, grad_norm)
@@ -142,7 +143,7 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
     if per_token:
         model.scale_gradients(1.0 / max(total_tokens, 1.0))  # the mean over every token of the global batch
     if before_update is not None:
-        before_update()
+        before_update(losses)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step()
@@ -246,7 +247,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         words.install()
     try:
         while iteration < args.train_iters:
-            stage = (lambda: words.stage(iteration + 1, consumed + args.global_batch_size)) if words else None
+            stage = (lambda _: words.stage(iteration + 1, consumed + args.global_batch_size)) if words else None
             reported, ok, grad_norm = train_step(forward_step_func, train_iterator, model, optimizer, scheduler,
                                                  args.num_micro_batches, args.check_for_nan_in_loss_and_grad, stage)
             iteration += 1
