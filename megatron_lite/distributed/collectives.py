@@ -4,15 +4,19 @@ Tensor collectives work in place and return a handle with `.wait()`; with `async
 done on return and the handle is a no-op. On a one-rank group nothing is sent (gloo would still spend
 milliseconds copying a large bucket).
 
-Backend choices (measured with benchmarks/collectives_gloo.py, 2 gloo ranks, torch 2.13):
-  * gloo's native reduce-scatter costs ~1.3-1.9x an all-reduce of the same bucket, so on gloo a SUM
-    `reduce_scatter` is an all-to-all (each rank sends shard j to rank j and keeps its own) followed by a
-    local sum of the copies of its shard in rank order: the bytes of a ring reduce-scatter ((N-1)/N of the
-    bucket each way) in ~0.5-1.0x the all-reduce's time; at dp=2 bitwise the all-reduce's sum (a + b is
+Backend choices (measured with benchmarks/collectives_gloo.py, gloo, torch 2.13):
+  * gloo's native reduce-scatter costs ~1.3-1.9x an all-reduce of the same bucket, and its all-gather into
+    one tensor stages the output in a scratch of its own and copies it out. gloo's broadcast, though, sends
+    a tensor straight from where it lies into where it lands. So on gloo `all_gather` is one broadcast per
+    rank, of its shard into its place (no scratch, 1.5-2x faster), and a SUM `reduce_scatter` sends shard j
+    to rank j and sums the copies of the rank's shard in rank order: at dp=2 as two broadcasts (each rank's
+    copy of the other's shard into a one-shard scratch, 1.6-2x faster than an all-to-all), at dp>2 as an
+    all-to-all into a bucket-sized scratch. Both move what a ring moves, (N-1)/N of the bucket each way, and
+    the sum does not depend on the backend; at dp=2 it is bitwise the all-reduce's sum (a + b is
     commutative). Other ops (AVG, MAX) all-reduce the whole bucket;
   * NCCL (and anything else) uses the native in-place reduce-scatter / all-gather;
-  * `reduce_scatter_with_fp32_accumulation` is the same all-to-all with the sum in fp32, on every backend
-    (gloo runs all_to_all_single on CPU tensors of any dtype, bf16 included).
+  * `reduce_scatter_with_fp32_accumulation` sums the same copies in fp32, on every backend (the gloo path
+    above, an all-to-all elsewhere; gloo moves CPU tensors of any dtype, bf16 included).
 
 Observers (`observe`) see every tensor collective as it is issued, with the bytes it moves: benchmarks
 count communication through them instead of patching torch.distributed.
@@ -108,7 +112,7 @@ def reduce_scatter(bucket: torch.Tensor, group=None, op: dist.ReduceOp = SUM, as
     if backend(group) == "gloo":
         if op != SUM:
             return all_reduce(bucket, group, op, async_op)
-        return _all_to_all_sum(bucket, group, None, async_op)
+        return _exchange_sum(bucket, group, None, async_op)
     _notify("reduce_scatter", bucket, world_size)
     own = shard(bucket, world_size, rank)
     return _handle(_reduce_scatter_single(own, bucket, op=op, group=group, async_op=async_op))
@@ -118,50 +122,87 @@ def reduce_scatter_with_fp32_accumulation(bucket: torch.Tensor, group=None, asyn
     """In place: rank r's shard r of `bucket` ends with the sum of shard r over the group, added up in fp32
     in rank order and rounded once to the bucket's dtype (megatron-core's reduce_scatter_with_fp32_accumulation).
 
-    What travels is the bucket in its own dtype: an all-to-all sends shard j to rank j, (N-1)/N of the
-    bucket out and in per rank, what a ring reduce-scatter moves. The received copies need one bucket-sized
-    scratch tensor until `wait()`. Only SUM (pre-scale for a mean). The other shards keep the
-    rank's own, unreduced values, on every backend.
+    What travels is the bucket in its own dtype: shard j to rank j, (N-1)/N of the bucket out and in per
+    rank, what a ring reduce-scatter moves (two broadcasts on gloo at dp=2, else an all-to-all). The received
+    copies need a scratch (one shard at dp=2 on gloo, else the bucket's size) until `wait()`. Only SUM
+    (pre-scale for a mean). The other shards keep the rank's own, unreduced values, on every backend.
     """
     if dist.get_world_size(group) == 1:
         return DONE
-    return _all_to_all_sum(bucket, group, torch.float32, async_op)
+    return _exchange_sum(bucket, group, torch.float32, async_op)
 
 
-class _SumOnWait:
-    """Handle of a reduce-scatter done as an all-to-all: `wait()` waits for it, then sums the copies of the
-    rank's shard, rank 0's first, into the shard (once; later calls do nothing). `accumulate`: the dtype the
-    sum is done in (rounded once back to the bucket's); None: the bucket's dtype, one rounding per add."""
+class _Works:
+    """Handle of several collectives that make up one: `wait()` waits for all of them."""
 
-    def __init__(self, work, received: torch.Tensor, own: torch.Tensor, world_size: int, accumulate=None):
-        self._work, self._received, self._own, self._world_size = work, received, own, world_size
-        self._accumulate = accumulate
+    def __init__(self, works):
+        self._works = works
 
     def wait(self):
-        if self._received is None:
-            return True
-        self._work.wait()
-        pieces = self._received.view(self._world_size, -1)  # piece i: shard r as rank i holds it
-        # Summed into the scratch's first piece (no new memory) unless the sum has a dtype of its own.
-        total = pieces[0] if self._accumulate in (None, pieces.dtype) else pieces[0].to(self._accumulate)
-        for piece in pieces[1:]:  # adds in rank order: the result does not depend on the backend
-            total.add_(piece)
-        self._own.copy_(total)  # with `accumulate`: the one rounding back to the bucket's dtype
-        self._received = None  # free the scratch now, not when the handle goes
+        for work in self._works:
+            work.wait()
+        self._works = []
         return True
 
     def is_completed(self):
-        return self._received is None
+        return all(work.is_completed() for work in self._works)
 
 
-def _all_to_all_sum(bucket: torch.Tensor, group, accumulate, async_op: bool):
-    """Shard j of `bucket` to rank j ((N-1)/N of the bucket travels each way; gloo copies the rank's own
-    shard locally); the copies of the rank's shard are summed into it on `wait()` (_SumOnWait)."""
+class _SumOnWait:
+    """Handle of a reduce-scatter done by moving shards: `wait()` waits for the transfers, then sums every
+    rank's copy of the rank's shard (`copies`, in rank order, its own among them), rank 0's first, into the
+    shard (once; later calls do nothing). `accumulate`: the dtype the sum is done in (rounded once back to
+    the bucket's); None: the bucket's dtype, one rounding per add, in place in the first copy (a received
+    one, or the rank's own shard: no new memory)."""
+
+    def __init__(self, work, copies: List[torch.Tensor], own: torch.Tensor, accumulate=None):
+        self._work, self._copies, self._own, self._accumulate = work, copies, own, accumulate
+
+    def wait(self):
+        if self._copies is None:
+            return True
+        self._work.wait()
+        first = self._copies[0]
+        total = first if self._accumulate in (None, first.dtype) else first.to(self._accumulate)
+        for piece in self._copies[1:]:  # adds in rank order: the result does not depend on the backend
+            total.add_(piece)
+        if total is not self._own:
+            self._own.copy_(total)  # with `accumulate`: the one rounding back to the bucket's dtype
+        self._copies = None  # free the scratch now, not when the handle goes
+        return True
+
+    def is_completed(self):
+        return self._copies is None
+
+
+def _broadcasts(group, tensors: List[torch.Tensor]) -> _Works:
+    """One asynchronous broadcast per group rank r, in rank order, of `tensors[r]`: on rank r what it sends,
+    on the others where it lands."""
+    world = group or dist.group.WORLD
+    return _Works([dist.broadcast(t, src=dist.get_global_rank(world, r), group=group, async_op=True)
+                   for r, t in enumerate(tensors)])
+
+
+def _exchange_sum(bucket: torch.Tensor, group, accumulate, async_op: bool):
+    """Shard j of `bucket` to rank j ((N-1)/N of the bucket travels each way); the copies of the rank's shard
+    are summed into it on `wait()` (_SumOnWait). gloo at dp=2: two broadcasts, each rank's copy of the other
+    rank's shard into a one-shard scratch; otherwise an all-to-all into a bucket-sized scratch (the rank's own
+    shard copied there too)."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    _notify("all_to_all", bucket, world_size)
-    received = torch.empty_like(bucket)
-    work = _handle(dist.all_to_all_single(received, bucket, group=group, async_op=async_op))
-    handle = _SumOnWait(work, received, shard(bucket, world_size, rank), world_size, accumulate)
+    pieces = bucket.view(world_size, -1)  # piece j: shard j as this rank holds it
+    own = pieces[rank]
+    if world_size == 2 and backend(group) == "gloo":
+        _notify("reduce_scatter", bucket, world_size)
+        scratch = torch.empty_like(own)
+        other = pieces[1 - rank]
+        work = _broadcasts(group, [other, scratch] if rank == 0 else [scratch, other])
+        copies = [own, scratch] if rank == 0 else [scratch, own]
+    else:
+        _notify("all_to_all", bucket, world_size)
+        received = torch.empty_like(bucket)
+        work = _handle(dist.all_to_all_single(received, bucket, group=group, async_op=async_op))
+        copies = list(received.view(world_size, -1))
+    handle = _SumOnWait(work, copies, own, accumulate)
     if not async_op:
         handle.wait()
     return handle
@@ -174,6 +215,11 @@ def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):
         return DONE
     _notify("all_gather", bucket, world_size)
     own = shard(bucket, world_size, rank)
+    if backend(group) == "gloo":  # each shard broadcast from its rank straight into place (module docstring)
+        handle = _broadcasts(group, [shard(bucket, world_size, r) for r in range(world_size)])
+        if not async_op:
+            handle.wait()
+        return handle
     return _handle(_all_gather_single(bucket, own, group=group, async_op=async_op))
 
 

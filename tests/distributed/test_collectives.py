@@ -4,6 +4,7 @@ training step, and no other library module calls torch.distributed's collectives
 import os
 import re
 
+import pytest
 from distributed_helper import run_distributed
 from pretrain_testing import REPO
 
@@ -57,13 +58,55 @@ def test_observe_reports_every_collective_of_a_step():
         seen, removed, buckets = run_distributed(_observed_step_worker, 2, distributed)[0]
         assert removed
         big = [(name, numel) for name, numel, size in seen if numel > 1]
-        # gloo: plain DDP all-reduces each bucket; the distributed optimizer's reduce-scatter is an all-to-all
-        reduction = "all_to_all" if distributed else "all_reduce"
+        # gloo: plain DDP all-reduces each bucket; the distributed optimizer reduce-scatters (at dp=2 by broadcasts)
+        reduction = "reduce_scatter" if distributed else "all_reduce"
         expected = [(reduction, n) for n in buckets] + ([("all_gather", n) for n in buckets[::-1]]
                                                         if distributed else [])
         assert big == expected, (distributed, seen)
         assert all(size == 2 for _, _, size in seen)
         assert any(name == "all_reduce" and numel == 1 for name, numel, _ in seen) == distributed  # norm of shards
+
+
+def _gloo_paths_worker():
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.distributed import collectives
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+
+    def values(r, k):  # rank r's bucket k: magnitudes that differ by rank, so the order of a sum shows
+        return torch.randn(6 * dp, generator=torch.Generator().manual_seed(10 * k + r)) * 10.0 ** (3 * r)
+
+    def mine(t):
+        return collectives.shard(t, dp, rank)
+
+    reduce_in, gather_in = [values(rank, k) for k in range(3)], [values(rank, 3 + k) for k in range(2)]
+    handles = [collectives.reduce_scatter(t, async_op=True) for t in reduce_in]
+    handles += [collectives.all_gather(t, async_op=True) for t in gather_in]  # all five in flight at once
+    for handle in handles[::-1]:
+        handle.wait()
+    ok = []
+    for k, t in enumerate(reduce_in):
+        total = values(0, k)
+        for r in range(1, dp):
+            total = total + values(r, k)  # rank order
+        untouched = torch.cat([t[:rank * 6], t[(rank + 1) * 6:]])
+        ok.append(torch.equal(mine(t), mine(total))
+                  and torch.equal(untouched, torch.cat([values(rank, k)[:rank * 6], values(rank, k)[(rank + 1) * 6:]])))
+    for k, t in enumerate(gather_in):
+        ok.append(torch.equal(t, torch.cat([collectives.shard(values(r, 3 + k), dp, r) for r in range(dp)])))
+    return ok
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_gloo_reduce_scatter_and_all_gather_paths(dp):
+    """gloo's own paths (dp=2: broadcasts both ways; dp=3: all-to-all reduce-scatter, broadcast all-gather),
+    several in flight at once: each shard is bitwise the sum in rank order, the other shards keep the rank's
+    values, each gathered bucket is every rank's shard in its place. Would catch pieces paired with the wrong
+    collective or rank, a sum in another order (it would differ with these magnitudes), or a wait that returns
+    before the transfers are done."""
+    assert all(all(ok) for ok in run_distributed(_gloo_paths_worker, dp))
 
 
 def _one_rank_worker():

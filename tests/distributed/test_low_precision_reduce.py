@@ -267,14 +267,16 @@ def _collective_worker(async_op):
 
 
 @pytest.mark.parametrize("async_op", [False, True])
-def test_reduce_scatter_with_fp32_accumulation_sums_in_fp32_and_sends_bf16(async_op):
+@pytest.mark.parametrize("dp", [2, 4])
+def test_reduce_scatter_with_fp32_accumulation_sums_in_fp32_and_sends_bf16(async_op, dp):
     """On 4 ranks: the rank's shard is the fp32 sum rounded once (1 + 3 x 2^-9 -> 1 + 2^-7, where bf16 addition
     in turn gives 1), the other shards keep the rank's own values, and what is sent is one all-to-all of the
-    bf16 bucket. Would catch a bf16 accumulation, a result written to the wrong shard, a collective sending
-    fp32 (twice the bytes), or an async handle that returns before the sum."""
-    for own_ok, others_ok, seen in run_distributed(_collective_worker, 4, async_op):
+    bf16 bucket; on 2 ranks (gloo's two-broadcast path) the same, one reduce-scatter's bytes. Would catch a bf16
+    accumulation, a result written to the wrong shard, a collective sending fp32 (twice the bytes), or an
+    async handle that returns before the sum."""
+    for own_ok, others_ok, seen in run_distributed(_collective_worker, dp, async_op):
         assert own_ok and others_ok
-        assert seen == [("all_to_all", 24, torch.bfloat16, 4)]
+        assert seen == [("all_to_all" if dp > 2 else "reduce_scatter", 6 * dp, torch.bfloat16, dp)]
 
 
 # ------------------------------------------------------------------------------------------ misuse
