@@ -18,11 +18,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a che
 
 import torch  # noqa: E402
 
-from megatron_lite.data import build_gpt_datasets, ensure_builtin_dataset  # noqa: E402
+from megatron_lite.data import MockGPTDataset, build_datasets, ensure_builtin_dataset  # noqa: E402
 from megatron_lite.distributed import collectives, meta_device_init  # noqa: E402
 from megatron_lite.fault_tolerance import live_recovery_enabled, pretrain_live  # noqa: E402
 from megatron_lite.models import GPTModel, num_floating_point_operations  # noqa: E402
 from megatron_lite.training import gpt_config_from_args, parse_args, pretrain, print_rank_0, shutdown  # noqa: E402
+from megatron_lite.training.data_arguments import (  # noqa: E402
+    gpt_dataset_config_from_args,
+    train_valid_test_num_samples,
+    uses_dataset_files,
+)
 
 
 def model_provider(args) -> GPTModel:
@@ -48,14 +53,32 @@ def model_provider(args) -> GPTModel:
 
 
 def train_valid_test_datasets_provider(args, tokenizer):
-    """--mock-data, --data-path, or the built-in corpus (built once by rank 0 while the others wait; a
-    failure there stops every rank at once)."""
-    data_prefix = args.data_path
-    if not args.mock_data and data_prefix is None:
-        data_prefix = collectives.rank_zero_first(ensure_builtin_dataset, args.data_cache_path, tokenizer)
-    train_ds, valid_ds = build_gpt_datasets(data_prefix, args.mock_data, args.split, args.seq_length, args.seed,
-                                            tokenizer, args.eod_mask_loss)
-    return train_ds, valid_ds, None  # the test split is not used
+    """--mock-data, or megatron-core's GPT datasets of --data-path / --train-data-path ... (the built-in corpus
+    when no data flag is given), as many samples as Megatron-LM asks for. Rank 0 builds first (the corpus,
+    the index caches) while the others wait, then they load its caches; a failure stops every rank at once."""
+    if args.mock_data:
+        return (MockGPTDataset(tokenizer.vocab_size, args.seq_length, args.seed),
+                MockGPTDataset(tokenizer.vocab_size, args.seq_length, args.seed + 1), None)
+    builtin = None
+    if not uses_dataset_files(args):
+        builtin = collectives.rank_zero_first(ensure_builtin_dataset, args.data_cache_path, tokenizer)
+    sizes = train_valid_test_num_samples(args)
+    datasets = collectives.rank_zero_first(build_datasets, gpt_dataset_config_from_args(args, tokenizer, builtin),
+                                           sizes)
+    for name, dataset, needed in zip(("train", "valid", "test"), datasets, sizes):
+        if dataset is None:
+            if name == "train":
+                raise ValueError("the train split holds no documents: give --split a larger train weight or "
+                                 "--train-data-path a dataset")
+            continue
+        print_rank_0(f"> {name}: {len(dataset)} samples ({type(dataset).__name__}, index "
+                     f"{'loaded from' if dataset.cache_hit else 'built into'} {args.data_cache_path})")
+        # Megatron's unweighted blend stops at one epoch of each dataset; say so instead of running dry.
+        used = needed if name == "train" else min(needed, args.eval_iters * args.global_batch_size)
+        if len(dataset) < used:
+            raise ValueError(f"the {name} data holds {len(dataset)} samples, the run needs {used}: give the "
+                             "datasets weights ('--data-path 0.5 A 0.5 B'), which repeat them as needed")
+    return datasets
 
 
 def get_batch(data_iterator, model):

@@ -1,135 +1,157 @@
-"""GPT training samples: fixed windows of a document range's token stream, shuffled per epoch.
+"""GPT training samples in megatron-core's order: documents shuffled per epoch, cut into windows, shuffled.
 
 ::
 
-    token stream of the split's documents (eod after each):  t0 t1 t2 ... t(N-1)
-    sample k (seq_length L):   tokens = t[kL : kL+L]   labels = t[kL+1 : kL+L+1]
-                               windows overlap by the one token that is both sample k's last label
-                               and sample k+1's first input; the tail that cannot fill L+1 is dropped
-    sample index i (any i >= 0):  epoch = i // len,  window = permutation_epoch[i % len]
-                                  permutation_epoch = default_rng(seed + epoch).permutation(len)
+    documents of the split, each epoch shuffled:   document_index = [d2 d0 d1 | d1 d0 d2 | ...]
+    their tokens back to back (eod ends each):     t0 t1 t2 ... (stream)
+    sample k (seq_length L):  stream[kL : kL + L + 1] -> tokens = first L, labels = last L
+                              (windows overlap by one token; they cross document boundaries, the eod
+                              token tells the model where a document ends)
+    dataset[i] = sample shuffle_index[i]
 
-Samples cross document boundaries, as in Megatron's GPTDataset: the eod token tells the model where a
-document ends. `get_batch_for_rank` is Megatron's pretraining sampler: global sample indices are consumed
-in order, each micro-step taking the next mbs x dp of them, so the samples in a global batch do not
-depend on the data-parallel size.
+The arrays (helpers.py) are megatron-core's GPTDataset's, element for element, for the same corpus, split,
+sequence length, seed and number of samples: a run can move between megatron-lite and Megatron-LM without
+seeing different data. They are cached under `config.path_to_cache` (index_cache.py). The number of
+samples asked for decides the number of epochs and so the order: as in Megatron-LM, pretrain_gpt.py asks
+for train_iters x global_batch_size training samples.
 """
 
-from typing import Dict, Iterator, Optional, Tuple
+import hashlib
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 
+from . import helpers
+from .blended_megatron_dataset_config import GPTDatasetConfig
+from .index_cache import cached_indices
 from .indexed_dataset import IndexedDataset
 
-
-def split_documents(num_docs: int, split: str) -> Tuple[range, range, range]:
-    """Megatron's `--split`: comma-separated weights -> contiguous train/valid/test document ranges.
-
-    Weights are normalized to sum to 1 ('969,30,1', '98,2,0', '1/1/1' and '100' all work; missing
-    weights are 0). Boundaries are rounded like Megatron's `get_train_valid_test_split_`: each split
-    gets round(weight x num_docs), then every boundary moves by the same amount so the last one is
-    num_docs. If that leaves the train split empty despite a positive weight it takes one document.
-
-    Args:
-        num_docs: number of documents (>= 1).
-        split: the weights.
-
-    Returns:
-        (train, valid, test) ranges covering range(num_docs) in order.
-    """
-    if num_docs < 1:
-        raise ValueError(f"need at least one document to split, got {num_docs}")
-    parts = split.replace("/", ",").split(",")
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to 3 comma-separated numbers, e.g. '969,30,1'") from None
-    if not 1 <= len(weights) <= 3 or any(not np.isfinite(w) or w < 0 for w in weights):
-        raise ValueError(f"--split {split!r}: expected 1 to 3 non-negative numbers, e.g. '969,30,1'")
-    weights += [0.0] * (3 - len(weights))
-    if weights[0] <= 0:
-        raise ValueError(f"--split {split!r}: the train weight must be positive")
-    total = sum(weights)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * num_docs)))
-    diff = bounds[-1] - num_docs
-    bounds = [0] + [b - diff for b in bounds[1:]]
-    bounds[1] = max(bounds[1], 1)
-    # Monotone and inside [0, num_docs] after the shift and the train minimum.
-    for i in (2, 3):
-        bounds[i] = min(max(bounds[i], bounds[i - 1]), num_docs)
-    bounds[3] = num_docs
-    return range(bounds[0], bounds[1]), range(bounds[1], bounds[2]), range(bounds[2], bounds[3])
+INDEX_FORMAT = 1
+"""Bump when the cached arrays' meaning changes, so old caches are rebuilt."""
 
 
-class _EpochPermutations:
-    """permutation(epoch) = default_rng(seed + epoch).permutation(n), the last two epochs cached."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self._cache = n, seed, {}
-
-    def __call__(self, epoch: int) -> np.ndarray:
-        if epoch not in self._cache:
-            if len(self._cache) >= 2:
-                self._cache.pop(min(self._cache))
-            self._cache[epoch] = np.random.default_rng(self.seed + epoch).permutation(self.n)
-        return self._cache[epoch]
-
-
-def _sample(window: np.ndarray, eod_mask_token: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    window = torch.from_numpy(np.asarray(window, dtype=np.int64))
-    tokens, labels = window[:-1], window[1:]
+def _sample(text: np.ndarray, eod_mask_token: Optional[int] = None, extra: int = 1) -> Dict[str, torch.Tensor]:
+    """text of L + extra tokens -> tokens, labels (shifted by one) and loss_mask. Without the extra token
+    the last label is padding (0) with no loss, as in megatron-core."""
+    text = torch.from_numpy(np.asarray(text, dtype=np.int64))
+    if extra:
+        tokens, labels = text[:-1], text[1:]
+    else:
+        tokens, labels = text, torch.roll(text, -1)
+        labels[-1] = 0
     loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+    if not extra:
+        loss_mask[-1] = 0.0
     if eod_mask_token is not None:  # Megatron's --eod-mask-loss: no loss where the input is end-of-document
         loss_mask[tokens == eod_mask_token] = 0.0
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
 class GPTDataset:
-    """Shuffled windows of seq_length + 1 tokens over a contiguous range of documents.
+    """Samples of a contiguous range of an indexed dataset's documents, in megatron-core's order.
 
     Args:
         indexed: the tokenized corpus.
-        documents: contiguous document range (from `split_documents`).
-        seq_length: tokens per sample (the model's context length).
-        seed: shuffling seed; epoch e uses seed + e.
-        eod_mask_token: the end-of-document id, to give the token after it a loss_mask of 0 (else all 1).
+        documents: the contiguous document (sequence) range of this split (split_documents).
+        num_samples: samples to provide at least (None: one epoch); the dataset holds whole epochs, so
+            len() may be larger.
+        index_split: 'train', 'valid' or 'test' (part of the cache name, as in megatron-core).
+        config: sequence length, seed, cache directory, extra token, eod masking.
+
+    Attributes:
+        document_index, sample_index, shuffle_index: megatron-core's arrays (helpers.py's picture).
+        num_epochs: epochs the samples span; cache_hit: whether the arrays were loaded from the cache.
     """
 
-    def __init__(self, indexed: IndexedDataset, documents: range, seq_length: int, seed: int,
-                 eod_mask_token: Optional[int] = None):
-        self.eod_mask_token = eod_mask_token
-        if seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+    def __init__(self, indexed: IndexedDataset, documents: range, num_samples: Optional[int], index_split: str,
+                 config: GPTDatasetConfig):
         if not isinstance(documents, range) or documents.step != 1 or not (
                 0 <= documents.start <= documents.stop <= len(indexed)):
             raise ValueError(f"documents must be a contiguous range inside [0, {len(indexed)}), got {documents}")
-        self.indexed, self.documents, self.seq_length, self.seed = indexed, documents, seq_length, seed
-        self.token_start = int(indexed.offsets[documents.start])
-        self.num_tokens = int(indexed.offsets[documents.stop]) - self.token_start
-        self.num_samples = max(self.num_tokens - 1, 0) // seq_length
-        if self.num_samples == 0:
+        if num_samples is not None and num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.indexed, self.documents, self.num_samples_requested = indexed, documents, num_samples
+        self.index_split, self.config, self.seq_length = index_split, config, config.sequence_length
+        self.extra = int(config.add_extra_token_to_sequence)
+        self.tokens_per_epoch = int(indexed.sizes[documents.start:documents.stop].sum())
+        if self.tokens_per_epoch - self.extra < (self.seq_length if num_samples is None else 1):
             raise ValueError(
-                f"split too small for --seq-length {seq_length}: documents {documents.start}..{documents.stop - 1} "
-                f"of {indexed.prefix} hold {self.num_tokens} tokens, a sample needs {seq_length + 1}"
-            )
-        self._permutation = _EpochPermutations(self.num_samples, seed)
+                f"{index_split} split too small for --seq-length {self.seq_length}: documents {documents.start}.."
+                f"{documents.stop - 1} of {indexed.prefix} hold {self.tokens_per_epoch} tokens")
+        self.num_epochs = helpers.num_epochs_for(num_samples, self.tokens_per_epoch, self.seq_length, self.extra)
+        description = {
+            "class": "GPTDataset", "format": INDEX_FORMAT, "dataset_path": indexed.prefix,
+            "sequence_lengths_md5": _lengths_digest(indexed), "documents": [documents.start, documents.stop],
+            "num_samples": num_samples, "index_split": index_split, "random_seed": config.random_seed,
+            "sequence_length": self.seq_length, "split": config.split, "split_matrix": config.split_matrix,
+            "add_extra_token_to_sequence": bool(self.extra),
+        }
+        self.cache_description = description
+        names = ("document_index", "sample_index", "shuffle_index")
+        arrays, self.cache_hit = cached_indices(config.path_to_cache, description, f"GPTDataset-{index_split}",
+                                                names, self._build_indices, self._check_indices)
+        self.document_index, self.sample_index, self.shuffle_index = arrays
+
+    def _expected_samples(self) -> int:
+        return (self.num_epochs * self.tokens_per_epoch - self.extra) // self.seq_length
+
+    def _build_indices(self):
+        """megatron-core's GPTDataset._build_document_sample_shuffle_indices: one RandomState(seed) draws the
+        document shuffle(s) and then the sample shuffle(s)."""
+        separate, before_final = helpers.separate_final_epoch(
+            self.num_samples_requested, self.num_epochs, self.tokens_per_epoch, self.seq_length, self.extra)
+        rng = np.random.RandomState(self.config.random_seed)
+        documents = np.arange(self.documents.start, self.documents.stop, dtype=np.int32)
+        document_index = helpers.build_document_index(documents, self.num_epochs, rng, separate)
+        sample_index = helpers.build_sample_index(self.indexed.sequence_lengths, document_index, self.seq_length,
+                                                  self.num_epochs, self.tokens_per_epoch, self.extra)
+        total = len(sample_index) - 1
+        shuffle_index = helpers.build_shuffle_index(before_final if separate else total, total, rng)
+        return document_index, sample_index, shuffle_index
+
+    def _check_indices(self, arrays) -> Optional[str]:
+        document_index, sample_index, shuffle_index = arrays
+        samples = self._expected_samples()
+        if document_index.shape != (self.num_epochs * len(self.documents),):
+            return f"document_index has shape {document_index.shape}"
+        if sample_index.shape != (samples + 1, 2) or shuffle_index.shape != (samples,):
+            return f"sample_index {sample_index.shape} / shuffle_index {shuffle_index.shape} for {samples} samples"
+        if len(document_index) and (document_index.min() < self.documents.start
+                                    or document_index.max() >= self.documents.stop):
+            return "document_index names documents outside the split"
+        if samples and (shuffle_index.max() >= samples or sample_index[:, 0].max() >= len(document_index)):
+            return "an index is out of range"
+        return None
 
     def __len__(self) -> int:
-        """Samples in one epoch."""
-        return self.num_samples
+        """Samples available (whole epochs: at least the number asked for)."""
+        return len(self.sample_index) - 1
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        """Args: i, any global sample index >= 0 (epochs repeat). Returns: {'tokens', 'labels'}, int64 [L], and
-        'loss_mask', float32 [L]."""
-        if i < 0:
-            raise IndexError(f"sample index must be >= 0, got {i}")
-        epoch, position = divmod(int(i), self.num_samples)
-        k = int(self._permutation(epoch)[position])
-        start = self.token_start + k * self.seq_length
-        return _sample(self.indexed.get_tokens(start, self.seq_length + 1), self.eod_mask_token)
+        """Args: i, a sample index in [0, len). Returns: {'tokens', 'labels'}, int64 [L], and 'loss_mask',
+        float32 [L]."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range: the {self.index_split} dataset holds {len(self)} samples")
+        k = int(self.shuffle_index[i])
+        (first, first_offset), (last, last_offset) = self.sample_index[k], self.sample_index[k + 1]
+        first, first_offset, last, last_offset = int(first), int(first_offset), int(last), int(last_offset)
+        sequence = lambda j: self.indexed[int(self.document_index[j])]  # noqa: E731
+        if first == last:
+            parts = [sequence(first)[first_offset:last_offset + self.extra]]
+        else:
+            parts = ([sequence(first)[first_offset:]] + [sequence(j) for j in range(first + 1, last)]
+                     + [sequence(last)[:last_offset + self.extra]])
+        text = np.concatenate(parts).astype(np.int64)
+        return _sample(text, self.config.eod if self.config.eod_mask_loss else None, self.extra)
+
+
+def _lengths_digest(indexed: IndexedDataset) -> str:
+    """md5 of the sequence lengths (what the indices depend on), computed once per IndexedDataset."""
+    if getattr(indexed, "_lengths_md5", None) is None:
+        lengths = np.ascontiguousarray(indexed.sequence_lengths, dtype=np.int32)
+        indexed._lengths_md5 = hashlib.md5(lengths.tobytes(), usedforsecurity=False).hexdigest()
+    return indexed._lengths_md5
 
 
 class MockGPTDataset:
@@ -167,68 +189,3 @@ class MockGPTDataset:
         start = int(rng.integers(0, self.vocab_size - 1))
         step = int(rng.integers(1, self.MAX_STEP + 1))
         return _sample((start + step * np.arange(self.seq_length + 1, dtype=np.int64)) % (self.vocab_size - 1))
-
-
-def get_batch_for_rank(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                       data_parallel_size: int) -> Dict[str, torch.Tensor]:
-    """This rank's micro-batch of the micro-step that starts at global sample `consumed_samples`.
-
-    The micro-step covers samples [consumed, consumed + mbs x dp); rank r takes
-    [consumed + r x mbs, consumed + (r + 1) x mbs). The trainer then advances consumed_samples by
-    mbs x dp.
-
-    Args:
-        dataset: a GPTDataset or MockGPTDataset (anything indexable by sample index).
-        consumed_samples: global samples consumed before this micro-step.
-        micro_batch_size: samples per rank per micro-step.
-        data_parallel_rank, data_parallel_size: this rank and the number of ranks.
-
-    Returns:
-        {'tokens', 'labels'}: int64 tensors [micro_batch_size, seq_length].
-    """
-    if micro_batch_size < 1 or data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"bad micro_batch_size={micro_batch_size}, data_parallel_rank={data_parallel_rank}, "
-                         f"data_parallel_size={data_parallel_size}")
-    if consumed_samples < 0:
-        raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-    start = consumed_samples + data_parallel_rank * micro_batch_size
-    samples = [dataset[start + j] for j in range(micro_batch_size)]
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
-
-
-def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                        data_parallel_size: int) -> Iterator[Dict[str, torch.Tensor]]:
-    """This rank's micro-batches, one micro-step after another, from global sample `consumed_samples` on
-    (the data iterator of Megatron's pretraining sampler; see get_batch_for_rank)."""
-    while True:
-        yield get_batch_for_rank(dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        consumed_samples += micro_batch_size * data_parallel_size
-
-
-def build_gpt_datasets(data_prefix: Optional[str], mock: bool, split: str, seq_length: int, seed: int,
-                       tokenizer, eod_mask_loss: bool = False):
-    """The train and validation datasets for pretrain_gpt.py.
-
-    Args:
-        data_prefix: PREFIX of PREFIX.bin/.idx (ignored with mock).
-        mock: synthetic data (MockGPTDataset) instead of a corpus.
-        split: Megatron's --split weights; the test split is not built.
-        seq_length: tokens per sample.
-        seed: shuffling seed (mock: train uses seed, valid seed + 1).
-        tokenizer: gives the vocabulary size for mock data, and the eod id.
-        eod_mask_loss: no loss on the token after an end-of-document token.
-
-    Returns:
-        (train_ds, valid_ds); valid_ds is None when its split is empty.
-    """
-    if mock:
-        return (MockGPTDataset(tokenizer.vocab_size, seq_length, seed),
-                MockGPTDataset(tokenizer.vocab_size, seq_length, seed + 1))
-    if not data_prefix:
-        raise ValueError("give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
-    indexed = IndexedDataset(data_prefix)
-    train_docs, valid_docs, _ = split_documents(len(indexed), split)
-    eod = tokenizer.eod if eod_mask_loss else None
-    train_ds = GPTDataset(indexed, train_docs, seq_length, seed, eod)
-    valid_ds = GPTDataset(indexed, valid_docs, seq_length, seed, eod) if len(valid_docs) else None
-    return train_ds, valid_ds

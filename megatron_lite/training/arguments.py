@@ -13,13 +13,13 @@ import os
 
 import torch
 
-from ..data.gpt_dataset import split_documents
 from ..distributed import DistributedDataParallelConfig
 from ..distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from ..distributed.layout import DataParallelTopology
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
 from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
+from .data_arguments import add_data_arguments, check_data_args
 from .scheduler import check_schedule
 
 # Megatron's flag for every config field a flag sets: the one mapping from the command line to the configs.
@@ -248,24 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that waits longer than this fails instead of hanging")
 
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable sequences instead of a dataset")
-    g.add_argument("--data-path", help="prefix of a dataset made by tools/preprocess_data.py "
-                                       "(default: the built-in corpus, built on first use)")
-    g.add_argument("--data-cache-path", default=os.path.join("data", "cache"),
-                   help="where the built-in corpus dataset is built")
-    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
-                   help="how text was turned into token ids (must match tools/preprocess_data.py)")
-    g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
-    g.add_argument("--vocab-size", type=int,
-                   help="vocabulary of --tokenizer-type NullTokenizer, >= 2 (use it with --mock-data for a custom "
-                        "size); the other tokenizers define their own")
-    g.add_argument("--split", default="969,30,1",
-                   help="train,valid,test document split weights: 1 to 3 non-negative numbers separated by ',' or "
-                        "'/', missing ones 0, the train weight positive")
-    g.add_argument("--eod-mask-loss", action="store_true",
-                   help="no loss on the token that follows an end-of-document token (Megatron's loss mask)")
+    add_data_arguments(p)  # data_arguments.py
 
     g = p.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, help="iterations between log lines")
@@ -332,29 +315,6 @@ def parse_args(argv=None, world_size=None) -> argparse.Namespace:
     return args
 
 
-def check_data_args(args):
-    """The data flags that would otherwise fail only once the process group and the datasets exist: --split,
-    --vocab-size against --tokenizer-type, --seed. Raises ValueError naming the flag."""
-    # The data code's own parser, on one document: it accepts exactly the --split values a run accepts.
-    split_documents(1, args.split)
-    if args.vocab_size is not None:
-        if args.vocab_size < 2:
-            raise ValueError(f"--vocab-size must be an integer >= 2 (NullTokenizer's eod takes the last id), "
-                             f"got {args.vocab_size}")
-        if args.tokenizer_type != "NullTokenizer":  # silently ignoring it would build another model than asked
-            raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; "
-                             f"{args.tokenizer_type} defines its own: drop --vocab-size or add --tokenizer-type "
-                             "NullTokenizer")
-    if args.tokenizer_type == "NullTokenizer":
-        if args.vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        if not args.mock_data and not args.data_path:
-            raise ValueError("--tokenizer-type NullTokenizer cannot tokenize the built-in corpus: add --mock-data, "
-                             "or --data-path to a dataset of token ids below --vocab-size")
-    if not 0 <= args.seed < 2 ** 64:  # torch.manual_seed's range, non-negative for numpy's shuffling
-        raise ValueError(f"--seed must be an integer in [0, 2**64), got {args.seed}")
-
-
 def validate_args(args, world_size: int):
     """Fill the defaults that depend on other flags, check what is not a config field, then build the
     configs (their ValueError names the field). Raises ValueError."""
@@ -409,8 +369,6 @@ def validate_args(args, world_size: int):
             raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide the "
                              f"data-parallel size {world_size}: each instance needs the same number of ranks") from None
     args.num_micro_batches = args.global_batch_size // per_step
-    if args.mock_data and args.data_path:
-        raise ValueError("--mock-data and --data-path are mutually exclusive")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.save_interval is not None and (args.save_interval <= 0 or not args.save):

@@ -237,7 +237,8 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
             pending.append(saving)
             print_rank_0(f"> saving checkpoint at iteration {iteration} to {args.save} in the background")
 
-    train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp)
+    workers = getattr(args, "num_workers", 0)  # DataLoader worker processes (--num-workers)
+    train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp, workers)
     log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
     losses, valid_losses, skipped = {}, {}, 0
     # If this job dies, each survivor writes its part of the last completed iteration (checkpointing/last_words.py).
@@ -261,7 +262,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
             if valid_ds is not None and args.eval_iters > 0 and (
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
                 # Always the first eval_iters global batches: successive evaluations measure the same text.
-                valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp)
+                valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp, workers)
                 valid_losses[iteration] = evaluate(forward_step_func, valid_iterator, model,
                                                    args.eval_iters * args.num_micro_batches)
                 log.validation(iteration, valid_losses[iteration])

@@ -17,10 +17,11 @@ import torch
 
 from megatron_lite.data import (
     GPTDataset,
+    GPTDatasetConfig,
     IndexedDataset,
     IndexedDatasetBuilder,
     MockGPTDataset,
-    build_gpt_datasets,
+    build_datasets,
     build_tokenizer,
     builtin_corpus_documents,
     ensure_builtin_dataset,
@@ -304,57 +305,57 @@ def stream_dataset(tmp_path, doc_sizes=(7, 1, 12, 5, 9, 3)):
     return IndexedDataset(write_dataset(tmp_path / "s", docs))
 
 
-def test_gpt_dataset_samples_are_consecutive_windows(tmp_path):
+def gpt_dataset(indexed, documents, seq_length, seed, num_samples=None, split="train", **config):
+    blend = ([indexed.prefix], None)
+    return GPTDataset(indexed, documents, num_samples, split,
+                      GPTDatasetConfig(seed, seq_length, blend=blend, split="1", **config))
+
+
+def test_gpt_dataset_samples_are_windows_of_the_shuffled_stream(tmp_path):
     """Catches windows of the wrong length or stride, labels not shifted by one, a dropped or repeated
     sample within an epoch, and a document range that reads tokens of other documents."""
     indexed = stream_dataset(tmp_path)  # 37 tokens in 6 documents
     seq = 4
-    ds = GPTDataset(indexed, range(0, 6), seq_length=seq, seed=1)
+    ds = gpt_dataset(indexed, range(0, 6), seq_length=seq, seed=1)
     assert len(ds) == (37 - 1) // seq == 9
-    starts = []
-    for i in range(len(ds)):
-        sample = ds[i]
+    stream = np.concatenate([indexed[int(d)] for d in ds.document_index])
+    assert sorted(stream.tolist()) == list(range(37))  # every document once, in a shuffled order
+    position = np.argsort(ds.shuffle_index)  # where sample k of the stream sits in the dataset
+    for k in range(len(ds)):
+        sample = ds[int(position[k])]
         tokens, labels = sample["tokens"], sample["labels"]
         assert tokens.dtype == labels.dtype == torch.int64 and tokens.shape == labels.shape == (seq,)
-        k, rem = divmod(int(tokens[0]), seq)
-        assert rem == 0
-        assert tokens.tolist() == list(range(k * seq, k * seq + seq))
-        assert labels.tolist() == list(range(k * seq + 1, k * seq + seq + 1))
-        starts.append(k)
-    assert sorted(starts) == list(range(9))  # each window exactly once per epoch
-    assert starts != list(range(9))  # shuffled
+        assert tokens.tolist() == stream[k * seq:(k + 1) * seq].tolist()
+        assert labels.tolist() == stream[k * seq + 1:(k + 1) * seq + 1].tolist()
+    assert ds.shuffle_index.tolist() != list(range(9))  # shuffled
 
-    # Documents 2..4 are tokens 8..33: windows start at 8 and never reach token 34.
-    sub = GPTDataset(indexed, range(2, 5), seq_length=seq, seed=1)
+    # Documents 2..4 are tokens 8..33: samples never read another document's tokens.
+    sub = gpt_dataset(indexed, range(2, 5), seq_length=seq, seed=1)
     assert len(sub) == (26 - 1) // seq
-    windows = sorted(tuple(sub[i]["tokens"].tolist()) + (int(sub[i]["labels"][-1]),) for i in range(len(sub)))
-    assert windows == [tuple(range(8 + k * seq, 8 + k * seq + seq + 1)) for k in range(len(sub))]
+    assert all(8 <= int(sub[i]["tokens"].min()) and int(sub[i]["labels"].max()) < 34 for i in range(len(sub)))
 
 
 def test_gpt_dataset_epochs_and_seeds(tmp_path):
-    """Catches the same order every epoch, an order that is not a pure function of the seed, and
-    indices past the first epoch that fail or stop cycling."""
+    """Catches an order that is not a pure function of the seed, and a multi-epoch dataset that does not
+    show every document once per epoch."""
     indexed = stream_dataset(tmp_path, doc_sizes=(50, 51, 60))
-    order = lambda ds, epoch: [int(ds[epoch * len(ds) + i]["tokens"][0]) for i in range(len(ds))]
-    a, b = GPTDataset(indexed, range(3), 4, seed=7), GPTDataset(indexed, range(3), 4, seed=7)
-    c = GPTDataset(indexed, range(3), 4, seed=8)
-    assert order(a, 0) == order(b, 0) and order(a, 3) == order(b, 3)
-    assert order(a, 0) != order(c, 0)
-    assert order(a, 0) != order(a, 1)
-    assert sorted(order(a, 0)) == sorted(order(a, 1)) == sorted(order(a, 5))
-    expected = np.random.default_rng(7 + 2).permutation(len(a)) * 4
-    assert order(a, 2) == expected.tolist()
+    order = lambda ds: [int(ds[i]["tokens"][0]) for i in range(len(ds))]  # noqa: E731
+    a, b = gpt_dataset(indexed, range(3), 4, seed=7, num_samples=150), gpt_dataset(indexed, range(3), 4, 7, 150)
+    c = gpt_dataset(indexed, range(3), 4, seed=8, num_samples=150)
+    assert order(a) == order(b) and order(a) != order(c)
+    assert a.num_epochs == 4 and len(a) >= 150  # 150 x 4 + 1 tokens need 4 epochs of 161
+    assert np.bincount(a.document_index).tolist() == [4, 4, 4]
 
 
 def test_gpt_dataset_too_small(tmp_path):
     """Catches an empty split turning into a zero-length dataset (a division by zero or an endless
-    loop later) instead of a clear error."""
+    loop later, as in megatron-core) instead of a clear error."""
     indexed = stream_dataset(tmp_path, doc_sizes=(4, 4))
-    assert len(GPTDataset(indexed, range(2), seq_length=7, seed=0)) == 1  # 8 tokens = one window of 8
+    assert len(gpt_dataset(indexed, range(2), seq_length=7, seed=0)) == 1  # 8 tokens = one window of 8
     with pytest.raises(ValueError, match="split too small for --seq-length 8"):
-        GPTDataset(indexed, range(2), seq_length=8, seed=0)
+        gpt_dataset(indexed, range(2), seq_length=8, seed=0)
     with pytest.raises(ValueError, match="split too small"):
-        GPTDataset(indexed, range(1, 1), seq_length=2, seed=0)
+        gpt_dataset(indexed, range(1, 1), seq_length=2, seed=0, num_samples=10)
 
 
 @pytest.mark.parametrize("num_docs,split,expected", [
@@ -362,14 +363,14 @@ def test_gpt_dataset_too_small(tmp_path):
     (1000, "98,2,0", (980, 20, 0)),
     (100, "98,2", (98, 2, 0)),
     (100, "100", (100, 0, 0)),
-    (10, "1,1,1", (4, 3, 3)),  # Megatron's rounding: 3+3+3 then every boundary shifted by 1
-    (10, "1/1/1", (4, 3, 3)),
+    (10, "1,1,1", (3, 4, 3)),  # megatron-core: round(10/3) = 3, round(20/3) = 7 (legacy Megatron: 4, 3, 3)
+    (10, "1/1/1", (3, 4, 3)),
     (1, "969,30,1", (1, 0, 0)),
-    (10, "1,99,0", (1, 9, 0)),  # train rounds to 0 documents but gets one
-    (3, "0.5,0.5", (1, 2, 0)),
+    (10, "1,99,0", (0, 10, 0)),  # train rounds to no document (pretrain_gpt.py then stops with an error)
+    (3, "0.5,0.5", (2, 1, 0)),  # round(1.5) = 2: halves to even, Python's round
 ])
 def test_split_documents(num_docs, split, expected):
-    """Catches wrong normalization or rounding, non-contiguous ranges and an empty train split."""
+    """Catches wrong normalization or rounding and non-contiguous ranges."""
     ranges = split_documents(num_docs, split)
     assert tuple(len(r) for r in ranges) == expected
     assert all(r.step == 1 for r in ranges)
@@ -382,7 +383,6 @@ def test_split_documents_always_covers_all_documents():
     for split in ("969,30,1", "1,1,1", "3,3,1", "1,1000,1000", "7"):
         for n in range(1, 60):
             train, valid, test = split_documents(n, split)
-            assert len(train) >= 1 and len(train) + len(valid) + len(test) == n
             assert list(train) + list(valid) + list(test) == list(range(n))
 
 
@@ -422,7 +422,7 @@ def test_global_batch_is_independent_of_dp_size(tmp_path):
     """Catches a sampler whose global batch depends on the DP size (e.g. consumed_samples read as a
     per-rank count), which breaks equivalence across DP sizes and resuming from a checkpoint."""
     indexed = stream_dataset(tmp_path, doc_sizes=(300, 200, 250))
-    ds = GPTDataset(indexed, range(3), seq_length=8, seed=3)  # 93 samples: 3 iterations cross an epoch
+    ds = gpt_dataset(indexed, range(3), seq_length=8, seed=3, num_samples=128)  # 3 iterations cross an epoch
     reference, consumed = global_batches(ds, 32, 2, 1, iterations=4)
     assert consumed == 128 and reference[0] != reference[1]
     assert len(set(reference[0] + reference[1])) == 64  # the first epoch: no sample twice
@@ -452,7 +452,7 @@ def test_mock_dataset_is_learnable_and_deterministic():
     """Catches mock data that is pure noise (cannot show learning), that emits eod or out-of-vocab ids,
     that changes between calls, or whose train and valid sets coincide."""
     tok = build_tokenizer("NullTokenizer", vocab_size=1000)
-    train, valid = build_gpt_datasets(None, True, "969,30,1", seq_length=128, seed=5, tokenizer=tok)
+    train, valid = MockGPTDataset(tok.vocab_size, 128, seed=5), MockGPTDataset(tok.vocab_size, 128, seed=6)
     assert isinstance(train, MockGPTDataset) and len(train) >= 2**31
     for i in (0, 1, 10**9):
         tokens, labels = train[i]["tokens"], train[i]["labels"]
@@ -467,15 +467,13 @@ def test_mock_dataset_is_learnable_and_deterministic():
     assert not torch.equal(train[0]["tokens"], valid[0]["tokens"])
 
 
-def test_build_gpt_datasets_from_prefix(tmp_path):
+def test_build_datasets_from_prefix(tmp_path):
     """Catches train and valid built from overlapping documents, or an empty valid split crashing."""
     indexed = stream_dataset(tmp_path, doc_sizes=(20,) * 10)
-    tok = build_tokenizer("ByteLevelTokenizer")
-    train, valid = build_gpt_datasets(indexed.prefix, False, "8,2,0", seq_length=4, seed=0, tokenizer=tok)
-    assert (train.documents, valid.documents) == (range(0, 8), range(8, 10))
+    config = lambda split: GPTDatasetConfig(0, 4, blend=([indexed.prefix], None), split=split)  # noqa: E731
+    train, valid, test = build_datasets(config("8,2,0"), [None, None, None])
+    assert (train.documents, valid.documents, test) == (range(0, 8), range(8, 10), None)
     assert max(int(train[i]["labels"].max()) for i in range(len(train))) < 160
     assert min(int(valid[i]["tokens"].min()) for i in range(len(valid))) >= 160
-    train, valid = build_gpt_datasets(indexed.prefix, False, "100,0,0", seq_length=4, seed=0, tokenizer=tok)
+    train, valid, _ = build_datasets(config("100,0,0"), [None, None, None])
     assert valid is None and len(train) == (200 - 1) // 4
-    with pytest.raises(ValueError, match="--mock-data"):
-        build_gpt_datasets(None, False, "1", seq_length=4, seed=0, tokenizer=tok)

@@ -9,7 +9,7 @@ import sys
 import pytest
 from pretrain_testing import REPO
 
-from megatron_lite.data.gpt_dataset import split_documents
+from megatron_lite.data import split_documents
 from megatron_lite.training import parse_args
 
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")
@@ -74,10 +74,14 @@ def test_bad_vocab_size_is_a_flag_error(argv, message, capsys):
 
 @pytest.mark.parametrize("argv", [
     ["--tokenizer-type", "NullTokenizer", "--vocab-size", "2", "--mock-data"],
-    ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50304", "--data-path", "some/prefix"],
+    ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50304", "--data-path", "PREFIX"],
 ])
-def test_good_vocab_size_is_accepted(argv):
+def test_good_vocab_size_is_accepted(argv, tmp_path):
     """Catches the vocabulary checks rejecting NullTokenizer's valid uses."""
+    prefix = str(tmp_path / "corpus")
+    for ext in (".bin", ".idx"):  # --data-path's files must exist at parse time
+        open(prefix + ext, "wb").close()
+    argv = [prefix if a == "PREFIX" else a for a in argv]
     assert parse_args(argv, world_size=2).vocab_size == int(argv[3])
 
 

@@ -1,0 +1,124 @@
+"""The data flags of pretrain_gpt.py, spelled and defaulted like Megatron-LM's, and what they build.
+
+    --data-path [W] PREFIX ...          one distribution (blend), cut into train/valid/test by --split
+    --train-data-path / --valid-data-path / --test-data-path [W] PREFIX ...   one blend per split
+    --split, --seed, --seq-length       megatron-core's document split, shuffles and sample windows
+    --data-cache-path                   where the index arrays are cached (and the built-in corpus)
+    --num-workers                       DataLoader worker processes per rank
+
+`train_valid_test_num_samples` asks for as many samples as Megatron-LM does, which fixes the number of
+epochs and so the sample order (docs/pretrain_gpt.md, "Coming from Megatron-LM").
+"""
+
+import argparse
+import os
+
+from ..data import GPTDatasetConfig, get_blend_from_list, parse_split
+
+PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true", help="synthetic, learnable sequences instead of a dataset")
+    g.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
+                   help="dataset prefix(es) made by tools/preprocess_data.py or Megatron-LM's preprocessing: one "
+                        "PREFIX, or PREFIX1 PREFIX2 ... (blended in proportion to their sizes), or WEIGHT1 PREFIX1 "
+                        "WEIGHT2 PREFIX2 ... (blended by weight); each is cut into train/valid/test by --split "
+                        "(default: the built-in corpus, built on first use)")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="+", metavar="[WEIGHT] PREFIX",
+                       help=f"the {split} split's own dataset(s), in --data-path's form, instead of --data-path "
+                            "and --split" + (" (--train-data-path is required with them)" if split != "train" else ""))
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights of each --data-path dataset's documents: 1 to 3 non-negative numbers "
+                        "separated by ',' or '/', missing ones 0, the train weight positive; split i is documents "
+                        "[round(begin_i x n), round(end_i x n)) as in megatron-core")
+    g.add_argument("--data-cache-path", default=os.path.join("data", "cache"),
+                   help="directory for the dataset index caches (named by a hash of what they depend on, reused by "
+                        "later runs; Megatron's default: next to the data) and the built-in corpus")
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="DataLoader worker processes per rank that read samples ahead (the same batches as 0; "
+                        "Megatron's default is 2, here 0: on CPU the workers compete with the ranks for cores)")
+    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                   help="fraction of extra samples each blended dataset is built with, so the blend never runs one "
+                        "dry (megatron-core's)")
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+                   help="how text was turned into token ids (must match tools/preprocess_data.py)")
+    g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--vocab-size", type=int,
+                   help="vocabulary of --tokenizer-type NullTokenizer, >= 2 (use it with --mock-data for a custom "
+                        "size); the other tokenizers define their own")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss on the token that follows an end-of-document token (Megatron's loss mask)")
+
+
+def uses_dataset_files(args) -> bool:
+    return bool(args.data_path) or any(getattr(args, name) for name in PER_SPLIT)
+
+
+def check_data_args(args):
+    """The data flags that would otherwise fail only once the process group and the datasets exist: the
+    blends and their files, --split, --num-workers, --vocab-size against --tokenizer-type, --seed. Sets
+    args.blend and args.blend_per_split. Raises ValueError naming the flag."""
+    per_split = any(getattr(args, name) for name in PER_SPLIT)
+    if args.mock_data and uses_dataset_files(args):
+        raise ValueError("--mock-data and --data-path (or --train-data-path ...) are mutually exclusive")
+    if args.data_path and per_split:
+        raise ValueError("--data-path and --train-data-path / --valid-data-path / --test-data-path are mutually "
+                         "exclusive: give one distribution cut by --split, or one per split")
+    if per_split and not args.train_data_path:
+        raise ValueError("--valid-data-path / --test-data-path need --train-data-path")
+    args.blend = get_blend_from_list(args.data_path, "--data-path")
+    args.blend_per_split = [get_blend_from_list(getattr(args, name), "--" + name.replace("_", "-"))
+                            for name in PER_SPLIT] if per_split else None
+    for flag, blend in [("--data-path", args.blend)] + list(zip(
+            ("--train-data-path", "--valid-data-path", "--test-data-path"), args.blend_per_split or [])):
+        for prefix in (blend or ([],))[0]:
+            for path in (prefix + ".idx", prefix + ".bin"):
+                if not os.path.isfile(path):
+                    raise ValueError(f"{flag} {prefix}: no such file {path} (give the prefix without .bin/.idx; "
+                                     "Megatron-LM's preprocessing names it OUTPUT_PREFIX_text_document)")
+    parse_split(args.split)  # the data code's own parser: it accepts exactly the --split values a run accepts
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if not args.mid_level_dataset_surplus >= 0:
+        raise ValueError(f"--mid-level-dataset-surplus must be >= 0, got {args.mid_level_dataset_surplus}")
+    if args.vocab_size is not None:
+        if args.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be an integer >= 2 (NullTokenizer's eod takes the last id), "
+                             f"got {args.vocab_size}")
+        if args.tokenizer_type != "NullTokenizer":  # silently ignoring it would build another model than asked
+            raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; "
+                             f"{args.tokenizer_type} defines its own: drop --vocab-size or add --tokenizer-type "
+                             "NullTokenizer")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        if not args.mock_data and not uses_dataset_files(args):
+            raise ValueError("--tokenizer-type NullTokenizer cannot tokenize the built-in corpus: add --mock-data, "
+                             "or --data-path to a dataset of token ids below --vocab-size")
+    if not 0 <= args.seed < 2 ** 64:  # torch.manual_seed's range, non-negative for numpy's shuffling
+        raise ValueError(f"--seed must be an integer in [0, 2**64), got {args.seed}")
+    if args.seed >= 2 ** 32 and not args.mock_data:  # numpy.random.RandomState, megatron-core's shuffles
+        raise ValueError(f"--seed must be below 2**32 to shuffle a dataset (numpy's RandomState), got {args.seed}")
+
+
+def gpt_dataset_config_from_args(args, tokenizer, builtin_prefix=None) -> GPTDatasetConfig:
+    """megatron-core's core_gpt_dataset_config_from_args; `builtin_prefix` stands in for --data-path when
+    no data flag is given."""
+    blend = args.blend if args.blend is not None or args.blend_per_split else ([builtin_prefix], None)
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=args.blend_per_split,
+        split=args.split if blend is not None else None, path_to_cache=args.data_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus, eod_mask_loss=args.eod_mask_loss,
+        eod=tokenizer.eod)
+
+
+def train_valid_test_num_samples(args):
+    """Samples per split as Megatron-LM asks for them: train_iters x global batch, the validation batches of
+    every evaluation (train_iters // eval_interval + 1 of them), one evaluation's worth of test batches."""
+    evaluations = args.train_iters // args.eval_interval + 1
+    return (args.train_iters * args.global_batch_size, evaluations * args.eval_iters * args.global_batch_size,
+            args.eval_iters * args.global_batch_size)
