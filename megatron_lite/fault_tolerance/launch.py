@@ -10,12 +10,13 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the workers' environment; a c10d TCP
 the generation keys of membership.py:
 
     a worker exits 0            done (the job ends when every rank is done)
-    a worker dies (other code)  generation += 1, gen_<g>/replaced = [rank]; a new process for that rank only
+    a worker dies (a signal)    generation += 1, gen_<g>/replaced = [rank]; a new process for that rank only
     a rank reports trouble      (a collective failed, no process died within --trouble-grace seconds):
                                 generation += 1 with no replacement, every rank re-forms the groups
-    a worker exits 3            live recovery is impossible (both holders of a shard lost): every worker is
-    (EXIT_FALLBACK)             stopped (SIGTERM: last words) and the whole job restarted, which resumes with
-                                --load, up to --max-restarts times
+    a worker exits 3            live recovery is impossible (both holders of a shard lost), or a worker
+    (EXIT_FALLBACK) or 1        raised an error of its own (a bug, a NaN: a new process would meet it again):
+                                every worker is stopped (SIGTERM: last words) and the whole job restarted,
+                                which resumes with --load, up to --max-restarts times (torchrun's behaviour)
 """
 
 import argparse
@@ -95,7 +96,7 @@ class Supervisor:
                     continue
                 if code == 0:
                     self.done.add(rank)
-                elif code == EXIT_FALLBACK:
+                elif code in (EXIT_FALLBACK, 1):  # 1: this rank's own error (a Python exception), not a loss
                     fallback = True
                 else:
                     dead.append(rank)

@@ -85,9 +85,11 @@ class Timings:
 
 def _is_peer_failure(error: BaseException) -> bool:
     """A collective that failed because of another rank (gloo's errors, a timeout), not this rank's bug."""
-    text = str(error)
+    text = str(error).lower()  # gloo raises plain RuntimeErrors: "Connection reset/closed by peer", "Timed out
+    # waiting 3000ms for recv", "Application timeout caused pair closure" (a peer's timeout closed the pair)
     return isinstance(error, (dist.DistError, GenerationSuperseded)) or (
-        isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "Connection", "Timed out", "timed out")))
+        isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "connection", "timed out", "timeout",
+                                                                    "pair closure")))
 
 
 def _snapshot(progress: Progress, staged: Optional[Progress], optimizer, scheduler) -> Snapshot:
