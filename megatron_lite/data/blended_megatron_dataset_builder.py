@@ -10,8 +10,8 @@ BlendedMegatronDatasetBuilder does, for the same sample counts.
                                      sample counts, size min(size_i, their sum))
     blend_per_split                  the same per split, each dataset's documents all in that split
 
-A split with no documents (weight 0, or a share that rounds to none) is None; megatron-core would fail on
-it or loop forever. Every rank calls `build_datasets`; pretrain_gpt.py runs it on rank 0 first so the
+A split with no documents (weight 0, or a share that rounds to none) is None, and so is a validation or test
+split whose one epoch holds no sample; megatron-core would fail on these or loop forever. Every rank calls `build_datasets`; pretrain_gpt.py runs it on rank 0 first so the
 others find the index caches written.
 """
 
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .blended_dataset import BlendedDataset
 from .blended_megatron_dataset_config import SPLIT_NAMES, GPTDatasetConfig, normalize
-from .gpt_dataset import GPTDataset
+from .gpt_dataset import GPTDataset, SplitTooSmallError
 from .indexed_dataset import IndexedDataset
 
 PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -97,8 +97,13 @@ def _build_splits(prefix: str, matrix, sizes, config: GPTDatasetConfig, opened, 
             datasets.append(None)
             continue
         begin, end = (int(round(b * float(len(indexed)))) for b in bookends)
-        datasets.append(GPTDataset(indexed, range(begin, end), sizes[i], SPLIT_NAMES[i], config)
-                        if end > begin else None)
+        try:
+            datasets.append(GPTDataset(indexed, range(begin, end), sizes[i], SPLIT_NAMES[i], config)
+                            if end > begin else None)
+        except SplitTooSmallError:
+            if i == 0:  # no training data is an error; a validation or test split too small is left out
+                raise
+            datasets.append(None)
     return datasets
 
 

@@ -48,6 +48,10 @@ def _sample(text: np.ndarray, eod_mask_token: Optional[int] = None, extra: int =
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
+class SplitTooSmallError(ValueError):
+    """A split whose documents hold too few tokens for one sample."""
+
+
 class GPTDataset:
     """Samples of a contiguous range of an indexed dataset's documents, in megatron-core's order.
 
@@ -76,7 +80,7 @@ class GPTDataset:
         self.extra = int(config.add_extra_token_to_sequence)
         self.tokens_per_epoch = int(indexed.sizes[documents.start:documents.stop].sum())
         if self.tokens_per_epoch - self.extra < (self.seq_length if num_samples is None else 1):
-            raise ValueError(
+            raise SplitTooSmallError(
                 f"{index_split} split too small for --seq-length {self.seq_length}: documents {documents.start}.."
                 f"{documents.stop - 1} of {indexed.prefix} hold {self.tokens_per_epoch} tokens")
         self.num_epochs = helpers.num_epochs_for(num_samples, self.tokens_per_epoch, self.seq_length, self.extra)
