@@ -28,12 +28,22 @@ from . import experts, files, last_words, torch_dist, torch_format
 # The run's arguments stored in a checkpoint and compared on load (Megatron's check_checkpoint_args).
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
                      "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings",
-                     "normalization", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear")
+                     "normalization", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
+                     "norm_epsilon", "rotary_base")
+# Recorded, not compared: what tools/checkpoint_convert.py --to hf needs besides the architecture (the tokenizer,
+# so the vocabulary before padding; the init and dropout of the exported config).
+RECORDED_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "init_method_std", "hidden_dropout",
+                 "attention_dropout")
+
+
+def architecture_args(args) -> dict:
+    """The architecture part of `args`, which a resume must match (None: a flag this version lacks)."""
+    return {k: getattr(args, k, None) for k in ARCHITECTURE_ARGS}
 
 
 def checkpoint_args(args) -> dict:
-    """The plain-data part of `args` a checkpoint records: the architecture."""
-    return {k: getattr(args, k) for k in ARCHITECTURE_ARGS}
+    """The plain-data part of `args` a checkpoint records: the architecture and RECORDED_ARGS."""
+    return {**architecture_args(args), **{k: getattr(args, k, None) for k in RECORDED_ARGS}}
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_train_samples: int,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpointing import LastWords, checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
+from ..checkpointing.save import architecture_args
 from ..data import micro_batch_iterator
 from ..distributed import DistributedDataParallel, collectives
 from ..optimizer import get_megatron_optimizer
@@ -196,7 +197,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         policy = ("override" if args.override_opt_param_scheduler else
                   "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
         loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
-                                              checkpoint_args(args), policy, args.finetune, not args.no_load_optim,
+                                              architecture_args(args), policy, args.finetune, not args.no_load_optim,
                                               not args.no_load_rng)
         if loaded is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
