@@ -1,8 +1,11 @@
-"""Convert a checkpoint between the two formats, or export plain model weights, in one process.
+"""Convert a checkpoint between the two formats, to and from Hugging Face transformers, or export plain model
+weights, in one process.
 
     python tools/checkpoint_convert.py --input runs/a --output runs/a_dist --to torch_dist
     python tools/checkpoint_convert.py --input runs/a_dist --output runs/a_torch --to torch
     python tools/checkpoint_convert.py --input runs/a --export-weights gpt.pt     # torch.load -> GPTModel
+    python tools/checkpoint_convert.py --input runs/a --output hf/a --to hf        # from_pretrained("hf/a")
+    python tools/checkpoint_convert.py --from hf --input hf/a --output runs/b      # pretrain_gpt.py --finetune
 
 `--input` is a --save directory (its newest complete checkpoint, or `--iteration N`); every file is checked
 against the checkpoint's manifest first. The formats (megatron_lite/checkpointing/torch_format.py and
@@ -10,10 +13,21 @@ torch_dist.py) hold the same state: `torch` one file with full tensors per param
 1-D tensors per name written through torch.distributed.checkpoint plus common.pt. The output is a new
 --save directory with one checkpoint, written atomically; it resumes with --load at any DP size and
 sharding strategy. The exported weights are the model's state_dict (full tensors, CPU).
+
+`--to hf` writes a transformers model directory: config.json (GPT2LMHeadModel or LlamaForCausalLM, every
+architecture field), model.safetensors with the tokenizer's vocabulary (the padding rows dropped), and the
+tokenizer (tokenizer.json, tokenizer_config.json) for HuggingFaceTokenizer and ByteLevelTokenizer runs
+(NullTokenizer has no text). `--from hf` reads such a directory (config.json, *.safetensors, tokenizer.json if
+present) into a checkpoint of model weights only at iteration 0, which pretrain_gpt.py starts from with
+`--finetune --load` and the architecture flags the tool prints. The mapping: megatron_lite/checkpointing/
+hf_convert.py. safetensors (and tokenizers for the tokenizer files) are the optional `hf` extra.
 """
 
 import argparse
+import glob
+import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -22,7 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.checkpointing import files, torch_dist, torch_format  # noqa: E402
+from megatron_lite.checkpointing import files, hf_convert, torch_dist, torch_format  # noqa: E402
+from megatron_lite.data import build_tokenizer  # noqa: E402
+
+WEIGHTS_ONLY_KEY = "weights_only"  # a checkpoint without optimizer state or RNG (load.py: only with --finetune)
 
 
 def read(directory: str) -> dict:
@@ -47,7 +64,7 @@ def read(directory: str) -> dict:
             name, field = rest.rsplit(".", 1)
             state.setdefault(name, {"step": common["optimizer_step"]})[field] = tensor.view(shapes[name])
     return {**{k: common[k] for k in ("iteration", "consumed_train_samples", "opt_param_scheduler", "rng_state",
-                                      "args")},
+                                      "args", WEIGHTS_ONLY_KEY) if k in common},
             "checkpoint_version": files.CHECKPOINT_VERSION, "model": model,
             "optimizer": {**common["optimizer"], "state": state}}
 
@@ -70,33 +87,164 @@ def write(root: str, payload: dict, ckpt_format: str):
 
 def _write_torch_dist(directory: str, payload: dict):
     state = payload["optimizer"]["state"]
-    tensors = {f"model.{k}": (v.reshape(-1) if k in state else v) for k, v in payload["model"].items()}
+    # The parameters (1-D in torch_dist): those with optimizer state, or every tensor of a weights-only checkpoint.
+    params = {name: payload["model"][name].shape for name in (state or payload["model"])}
+    tensors = {f"model.{k}": (v.reshape(-1) if k in params else v) for k, v in payload["model"].items()}
     tensors.update({f"optimizer.{name}.{field}": value.reshape(-1) for name, entry in state.items()
                     for field, value in entry.items() if field != "step"})
     common = {**{k: payload[k] for k in ("iteration", "consumed_train_samples", "opt_param_scheduler", "rng_state",
-                                         "args")},
+                                         "args", WEIGHTS_ONLY_KEY) if k in payload},
               "checkpoint_version": files.CHECKPOINT_VERSION, "format": "torch_dist",
               "optimizer": {k: v for k, v in payload["optimizer"].items() if k != "state"},
               "optimizer_step": max([int(e.get("step", 0)) for e in state.values()] + [0]),
-              "shapes": {name: list(entry["param"].shape) for name, entry in state.items()}}
+              "shapes": {name: list(shape) for name, shape in params.items()}}
     torch.save(common, os.path.join(directory, torch_dist.COMMON_FILENAME))
     with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, checkpoint_id=directory, no_dist=True)
 
 
+# ------------------------------------------------------------------------------------------ Hugging Face
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ValueError("--to hf / --from hf need the optional 'safetensors' package: pip install "
+                         "'megatron-lite[hf]' (or pip install safetensors)") from e
+    return safetensors.torch
+
+
+def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=None, vocab_size=None):
+    """Write `payload`'s model as a transformers directory `output` (new or empty). The tokenizer is the one the
+    checkpoint records, unless given (checkpoints saved before it was recorded, or a tokenizer.json moved)."""
+    args = payload["args"]
+    tokenizer_type = tokenizer_type or args.get("tokenizer_type")
+    if tokenizer_type is None:
+        raise ValueError("the checkpoint does not record its tokenizer (saved by an older version): give "
+                         "--tokenizer-type (and --tokenizer-model / --vocab-size as for pretrain_gpt.py)")
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model or args.get("tokenizer_model"),
+                                vocab_size=vocab_size or args.get("vocab_size"))
+    config, tensors = hf_convert.to_hf(payload["model"], args, tokenizer.vocab_size, tokenizer.eod)
+    safetensors_torch = _safetensors()  # before anything is written
+    if os.path.exists(output) and os.listdir(output):
+        raise ValueError(f"--output {output} is not empty: choose a new directory")
+    os.makedirs(output, exist_ok=True)
+    safetensors_torch.save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if tokenizer_type != "NullTokenizer":
+        _write_tokenizer(output, tokenizer_type, tokenizer, config)
+    return config
+
+
+def _write_tokenizer(output: str, tokenizer_type: str, tokenizer, config: dict):
+    """tokenizer.json and tokenizer_config.json giving transformers the ids the run trained on, eod as the
+    bos/eos token. ByteLevelTokenizer's is written out: a byte-level BPE without merges (id = the byte)."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError as e:
+        raise ValueError("writing the tokenizer needs the optional 'tokenizers' package: pip install tokenizers") from e
+    if tokenizer_type == "ByteLevelTokenizer":
+        byte_chars = _bytes_to_unicode()
+        hf = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        hf.decoder = decoders.ByteLevel()
+    else:
+        hf = Tokenizer.from_file(tokenizer.tokenizer_model)
+    eod = hf.id_to_token(tokenizer.eod)
+    if eod is None:  # ByteLevelTokenizer's 256, or an id HuggingFaceTokenizer reserved (no end-of-document token)
+        eod = "<|endoftext|>"
+        hf.add_special_tokens([AddedToken(eod, special=True)])
+    if hf.token_to_id(eod) != tokenizer.eod:
+        raise ValueError(f"the tokenizer's end-of-document token {eod!r} has id {hf.token_to_id(eod)}, the run's "
+                         f"is {tokenizer.eod}")
+    hf.save(os.path.join(output, "tokenizer.json"))
+    with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
+                   "model_max_length": config.get("n_positions", config.get("max_position_embeddings")),
+                   "clean_up_tokenization_spaces": False}, f, indent=2)
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer maps each byte to):
+    printable Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def import_hf(directory: str) -> dict:
+    """A transformers directory -> the `torch` format's payload of a weights-only checkpoint at iteration 0."""
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--input {directory} has no config.json: give a transformers model directory")
+    with open(config_path) as f:
+        config = json.load(f)
+    paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not paths:
+        raise ValueError(f"--input {directory} has no *.safetensors file (pickled pytorch_model.bin is not read: "
+                         f"save the model with save_pretrained(..., safe_serialization=True))")
+    safetensors_torch = _safetensors()
+    tensors = {}
+    for path in paths:
+        tensors.update(safetensors_torch.load_file(path))
+    args, model = hf_convert.from_hf(config, tensors)
+    return {"checkpoint_version": files.CHECKPOINT_VERSION, "iteration": 0, "consumed_train_samples": 0,
+            "model": model, "optimizer": {"state": {}}, "opt_param_scheduler": {}, "rng_state": [], "args": args,
+            WEIGHTS_ONLY_KEY: f"imported from {os.path.abspath(directory)} by tools/checkpoint_convert.py --from hf"}
+
+
+def _copy_tokenizer(directory: str, output: str, payload: dict) -> list:
+    """tokenizer.json, if `directory` has one, next to the checkpoints in `output`: recorded in the checkpoint
+    and returned as the pretrain_gpt.py flags that read it."""
+    source = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(source):
+        return []
+    target = os.path.abspath(os.path.join(output, "tokenizer.json"))
+    shutil.copyfile(source, target)
+    payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", target)
+    if hf_convert.padded(tokenizer.vocab_size) != payload["args"]["padded_vocab_size"]:
+        print(f"> note: {source} has {tokenizer.vocab_size} ids, config.json's vocab_size pads to "
+              f"{payload['args']['padded_vocab_size']}: pretrain_gpt.py will refuse it, give another tokenizer")
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="a --save directory")
+    p.add_argument("--input", required=True, help="a --save directory (with --from hf: a transformers directory)")
     p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest complete one)")
-    p.add_argument("--output", help="a new --save directory for the converted checkpoint")
-    p.add_argument("--to", choices=["torch", "torch_dist"], help="the output format")
+    p.add_argument("--output", help="a new --save directory for the converted checkpoint (--to hf: a new "
+                                    "transformers directory)")
+    p.add_argument("--to", choices=["torch", "torch_dist", "hf"], help="the output format (with --from hf: torch "
+                                                                        "or torch_dist, default torch)")
+    p.add_argument("--from", dest="source", choices=["hf"], help="read --input as a transformers directory")
     p.add_argument("--export-weights", metavar="FILE", help="write the model's state_dict to FILE (torch.save)")
+    g = p.add_argument_group("--to hf: the run's tokenizer where the checkpoint does not record it (pretrain_gpt.py's)")
+    g.add_argument("--tokenizer-type", choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--vocab-size", type=int, help="vocabulary of NullTokenizer")
     args = p.parse_args(argv)
+    if args.source == "hf":
+        args.to = args.to or "torch"
+        if args.to == "hf" or args.export_weights or args.iteration is not None or not args.output:
+            p.error("--from hf takes --input DIR --output SAVE_DIR [--to torch|torch_dist]")
     if bool(args.output) != bool(args.to) or not (args.output or args.export_weights):
         p.error("give --output with --to, and/or --export-weights")
     if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
+    if args.source == "hf":
+        try:
+            payload = import_hf(args.input)
+            os.makedirs(args.output, exist_ok=True)
+            tokenizer_flags = _copy_tokenizer(args.input, args.output, payload)
+        except ValueError as e:
+            p.error(str(e))
+        write(args.output, payload, args.to)
+        flags = hf_convert.pretrain_flags(payload["args"]) + tokenizer_flags
+        print(f"> wrote the weights of {args.input} as {args.to} to {args.output}; train from them with\n"
+              f"  pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}")
+        return
     try:
         if args.iteration is None:
             iteration, directory = files.find_latest(args.input)
@@ -110,7 +258,14 @@ def main(argv=None):
     if "expert_parallel" in payload:  # per-position experts: not expressible in torch_dist or plain weights yet
         p.error(f"--input {args.input} holds expert parameters (one set per expert-parallel position): converting "
                 f"or exporting them is not supported yet")
-    if args.output:
+    if args.to == "hf":
+        try:
+            config = export_hf(payload, args.output, args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        except ValueError as e:
+            p.error(str(e))
+        print(f"> wrote iteration {payload['iteration']} as a transformers {config['architectures'][0]} to "
+              f"{args.output}")
+    elif args.output:
         write(args.output, payload, args.to)
         print(f"> wrote iteration {payload['iteration']} as {args.to} to {args.output}")
     if args.export_weights:

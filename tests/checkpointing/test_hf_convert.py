@@ -1,0 +1,303 @@
+"""Hugging Face transformers export and import (megatron_lite/checkpointing/hf_convert.py, tools/checkpoint_convert.py
+--to hf / --from hf): logits equal transformers' for GPT-2 and Llama styles, the round trip bitwise, --finetune from
+an imported checkpoint on 2 gloo ranks, the tokenizer files, and the errors. Skipped without the optional extra
+(transformers, safetensors, tokenizers: `pip install -e .[thirdparty]`)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed_helper import run_distributed
+from pretrain_testing import REPO, pretrain_losses, tiny_pretrain_flags
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from megatron_lite.checkpointing import hf_convert  # noqa: E402
+from megatron_lite.data import build_tokenizer  # noqa: E402
+from megatron_lite.models import GPTModel  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import checkpoint_convert  # noqa: E402
+
+TOOL = os.path.join(REPO, "tools", "checkpoint_convert.py")
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=384, max_position_embeddings=24)
+LLAMA = dict(SMALL, hidden_size=64, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             group_query_attention=True, num_query_groups=2, disable_bias_linear=True, ffn_hidden_size=96,
+             untie_embeddings_and_output_weights=True, norm_epsilon=1e-6, rotary_base=500000.0)
+ARCHITECTURES = {  # recorded checkpoint arguments -> the transformers class they export to
+    "gpt2-tied": (SMALL, "GPT2LMHeadModel"),
+    "gpt2-untied-eps": (dict(SMALL, untie_embeddings_and_output_weights=True, norm_epsilon=1e-3, ffn_hidden_size=48),
+                        "GPT2LMHeadModel"),
+    "llama-gqa-untied": (LLAMA, "LlamaForCausalLM"),
+    "llama-mqa-tied-biases": (dict(LLAMA, num_query_groups=1, untie_embeddings_and_output_weights=False,
+                                   disable_bias_linear=False, norm_epsilon=1e-5, rotary_base=10000.0),
+                              "LlamaForCausalLM"),
+    "llama-mha": (dict(LLAMA, group_query_attention=False, num_query_groups=None), "LlamaForCausalLM"),
+}
+
+
+def _model(args, seed=0):
+    """The GPTModel of `args` with non-trivial values everywhere (norm weights and biases too), so a weight left
+    out, transposed or swapped shows in the logits."""
+    model = GPTModel(hf_convert.gpt_config(args))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return model.eval()
+
+
+def _export(model, args, out, vocab_size=300, tokenizer="NullTokenizer"):
+    payload = {"model": model.state_dict(), "iteration": 0,
+               "args": dict(args, tokenizer_type=tokenizer, vocab_size=vocab_size)}
+    return checkpoint_convert.export_hf(payload, str(out))
+
+
+def _tokens(vocab_size, seed=1, shape=(2, 24)):
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ export: logits
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_exported_model_gives_megatron_lite_logits_in_transformers(tmp_path, name):
+    """GPT2LMHeadModel / LlamaForCausalLM loaded by from_pretrained from the exported directory give GPTModel's
+    fp32 logits within 1e-5 (measured: 0.0, bitwise) on the tokenizer's vocabulary, with weights of std 0.3.
+    Would catch a wrong activation (gelu_new is ~1e-3 off), eps or rope theta, q/k/v or gate/up swapped or
+    transposed, key/value groups mapped to the wrong query heads, the rotary convention (interleaved vs
+    rotate-half), an untied head exported as tied (or the reverse), or the padded rows kept."""
+    args, kind = ARCHITECTURES[name]
+    model = _model(args)
+    config = _export(model, args, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert type(hf).__name__ == kind == config["architectures"][0]
+    assert hf.config.vocab_size == 300 and hf.config.tie_word_embeddings == (
+        not args.get("untie_embeddings_and_output_weights", False))
+    tokens = _tokens(300)
+    with torch.no_grad():
+        ours, theirs = model(tokens)[..., :300], hf(tokens).logits
+    assert theirs.shape == ours.shape
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_exported_config_fields(tmp_path):
+    """config.json names every architecture field with the run's values, and the activation is the exact
+    erf GELU ('gelu', not transformers' GPT-2 default 'gelu_new'). Would catch a field left at transformers'
+    default (Llama's rms_norm_eps 1e-6 and bos 1 / eos 2, GPT-2's n_inner, rope theta 10000)."""
+    gpt2 = _export(_model(SMALL), dict(SMALL, norm_epsilon=1e-3), tmp_path / "gpt2", vocab_size=257)
+    assert {k: gpt2[k] for k in ("n_layer", "n_embd", "n_head", "n_inner", "n_positions", "vocab_size",
+                                 "activation_function", "layer_norm_epsilon", "tie_word_embeddings",
+                                 "bos_token_id", "eos_token_id")} == dict(
+        n_layer=2, n_embd=32, n_head=4, n_inner=128, n_positions=24, vocab_size=257, activation_function="gelu",
+        layer_norm_epsilon=1e-3, tie_word_embeddings=True, bos_token_id=256, eos_token_id=256)
+    llama = _export(_model(LLAMA), LLAMA, tmp_path / "llama")
+    assert {k: llama[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                  "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                                  "attention_bias", "mlp_bias", "tie_word_embeddings", "max_position_embeddings",
+                                  "eos_token_id")} == dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=False, max_position_embeddings=24, eos_token_id=299)
+    assert llama["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
+    loaded = transformers.AutoConfig.from_pretrained(str(tmp_path / "llama"))
+    assert loaded.rope_parameters["rope_theta"] == 500000.0 and loaded.rms_norm_eps == 1e-6
+
+
+# ------------------------------------------------------------------------------------------ round trip
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_round_trip_is_bitwise(name):
+    """to_hf -> from_hf gives back every tensor bitwise and the same GPTConfig. Vocabulary 300 of 384: the
+    300 rows bitwise, the padding rows zero. Would catch an asymmetric mapping (a transpose or a q/k/v split
+    undone differently), a lost field (eps, theta, query groups, tying), or padding rows of another value."""
+    args, _ = ARCHITECTURES[name]
+    model = _model(args)
+    hf_config, tensors = hf_convert.to_hf(model.state_dict(), args, vocab_size=300, eod=299)
+    hf_config = json.loads(json.dumps(hf_config))  # what config.json holds
+    back_args, state = hf_convert.from_hf(hf_config, tensors)
+    assert hf_convert.gpt_config(back_args) == hf_convert.gpt_config(args)
+    original = model.state_dict()
+    assert set(state) == set(original)
+    for key, value in original.items():
+        if key in ("word_embeddings.weight", "output_layer.weight"):
+            assert torch.equal(state[key][:300], value[:300]) and not state[key][300:].any(), key
+        else:
+            assert torch.equal(state[key], value), key
+
+
+# ------------------------------------------------------------------------------------------ end to end
+LLAMA_RUN = tiny_pretrain_flags(hidden_size="64", num_attention_heads="4", micro_batch_size="2",
+                                global_batch_size="8", train_iters="4", log_interval="1", lr="3e-3")
+LLAMA_ARCH = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--normalization", "RMSNorm", "--swiglu",
+              "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+              "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6",
+              "--rotary-base", "50000"]
+
+
+def _convert(*argv):
+    out = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _newest(root):
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        return checkpoint_convert.read(os.path.join(root, f"iter_{int(f.read()):07d}"))
+
+
+def test_trained_llama_exports_imports_and_finetunes_on_two_ranks(tmp_path):
+    """A Llama-style run (GQA, rope theta 50000, RMSNorm eps 1e-6, SwiGLU, untied, no biases; NullTokenizer's
+    128 ids: no padding rows) trained on 2 gloo ranks and saved (torch_dist) -> --to hf -> transformers' logits
+    equal megatron-lite's -> --from hf (torch_dist) -> the imported weights equal the trained ones bitwise ->
+    --finetune --load from the import logs iterations 1..4 with the losses, bit for bit, of --finetune from the
+    original checkpoint, and saves iteration 4 with 4 optimizer steps. A plain --load of the import is refused
+    by name on every rank. Would catch a mapping that only works on untrained weights, flags the import records
+    that a finetune run does not give (--norm-epsilon, --rotary-base), a weights-only checkpoint resumed as if
+    it held an optimizer, or the iteration / optimizer not reset by --finetune."""
+    run = LLAMA_RUN + LLAMA_ARCH
+    original, exported, imported = (str(tmp_path / n) for n in ("run", "hf", "imported"))
+    run_distributed(pretrain_losses, 2, run + ["--save", original])
+    _convert("--input", original, "--output", exported, "--to", "hf")
+    trained = _newest(original)["model"]
+    model = GPTModel(hf_convert.gpt_config(_newest(original)["args"])).eval()
+    model.load_state_dict(trained)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    tokens = _tokens(128, shape=(2, 32))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
+    printed = _convert("--from", "hf", "--input", exported, "--output", imported, "--to", "torch_dist")
+    assert "--norm-epsilon 1e-06" in printed and "--rotary-base 50000.0" in printed
+    weights = _newest(imported)["model"]
+    assert set(weights) == set(trained) and all(torch.equal(weights[k], trained[k]) for k in trained)
+
+    finetune = run + ["--finetune", "--ckpt-format", "torch"]
+    from_original = run_distributed(pretrain_losses, 2, finetune + ["--load", original, "--save",
+                                                                    str(tmp_path / "ft_original")])[0]
+    from_import = run_distributed(pretrain_losses, 2, finetune + ["--load", imported, "--save",
+                                                                  str(tmp_path / "ft_import")])[0]
+    assert sorted(from_import) == [1, 2, 3, 4] and from_import == from_original
+    saved = _newest(tmp_path / "ft_import")
+    assert saved["iteration"] == 4 and saved["opt_param_scheduler"]["num_steps"] == 4
+    assert {entry["step"] for entry in saved["optimizer"]["state"].values()} == {4}
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(pretrain_losses, 2, run + ["--load", imported])
+    assert len(re.findall(r"ValueError: checkpoint \S+ holds model weights only .*start from it with --finetune",
+                          str(failure.value))) == 2  # every rank
+
+
+# ------------------------------------------------------------------------------------------ tokenizers
+def test_byte_level_tokenizer_is_exported_with_its_ids(tmp_path):
+    """A ByteLevelTokenizer run exports a tokenizer.json that transformers' AutoTokenizer loads and that
+    encodes text to the UTF-8 bytes (the ids the run trained on) with eod 256 as bos/eos, and decodes back.
+    Would catch GPT-2's byte-to-character table applied in another order (ids permuted), or a merge."""
+    _export(_model(SMALL), SMALL, tmp_path, vocab_size=None, tokenizer="ByteLevelTokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = build_tokenizer("ByteLevelTokenizer")
+    text = "Grüße, 世界!\n\tdone 🙂 ~\x7f"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == ours.tokenize(text) and tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == tokenizer.bos_token_id == ours.eod == 256 and len(tokenizer) == 257
+
+
+def test_hugging_face_tokenizer_without_eod_gets_the_reserved_id(tmp_path):
+    """HuggingFaceTokenizer reserves the next id as eod when tokenizer.json has none; the export adds
+    '<|endoftext|>' at exactly that id, so transformers' eos is the run's eod, and ids agree on text.
+    Would catch an eos token at another id than the one the model learned document ends with."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "hello", "world", "megatron", "lite"])}
+    source = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    source.pre_tokenizer = pre_tokenizers.Whitespace()
+    source.save(str(tmp_path / "source.json"))
+    args = dict(SMALL, padded_vocab_size=128, tokenizer_model=str(tmp_path / "source.json"))
+    payload = {"model": _model(args).state_dict(), "iteration": 0,
+               "args": dict(args, tokenizer_type="HuggingFaceTokenizer")}
+    config = checkpoint_convert.export_hf(payload, str(tmp_path / "out"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "source.json"))
+    assert ours.eod == 5 == tokenizer.eos_token_id == config["eos_token_id"] and config["vocab_size"] == 6
+    assert tokenizer("hello megatron lite", add_special_tokens=False)["input_ids"] == [1, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("change, named", [
+    (dict(position_embedding_type="rope"), "--position-embedding-type rope"),
+    (dict(normalization="RMSNorm"), "--normalization RMSNorm"),
+    (dict(swiglu=True, ffn_hidden_size=64), "--swiglu"),
+    (dict(group_query_attention=True, num_query_groups=2), "--group-query-attention"),
+    (dict(disable_bias_linear=True), "--disable-bias-linear"),
+])
+def test_export_refuses_what_transformers_cannot_express(change, named):
+    """A mix of GPT-2's and Llama's options (rope with LayerNorm, RMSNorm with learned positions, ...) has no
+    transformers class: ValueError naming the option. Would catch an export that writes a GPT2 config whose
+    model silently computes something else."""
+    with pytest.raises(ValueError, match="cannot be exported") as error:
+        hf_convert.to_hf(_model(dict(SMALL, **change)).state_dict(), dict(SMALL, **change), 300, 299)
+    assert named in str(error.value)
+
+
+def _gpt2_dict(**change):
+    return json.loads(json.dumps({**hf_convert.to_hf(_model(SMALL).state_dict(), SMALL, 300, 299)[0], **change}))
+
+
+def _llama_dict(**change):
+    return json.loads(json.dumps({**hf_convert.to_hf(_model(LLAMA).state_dict(), LLAMA, 300, 299)[0], **change}))
+
+
+@pytest.mark.parametrize("config, named", [
+    (lambda: _gpt2_dict(activation_function="gelu_new"), "activation_function='gelu_new'"),
+    (lambda: _gpt2_dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (lambda: _llama_dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type='llama3'"),
+    (lambda: _llama_dict(mlp_bias=True), "mlp_bias=True"),
+    (lambda: _llama_dict(head_dim=8), "head_dim=8"),
+    (lambda: _llama_dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (lambda: {"model_type": "mistral"}, "model_type 'mistral'"),
+])
+def test_import_refuses_what_gpt_model_cannot_express(config, named):
+    """A transformers config GPTModel cannot compute exactly (the tanh GELU, scaled rope, biases in only part
+    of the linears, another head dim, another model type): ValueError naming the field and its value. Would
+    catch an import that trains a model other than the one the config describes."""
+    with pytest.raises(ValueError, match="cannot be imported") as error:
+        hf_convert.from_hf(config(), {})
+    assert named in str(error.value)
+
+
+def test_import_refuses_weights_that_do_not_match_the_config():
+    """Would catch a missing or left-over tensor going unnoticed (a config from another model)."""
+    hf_config, tensors = hf_convert.to_hf(_model(LLAMA).state_dict(), LLAMA, 300, 299)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
+        hf_convert.from_hf(hf_config, tensors)
+    hf_config, tensors = hf_convert.to_hf(_model(LLAMA).state_dict(), LLAMA, 300, 299)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight has shape"):
+        hf_convert.from_hf({**hf_config, "num_key_value_heads": 1}, tensors)
+
+
+def test_tool_errors(tmp_path):
+    """The tool's messages for: a --from hf directory without config.json or without safetensors, an export
+    into a non-empty directory, a checkpoint that does not record its tokenizer. Would catch a traceback or a
+    half-written directory instead of a message naming what to do."""
+    def fails(*argv):
+        out = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 2, out.stdout + out.stderr
+        return out.stderr
+
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in fails("--from", "hf", "--input", str(tmp_path / "empty"), "--output",
+                                         str(tmp_path / "o1"))
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    assert "has no *.safetensors" in fails("--from", "hf", "--input", str(tmp_path / "empty"), "--output",
+                                           str(tmp_path / "o2"))
+    assert "--from hf takes" in fails("--from", "hf", "--input", str(tmp_path / "empty"), "--to", "hf",
+                                      "--output", str(tmp_path / "o3"))
+    payload = {"model": _model(SMALL).state_dict(), "iteration": 0, "args": dict(SMALL)}
+    with pytest.raises(ValueError, match="does not record its tokenizer"):
+        checkpoint_convert.export_hf(payload, str(tmp_path / "o4"))
+    with pytest.raises(ValueError, match="is not empty"):
+        checkpoint_convert.export_hf(payload, str(tmp_path / "empty"), tokenizer_type="ByteLevelTokenizer")
+    with pytest.raises(ValueError, match="does not fit the checkpoint's padded vocabulary"):
+        checkpoint_convert.export_hf(payload, str(tmp_path / "o5"), tokenizer_type="NullTokenizer", vocab_size=500)
