@@ -88,7 +88,8 @@ def test_exported_model_gives_megatron_lite_logits_in_transformers(tmp_path, nam
 def test_exported_config_fields(tmp_path):
     """config.json names every architecture field with the run's values, and the activation is the exact
     erf GELU ('gelu', not transformers' GPT-2 default 'gelu_new'). Would catch a field left at transformers'
-    default (Llama's rms_norm_eps 1e-6 and bos 1 / eos 2, GPT-2's n_inner, rope theta 10000)."""
+    default (Llama's rms_norm_eps 1e-6 and bos 1 / eos 2, GPT-2's n_inner, rope theta 10000), or weights only
+    their owner can read."""
     gpt2 = _export(_model(SMALL), dict(SMALL, norm_epsilon=1e-3), tmp_path / "gpt2", vocab_size=257)
     assert {k: gpt2[k] for k in ("n_layer", "n_embd", "n_head", "n_inner", "n_positions", "vocab_size",
                                  "activation_function", "layer_norm_epsilon", "tie_word_embeddings",
@@ -106,6 +107,9 @@ def test_exported_config_fields(tmp_path):
     assert llama["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
     loaded = transformers.AutoConfig.from_pretrained(str(tmp_path / "llama"))
     assert loaded.rope_parameters["rope_theta"] == 500000.0 and loaded.rms_norm_eps == 1e-6
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "llama" / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask  # not 0600
 
 
 # ------------------------------------------------------------------------------------------ round trip
