@@ -11,8 +11,8 @@ BlendedMegatronDatasetBuilder does, for the same sample counts.
     blend_per_split                  the same per split, each dataset's documents all in that split
 
 A split with no documents (weight 0, or a share that rounds to none) is None, and so is a validation or test
-split whose one epoch holds no sample; megatron-core would fail on these or loop forever. Every rank calls `build_datasets`; pretrain_gpt.py runs it on rank 0 first so the
-others find the index caches written.
+split whose one epoch holds no sample; megatron-core would fail on these or loop forever. Every rank calls
+`build_datasets`; pretrain_gpt.py runs it on rank 0 first so the others find the index caches written.
 """
 
 import math

@@ -148,6 +148,9 @@ class GPTDatasetConfig:
     eod: Optional[int] = None
     """The tokenizer's end-of-document id (needed with eod_mask_loss)."""
 
+    split_matrix: Optional[List[Optional[Tuple[float, float]]]] = dataclasses.field(init=False, default=None)
+    """Derived from `split`: per split the (begin, end) fractions of each dataset's documents, or None."""
+
     def __post_init__(self):
         if self.sequence_length < 2:  # megatron-core's sample index needs two tokens per sample
             raise ValueError(f"sequence_length (--seq-length) must be >= 2, got {self.sequence_length}")
