@@ -1,6 +1,7 @@
 """Kill ranks of a running job at random and check that it recovers by itself, losing nothing.
 
     python examples/fault_tolerance_soak.py [--kills 10] [--seed 0] [--iters 120] [--out runs/soak]
+    python examples/fault_tolerance_soak.py --live [--kills 10] [--iters 120]   # live recovery: live_soak.py
 
 For each trial a `torchrun --nproc-per-node 4 --max-restarts 1` job (dp=4, a small GPT on CPU/gloo,
 periodic checkpoints every --save-interval iterations) is started; when its metrics file reaches a random
@@ -154,8 +155,19 @@ def main():
     parser.add_argument("--iters", type=int, default=120, help="iterations per job")
     parser.add_argument("--save-interval", type=int, default=25, help="iterations between periodic checkpoints")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "soak"))
+    parser.add_argument("--live", action="store_true",
+                        help="the live-recovery soak (examples/live_soak.py): one job under the supervisor that "
+                             "restarts only the killed rank, then the same kills restarting everything")
+    parser.add_argument("--collective-timeout", type=float, default=3.0, help="--live: the supervisor's flag")
+    parser.add_argument("--restart-kills", type=int, default=None,
+                        help="--live: how many of the kills to rerun on the restart-everything path (default all)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    if args.live:
+        import live_soak
+
+        args.restart_kills = args.kills if args.restart_kills is None else args.restart_kills
+        sys.exit(0 if live_soak.main(args, rng, reference_losses(args.out, args.iters, 2)) else 1)
     references = {r: reference_losses(args.out, args.iters, r) for r in (2, 1)}
     rows = []
     ranks = []  # random ranks, every rank equally often: each round of WORLD kills is a permutation

@@ -27,6 +27,7 @@ run's, bit for bit. When a shard has no holder at the target (both holders of a 
 exit with EXIT_FALLBACK after writing their last words, and the supervisor restarts the whole job (--load).
 """
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
@@ -74,9 +75,11 @@ class Snapshot:
 
 @dataclass
 class Timings:
-    """Seconds of one recovery, for the log (the soak collects them)."""
+    """When the phases of one recovery ended on this rank (time.time()), for the log; the soak lines them up
+    across ranks and with the kill."""
 
-    failed_at: float = 0.0
+    failed_at: float  # a survivor: its collective failed; a replacement: its process started
+    role: str = "survivor"
     marks: Dict[str, float] = field(default_factory=dict)
 
     def mark(self, name: str):
@@ -164,7 +167,8 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
     snapshot: Optional[Snapshot] = None
     live = None  # (progress, optimizer, scheduler) once this generation's state is consistent
     losses, recoveries = {}, []
-    timings: Optional[Timings] = None
+    # A replacement times its own start (process start -> first iteration) as a recovery of its own.
+    timings: Optional[Timings] = None if fresh_job else Timings(time.time(), role="replacement")
     while True:
         words = None
         try:
@@ -188,10 +192,12 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
             if args.save and args.last_words:
                 words = LastWords(args.save, optimizer, scheduler, progress.iteration, progress.consumed,
                                   checkpoint_args(args))
-            if progress.losses is not None and progress.iteration not in losses:
-                losses[progress.iteration] = progress.losses  # completed by the survivors, not logged here yet
+            if progress.losses is not None and progress.iteration > membership.last_logged():
+                losses[progress.iteration] = progress.losses  # completed by the survivors, never logged
                 log.training(progress.iteration, progress.consumed, progress.losses,
                              optimizer.param_groups[0]["lr"], optimizer.get_loss_scale().item(), None, True)
+                if rank == 0:
+                    membership.note_logged(progress.iteration)
             if args.save and args.save_interval and progress.iteration % args.save_interval == 0 \
                     and progress.last_saved != progress.iteration and progress.iteration > 0:
                 _save(args, progress, model, optimizer, scheduler)  # interrupted by the failure: again
@@ -222,6 +228,8 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
                 losses[progress.iteration] = reported
                 log.training(progress.iteration, progress.consumed, reported, optimizer.param_groups[0]["lr"],
                              optimizer.get_loss_scale().item(), grad_norm, ok)
+                if rank == 0:
+                    membership.note_logged(progress.iteration)
                 if timings is not None:
                     timings.mark("redone")
                     recoveries.append(_report(timings, membership.generation))
@@ -255,7 +263,7 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
                 membership.wait_for_next_generation()
             except TimeoutError as timeout:
                 _fall_back(str(timeout))
-            timings.mark("generation")
+            timings.mark("next_generation")
             print(f"[rank {membership.rank}] > joining generation {membership.generation} (replaced: "
                   f"{membership.replaced()})", flush=True)
 
@@ -281,18 +289,12 @@ def _save(args, progress: Progress, model, optimizer, scheduler):
 
 
 def _report(timings: Timings, generation: int) -> dict:
-    """The recovery's phases in seconds: waiting for the new generation (detection and the supervisor),
-    forming its groups (every rank arrived, gloo rendezvous), building and healing, the redone iteration."""
-    marks, start = timings.marks, timings.failed_at
-    order = [("detect_and_wait", "generation"), ("form_groups", "joined"), ("build_and_heal", "healed"),
-             ("redo_iteration", "redone")]
-    out, last = {"generation": generation}, start
-    for name, mark in order:
-        if mark in marks:
-            out[name] = round(marks[mark] - last, 3)
-            last = marks[mark]
-    out["total"] = round(last - start, 3)
-    print(f"[rank {dist.get_rank()}] > recovered into generation {generation}: {out}", flush=True)
+    """The recovery's phases on this rank: when it failed (or started), when the supervisor's new generation
+    came, when every rank had arrived and the groups were formed, when the state was healed and when the
+    redone iteration completed (epoch seconds, one JSON line; the soak subtracts them)."""
+    out = {"rank": dist.get_rank(), "generation": generation, "role": timings.role, "failed": timings.failed_at,
+           **timings.marks}
+    print(f"[rank {out['rank']}] > recovered into generation {generation}: {json.dumps(out)}", flush=True)
     return out
 
 

@@ -9,6 +9,7 @@ rank only. Every rank forms the process group of generation g on its own key spa
     gen_<g>/replaced               supervisor        JSON list of the ranks started afresh in generation g
     gen_<g>/arrived                every rank        counter; the rank that makes it WORLD sets .../ready
     gen_<g>/trouble                a rank            "a collective of generation g failed" (see launch.py)
+    last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
     gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
 
 A survivor whose collective fails (gloo raises within milliseconds when a peer process dies, or at the
@@ -124,6 +125,13 @@ class Membership:
         timeout = datetime.timedelta(seconds=self.config.collective_timeout_s)
         for group in list(dist.distributed_c10d._world.pg_map):
             dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+    def note_logged(self, iteration: int):
+        """Rank 0, after logging an iteration: a replacement of rank 0 then knows what is in the log already."""
+        self.store.set("last_logged", str(iteration))
+
+    def last_logged(self) -> int:
+        return int(self.store.get("last_logged")) if self.store.check(["last_logged"]) else 0
 
     def report_trouble(self):
         """Tell the supervisor a collective of this generation failed (it starts a new generation even if no

@@ -1,0 +1,187 @@
+"""The live soak (`python examples/fault_tolerance_soak.py --live`): kill ranks of one running job, one at a
+time, under the live-recovery supervisor, and compare with the restart-everything path on the same kills.
+
+One live job (dp=4, R=2, the soak's GPT) under `python -m megatron_lite.fault_tolerance.launch`; at --kills
+random iterations, spaced so that each recovery completes before the next kill, one rank (every rank equally
+often) is killed with SIGKILL. Per kill: whether the other ranks kept their processes (the supervisor prints
+each process it starts), the iterations lost, the seconds from the kill to the first iteration completed
+after it, and the recovery split from the ranks' recovery lines:
+
+    detection       the kill -> the last survivor's failed collective (gloo: at once for a direct peer of
+                    the dead rank; the collective timeout for one blocked behind another survivor)
+    join            -> every rank of the new generation arrived and the gloo groups formed (includes the
+                    replacement's start-up: importing torch, which overlaps the detection)
+    heal            -> the model, optimizer and scheduler rebuilt, the state agreed and the shard sent
+    redo            -> the interrupted iteration completed
+
+The whole job's losses and its final checkpoint are compared bitwise with an uninterrupted run. Then the
+same kills (rank, iteration) are run on the restart-everything path (torchrun --max-restarts, last words),
+one job per kill, and a double failure (ranks 1 and 3 at once) on the live path.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from fault_tolerance_soak import MODEL, REPO, WORLD, records, trial, wait_for
+
+
+def launch_live(directory: str, iters: int, save_interval: int, collective_timeout: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", f"--nproc-per-node={WORLD}",
+           "--collective-timeout", str(collective_timeout), "--max-restarts", "1",
+           os.path.join(REPO, "pretrain_gpt.py"),
+           *MODEL, "--train-iters", str(iters), "--num-distributed-optimizer-instances", "2", "--save", directory,
+           "--load", directory, "--save-interval", str(save_interval)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    return subprocess.Popen(cmd, stdout=open(os.path.join(directory, "log.txt"), "w"), stderr=subprocess.STDOUT,
+                            env=env, cwd=REPO, start_new_session=True)
+
+
+def processes(log: str) -> dict:
+    """rank -> [pid of every process the supervisor started for it, in order]."""
+    pids = {}
+    for rank, pid in re.findall(r"\[supervisor\] rank (\d+): pid (\d+)", log):
+        pids.setdefault(int(rank), []).append(int(pid))
+    return pids
+
+
+def recoveries(log: str) -> dict:
+    """generation -> the ranks' recovery records (live_training._report)."""
+    out = {}
+    for line in log.splitlines():
+        if "> recovered into generation" in line:
+            record = json.loads(line.split(": ", 1)[1])
+            out.setdefault(record["generation"], []).append(record)
+    return out
+
+
+def split(records_of_generation: list, killed_at: float) -> dict:
+    """The recovery's phases in seconds (see the module docstring), over every rank of the generation."""
+    survivors = [r for r in records_of_generation if r["role"] == "survivor"]
+    every = records_of_generation
+    detected = max(r["failed"] for r in survivors)
+    joined = max(r["joined"] for r in every)
+    healed = max(r["healed"] for r in every)
+    redone = max(r["redone"] for r in every)
+    return {"detection": round(detected - killed_at, 2), "join": round(joined - detected, 2),
+            "heal": round(healed - joined, 2), "redo": round(redone - healed, 2)}
+
+
+def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, collective_timeout: float,
+             ranks_at_once: int = 1) -> tuple:
+    """Run one live job, killing kills[i] = (iteration, [ranks]) in turn. Returns (rows, log, directory)."""
+    directory = os.path.join(out, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    log_path = os.path.join(directory, "log.txt")
+    metrics = os.path.join(directory, "metrics.jsonl")
+    job = launch_live(directory, iters, save_interval, collective_timeout)
+    rows = []
+    try:
+        for generation, (kill_at, ranks) in enumerate(kills, start=1):
+            wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, 300,
+                     f"iteration {kill_at}")
+            with open(log_path) as f:
+                before_pids = processes(f.read())
+            for rank in ranks:
+                os.kill(before_pids[rank][-1], signal.SIGKILL)
+            killed_at = time.time()
+            before = records(metrics)
+            first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "an iteration")
+            seconds = time.time() - killed_at
+            if len(ranks) == 1:  # let the recovery's lines reach the log before the next kill
+                wait_for(lambda: f"recovered into generation {generation}" in open(log_path).read(), job, 60,
+                         "the recovery record")
+            rows.append({"kill": len(rows), "rank": ",".join(map(str, ranks)), "completed": before[-1]["iteration"],
+                         "resumed": first["iteration"] - 1, "seconds": round(seconds, 2), "killed_at": killed_at,
+                         "pids_before": before_pids})
+        code = job.wait(timeout=600)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    with open(log_path) as f:
+        log = f.read()
+    after_pids, splits = processes(log), recoveries(log)
+    for generation, row in enumerate(rows, start=1):
+        killed = {int(r) for r in row["rank"].split(",")}
+        # The other ranks' processes until the next kill (or the end) are the ones before this kill.
+        pids_next = rows[generation]["pids_before"] if generation < len(rows) else after_pids
+        row["healthy_pids_kept"] = code == 0 and all(pids_next[r] == row["pids_before"][r]
+                                                     for r in range(WORLD) if r not in killed)
+        row["lost"] = max(0, row["completed"] - row["resumed"])
+        row["split"] = split(splits[generation], row["killed_at"]) if generation in splits else None
+    return rows, log, directory, code
+
+
+def same_losses(directory: str, reference: dict, iters: int) -> bool:
+    seen = {}
+    for r in records(os.path.join(directory, "metrics.jsonl")):
+        seen.setdefault(r["iteration"], set()).add(r["lm_loss"])
+    return sorted(seen) == list(range(1, iters + 1)) and all(seen[i] == {reference[i]} for i in seen)
+
+
+def same_weights(directory: str, reference_directory: str, iters: int) -> bool:
+    def files(d):
+        folder = os.path.join(d, f"iter_{iters:07d}")
+        return {n: open(os.path.join(folder, n), "rb").read() for n in os.listdir(folder) if n.endswith(".distcp")}
+    return files(directory) == files(reference_directory)
+
+
+def main(args, rng, reference: dict):
+    gap = 8  # iterations between kills: each recovery completes before the next kill
+    if args.iters < 15 + gap * args.kills:
+        raise SystemExit(f"--live needs --iters >= {15 + gap * args.kills} for {args.kills} spaced kills")
+    points = [5 + k * gap + rng.randint(0, gap // 2) for k in range(args.kills)]
+    ranks = []  # every rank equally often: each round of WORLD kills is a permutation
+    while len(ranks) < args.kills:
+        ranks += rng.sample(range(WORLD), WORLD)
+    kills = [(point, [rank]) for point, rank in zip(points, ranks)]
+    reference_dir = os.path.join(args.out, "reference_r2")
+    rows, log, directory, code = live_job(args.out, "live", args.iters, args.save_interval, kills,
+                                          args.collective_timeout)
+    identical = code == 0 and same_losses(directory, reference, args.iters) and \
+        same_weights(directory, reference_dir, args.iters)
+    print("\n### live recovery (one job, dp=4, R=2, supervisor: only the killed rank restarts)\n")
+    print("| kill | rank | completed | resumed from | lost | healthy PIDs kept | kill -> first iteration (s) | "
+          "detection | join | heal | redo |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["split"] or {}
+        print(f"| {r['kill']} | {r['rank']} | {r['completed']} | {r['resumed']} | {r['lost']} | "
+              f"{'yes' if r['healthy_pids_kept'] else 'NO'} | {r['seconds']} | {s.get('detection')} | "
+              f"{s.get('join')} | {s.get('heal')} | {s.get('redo')} |")
+    mean = sum(r["seconds"] for r in rows) / len(rows)
+    print(f"live: {len(rows)} kills, iterations lost {sum(r['lost'] for r in rows)}, mean kill -> first iteration "
+          f"{mean:.2f} s (min {min(r['seconds'] for r in rows)}, max {max(r['seconds'] for r in rows)}); every loss "
+          f"and the final weights bit-identical to the uninterrupted run: {'yes' if identical else 'NO'}")
+
+    print("\n### restart everything (torchrun --max-restarts 1, last words), the same kills, one job each\n")
+    restart_rows = []
+    for k, (point, ranks_) in enumerate(kills[:args.restart_kills]):
+        restart_rows.append(trial(args.out, f"restart{k}", args.iters, 2, args.save_interval, point, ranks_, reference))
+        print(json.dumps(restart_rows[-1]), flush=True)
+    if restart_rows:
+        print(f"restart everything: {len(restart_rows)} kills, iterations lost "
+              f"{sum(r['lost'] for r in restart_rows)}, mean kill -> first iteration "
+              f"{sum(r['recovery_s'] for r in restart_rows) / len(restart_rows):.2f} s, every process restarted")
+
+    print("\n### double failure (ranks 1 and 3, both holders of shard 1, at once), live path\n")
+    at = rng.randint(args.save_interval + 5, args.iters - 10)
+    double, double_log, double_dir, double_code = live_job(args.out, "live_double", args.iters, args.save_interval,
+                                                           [(at, [1, 3])], args.collective_timeout)
+    d = double[0]
+    message = next((line.split("> ", 1)[1] for line in double_log.splitlines() if "has no replica" in line), "")
+    resumed = next((line for line in double_log.splitlines() if "> resumed from" in line), "")
+    double_identical = double_code == 0 and same_losses(double_dir, reference, args.iters)
+    print(f"killed at iteration {d['completed']}: resumed from {d['resumed']} (lost {d['lost']}), kill -> first "
+          f"iteration {d['seconds']} s; message: {message}; {resumed.strip()}; losses bit-identical: "
+          f"{'yes' if double_identical else 'NO'}")
+    ok = identical and all(r["lost"] == 0 and r["healthy_pids_kept"] for r in rows) and double_identical \
+        and "has no replica" in message and all(r["identical"] for r in restart_rows)
+    print("live soak:", "PASSED" if ok else "FAILED")
+    return ok
