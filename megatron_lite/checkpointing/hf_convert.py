@@ -101,7 +101,8 @@ def to_hf(model_state: Dict[str, torch.Tensor], args: dict, vocab_size: int, eod
         args: the checkpoint's recorded arguments.
         vocab_size: the tokenizer's vocabulary (rows kept of the padded embedding); eod: its end-of-document id.
     Returns:
-        (config.json's content, {transformers parameter name: tensor}); the tensors are contiguous copies.
+        (config.json's content, {transformers parameter name: tensor}); the tensors are contiguous copies in
+        the model's dtype (config.json's `dtype`).
     """
     config = gpt_config(args)
     if not 0 < vocab_size <= config.vocab_size or not 0 <= eod < vocab_size:
@@ -109,7 +110,8 @@ def to_hf(model_state: Dict[str, torch.Tensor], args: dict, vocab_size: int, eod
                          f"vocabulary {config.vocab_size}: was it trained with another --tokenizer-type?")
     kind = architecture(config)
     hf_config = _gpt2_config(config, vocab_size) if kind == GPT2 else _llama_config(config, vocab_size)
-    hf_config.update(architectures=[kind], bos_token_id=eod, eos_token_id=eod, torch_dtype="float32",
+    dtype = model_state["word_embeddings.weight"].dtype  # the model's (bf16 in a --bf16 run), kept as it is
+    hf_config.update(architectures=[kind], bos_token_id=eod, eos_token_id=eod, dtype=str(dtype).split(".")[-1],
                      initializer_range=config.init_method_std)
     names = _gpt2_names if kind == GPT2 else _llama_names
     tensors = {}
@@ -117,7 +119,7 @@ def to_hf(model_state: Dict[str, torch.Tensor], args: dict, vocab_size: int, eod
         if name in ("word_embeddings.weight", "output_layer.weight"):
             tensor = tensor[:vocab_size]
         for hf_name, part in names(name, tensor, config):
-            tensors[hf_name] = part.float().contiguous().clone()
+            tensors[hf_name] = part.contiguous().clone()
     return hf_config, tensors
 
 

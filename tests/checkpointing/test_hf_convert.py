@@ -133,6 +133,23 @@ def test_round_trip_is_bitwise(name):
             assert torch.equal(state[key], value), key
 
 
+def test_bf16_weights_export_as_bf16(tmp_path):
+    """A --bf16 run's model weights are written in bfloat16 (config.json's dtype says so), transformers loads
+    them as such, and the import gives their values back exactly (as fp32). Would catch a bf16 model doubled
+    to fp32 on export or its values rounded on the way back."""
+    args, _ = ARCHITECTURES["llama-gqa-untied"]
+    model = _model(args).to(torch.bfloat16)
+    config = _export(model, args, tmp_path)
+    assert config["dtype"] == "bfloat16"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+    from safetensors.torch import load_file
+
+    _, state = hf_convert.from_hf(json.loads(json.dumps(config)), load_file(str(tmp_path / "model.safetensors")))
+    assert torch.equal(state["layers.1.self_attention.linear_qkv.weight"],
+                       model.layers[1].self_attention.linear_qkv.weight.float())
+
+
 # ------------------------------------------------------------------------------------------ end to end
 LLAMA_RUN = tiny_pretrain_flags(hidden_size="64", num_attention_heads="4", micro_batch_size="2",
                                 global_batch_size="8", train_iters="4", log_interval="1", lr="3e-3")
