@@ -227,7 +227,8 @@ def test_byte_level_tokenizer_is_exported_with_its_ids(tmp_path):
 def test_hugging_face_tokenizer_without_eod_gets_the_reserved_id(tmp_path):
     """HuggingFaceTokenizer reserves the next id as eod when tokenizer.json has none; the export adds
     '<|endoftext|>' at exactly that id, so transformers' eos is the run's eod, and ids agree on text.
-    Would catch an eos token at another id than the one the model learned document ends with."""
+    Would catch an eos token at another id than the one the model learned document ends with, or the tool's
+    tokenizer flags ignored in favour of the recorded tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(["[UNK]", "hello", "world", "megatron", "lite"])}
@@ -242,6 +243,12 @@ def test_hugging_face_tokenizer_without_eod_gets_the_reserved_id(tmp_path):
     ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "source.json"))
     assert ours.eod == 5 == tokenizer.eos_token_id == config["eos_token_id"] and config["vocab_size"] == 6
     assert tokenizer("hello megatron lite", add_special_tokens=False)["input_ids"] == [1, 3, 4]
+    # A run on ids only (NullTokenizer, as for data Megatron-LM preprocessed) exported with the tokenizer the
+    # ids came from: the tool's --tokenizer-type / --tokenizer-model win over the recorded ones.
+    payload["args"].update(tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_size=6)
+    again = checkpoint_convert.export_hf(payload, str(tmp_path / "again"), "HuggingFaceTokenizer",
+                                         str(tmp_path / "source.json"))
+    assert again == config and os.path.isfile(tmp_path / "again" / "tokenizer.json")
 
 
 # ------------------------------------------------------------------------------------------ errors
