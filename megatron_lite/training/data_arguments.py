@@ -36,7 +36,7 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                         "[round(begin_i x n), round(end_i x n)) as in megatron-core")
     g.add_argument("--data-cache-path", default=os.path.join("data", "cache"),
                    help="directory for the dataset index caches (named by a hash of what they depend on, reused by "
-                        "later runs; Megatron's default: next to the data) and the built-in corpus")
+                        "later runs) and the built-in corpus (default: data/cache; Megatron's: next to each dataset)")
     g.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader worker processes per rank that read samples ahead (the same batches as 0; "
                         "Megatron's default is 2, here 0: on CPU the workers compete with the ranks for cores)")
