@@ -237,7 +237,7 @@ def test_config_flags_are_generated_from_the_configs():
               "--num-layers": "3", "--hidden-size": "48", "--num-attention-heads": "6", "--ffn-hidden-size": "40",
               "--max-position-embeddings": "256", "--hidden-dropout": "0.25", "--attention-dropout": "0.125",
               "--init-method-std": "0.5", "--optimizer-offload-fraction": "0.5", "--normalization": "RMSNorm",
-              "--num-query-groups": "2"}
+              "--num-query-groups": "2", "--norm-epsilon": "0.001", "--rotary-base": "500000.0"}
     switches = ["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer",
                 "--ddp-average-in-collective", "--accumulate-allreduce-grads-in-fp32", "--fp16",
                 "--optimizer-cpu-offload", "--swiglu", "--group-query-attention", "--disable-bias-linear"]
