@@ -10,7 +10,8 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the workers' environment; a c10d TCP
 the generation keys of membership.py:
 
     a worker exits 0            done (the job ends when every rank is done)
-    a worker dies (a signal)    generation += 1, gen_<g>/replaced = [rank]; a new process for that rank only
+    a worker dies (a signal)    generation += 1, gen_<g>/replaced = [rank]; a process for that rank only: a
+                                warm spare (--spares, started ahead with torch imported) or a new one
     a rank reports trouble      (a collective failed, no process died within --trouble-grace seconds):
                                 generation += 1 with no replacement, every rank re-forms the groups
     a worker exits 3            live recovery is impossible (both holders of a shard lost), or a worker
@@ -29,32 +30,72 @@ import time
 
 import torch.distributed as dist
 
-from .membership import ENV_COLLECTIVE_TIMEOUT, ENV_GENERATION, ENV_JOIN_TIMEOUT, ENV_STORE, EXIT_FALLBACK, LiveConfig
+from . import membership
+from .membership import EXIT_FALLBACK, LiveConfig
 
 
 class Supervisor:
     """The workers of one job and the store of their generations (see the module docstring)."""
 
     def __init__(self, command, world_size: int, config: LiveConfig, max_replacements: int, max_restarts: int,
-                 trouble_grace_s: float):
+                 trouble_grace_s: float, spares: int = 1):
         self.command, self.world_size, self.config = command, world_size, config
         self.max_replacements, self.max_restarts, self.trouble_grace_s = max_replacements, max_restarts, trouble_grace_s
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
         self.workers = {}  # rank -> Popen
         self.done = set()
+        self.num_spares = spares
+        self.spares = []  # [(id, Popen)] warm processes waiting for a rank, oldest first
+        self.spare_count = 0
+        self.spare_after_logged = None  # replenish the spares once training passed this iteration again
 
     def say(self, text: str):
         print(f"[supervisor] {text}", flush=True)
 
+    def _env(self, **extra) -> dict:
+        return {**os.environ, "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                membership.ENV_STORE: f"127.0.0.1:{self.store.port}",
+                membership.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
+                membership.ENV_JOIN_TIMEOUT: str(self.config.join_timeout_s), **extra}
+
     def spawn(self, rank: int):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-               "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(self.store.port), ENV_STORE: f"127.0.0.1:{self.store.port}",
-               ENV_GENERATION: str(self.generation), ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
-               ENV_JOIN_TIMEOUT: str(self.config.join_timeout_s)}
+        """A process for `rank` in the current generation: a warm spare if one is waiting, else a new one."""
+        if self.spares:
+            spare, proc = self.spares.pop(0)
+            self.store.set(f"spare_{spare}/assign", json.dumps({"rank": rank, "generation": self.generation}))
+            self.workers[rank] = proc
+            self.say(f"rank {rank}: pid {proc.pid} (generation {self.generation}, warm spare {spare})")
+            return
+        env = self._env(RANK=str(rank), LOCAL_RANK=str(rank), **{membership.ENV_GENERATION: str(self.generation)})
         self.workers[rank] = subprocess.Popen([sys.executable, *self.command], env=env)
         self.say(f"rank {rank}: pid {self.workers[rank].pid} (generation {self.generation})")
+
+    def spawn_spare(self):
+        """A warm spare: the training script started (torch imported, arguments parsed) and waiting in
+        Membership.from_env for the rank it is to replace."""
+        self.spare_count += 1
+        env = self._env(**{membership.ENV_SPARE: str(self.spare_count)})
+        proc = subprocess.Popen([sys.executable, *self.command], env=env)
+        self.spares.append((self.spare_count, proc))
+        self.say(f"spare {self.spare_count}: pid {proc.pid}")
+
+    def last_logged(self) -> int:
+        return int(self.store.get("last_logged")) if self.store.check(["last_logged"]) else 0
+
+    def tend_spares(self):
+        """Drop spares that died; start new ones, but not while a recovery is under way (on few cores a
+        starting process slows the recovery down): only once an iteration after the last death was logged."""
+        alive = [(i, p) for i, p in self.spares if p.poll() is None]
+        if len(alive) < len(self.spares):
+            self.say(f"spare(s) {[i for i, p in self.spares if p.poll() is not None]} died: no more spares")
+            self.num_spares = 0  # a spare that dies waiting would die again: start replacements afresh
+        self.spares = alive
+        if len(self.spares) < self.num_spares:
+            if self.spare_after_logged is None or self.last_logged() > self.spare_after_logged:
+                self.spare_after_logged = None
+                self.spawn_spare()
 
     def new_generation(self, replaced):
         self.generation += 1
@@ -72,6 +113,10 @@ class Supervisor:
         self.store.set("generation", str(self.generation))
 
     def stop_all(self):
+        for _, proc in self.spares:
+            proc.kill()
+            proc.wait()
+        self.spares = []
         for proc in self.workers.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -89,6 +134,7 @@ class Supervisor:
         trouble_since = None
         while len(self.done) < self.world_size:
             time.sleep(0.02)
+            self.tend_spares()
             dead, fallback = [], False
             for rank, proc in self.workers.items():
                 code = proc.poll()
@@ -114,6 +160,7 @@ class Supervisor:
             if dead:
                 self.say(f"rank(s) {dead} died (exit codes {[self.workers[r].returncode for r in dead]})")
                 replacements += len(dead)
+                self.spare_after_logged = self.last_logged()
                 if replacements > self.max_replacements:
                     self.say(f"more than {self.max_replacements} replacements (--max-replacements): giving up")
                     self.stop_all()
@@ -138,6 +185,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-replacements", type=int, default=20, help="ranks replaced live, in all")
     parser.add_argument("--max-restarts", type=int, default=1,
                         help="whole-job restarts when live recovery is impossible")
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spare processes (torch imported, waiting for a rank): a replacement then skips "
+                             "the start-up of a Python process; 0: start the replacement afresh")
     parser.add_argument("--trouble-grace", type=float, default=2.0,
                         help="seconds between a rank's failed collective and a re-forming without a death")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
@@ -146,7 +196,7 @@ def main(argv=None) -> int:
         parser.error("give the training script, e.g. pretrain_gpt.py ARGS")
     config = LiveConfig(args.collective_timeout, args.join_timeout)
     supervisor = Supervisor(args.command, args.nproc_per_node, config, args.max_replacements, args.max_restarts,
-                            args.trouble_grace)
+                            args.trouble_grace, args.spares)
     try:
         return supervisor.run()
     finally:

@@ -9,6 +9,7 @@ rank only. Every rank forms the process group of generation g on its own key spa
     gen_<g>/replaced               supervisor        JSON list of the ranks started afresh in generation g
     gen_<g>/arrived                every rank        counter; the rank that makes it WORLD sets .../ready
     gen_<g>/trouble                a rank            "a collective of generation g failed" (see launch.py)
+    spare_<i>/assign               supervisor        JSON {rank, generation}: warm spare i becomes that rank
     last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
     gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
 
@@ -31,6 +32,7 @@ ENV_STORE = "MEGATRON_LITE_LIVE_STORE"  # host:port of the supervisor's TCPStore
 ENV_GENERATION = "MEGATRON_LITE_LIVE_GENERATION"
 ENV_COLLECTIVE_TIMEOUT = "MEGATRON_LITE_LIVE_COLLECTIVE_TIMEOUT"
 ENV_JOIN_TIMEOUT = "MEGATRON_LITE_LIVE_JOIN_TIMEOUT"
+ENV_SPARE = "MEGATRON_LITE_LIVE_SPARE"  # a warm spare's id: it waits for the rank it is to replace
 EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts the whole job (--load)
 
 
@@ -91,9 +93,19 @@ class Membership:
 
     @classmethod
     def from_env(cls) -> "Membership":
+        """This process's membership; a warm spare (started with torch imported and the arguments parsed)
+        first waits, without a deadline, until the supervisor assigns it a rank (or stops it)."""
         config = LiveConfig.from_env()
-        return cls(connect_store(os.environ[ENV_STORE], config.join_timeout_s), int(os.environ["RANK"]),
-                   int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")), config)
+        store = connect_store(os.environ[ENV_STORE], config.join_timeout_s)
+        if ENV_SPARE in os.environ:
+            key = f"spare_{os.environ[ENV_SPARE]}/assign"
+            while not store.check([key]):
+                time.sleep(0.005)
+            assignment = json.loads(store.get(key))
+            os.environ.update({"RANK": str(assignment["rank"]), "LOCAL_RANK": str(assignment["rank"]),
+                               ENV_GENERATION: str(assignment["generation"])})
+        return cls(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                   int(os.environ.get(ENV_GENERATION, "0")), config)
 
     def current_generation(self) -> int:
         return int(self.store.get("generation")) if self.store.check(["generation"]) else 0

@@ -21,17 +21,24 @@ import pretrain_gpt  # noqa: E402
 from megatron_lite.fault_tolerance import live_training  # noqa: E402
 from megatron_lite.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 
-RANK = int(os.environ["RANK"])
-GENERATION = int(os.environ.get("MEGATRON_LITE_LIVE_GENERATION", "0"))
-FAULTS = {phase: int(iteration) for rank, iteration, phase, generation in
-          (f.split(":") for f in os.environ.get("LIVE_FAULTS", "").split(";") if f)
-          if int(rank) == RANK and int(generation) == GENERATION}
+
+def fault(phase: str):
+    """The iteration at which this process dies in `phase`, or None. Read when asked: a warm spare learns its
+    rank and generation only once assigned."""
+    rank, generation = os.environ.get("RANK"), os.environ.get("MEGATRON_LITE_LIVE_GENERATION", "0")
+    for spec in filter(None, os.environ.get("LIVE_FAULTS", "").split(";")):
+        fault_rank, iteration, fault_phase, fault_generation = spec.split(":")
+        if (fault_rank, fault_phase, fault_generation) == (rank, phase, generation):
+            return int(iteration)
+    return None
+
+
 completed = {"steps": 0, "micro_batches": 0}
 original_forward_step = pretrain_gpt.forward_step
 
 
 def die(phase: str):
-    print(f"[rank {RANK}] > injected fault: killed at {phase}", flush=True)
+    print(f"[rank {os.environ['RANK']}] > injected fault: killed at {phase}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -46,7 +53,7 @@ def patch(owner, name, before):
 
 def forward_step(data_iterator, model):
     completed["micro_batches"] += 1
-    if FAULTS.get("forward_backward") == completed["steps"] + 1 and completed["micro_batches"] == 2:
+    if fault("forward_backward") == completed["steps"] + 1 and completed["micro_batches"] == 2:
         die("forward_backward")
     return original_forward_step(data_iterator, model)
 
@@ -67,11 +74,11 @@ def step(self):
 DistributedOptimizer.step = step
 patch(DistributedOptimizer, "zero_grad", count_step)
 patch(DistributedOptimizer, "_copy_main_params_to_model_params",
-      lambda self: FAULTS.get("update") == self.steps_taken and die("update"))
+      lambda self: fault("update") == self.steps_taken and die("update"))
 patch(live_training, "save_checkpoint",
-      lambda root, iteration, *args, **kwargs: FAULTS.get("save") == iteration and die("save"))
-patch(DistributedOptimizer, "send_shard_state", lambda self, dst: "send" in FAULTS and die("send"))
-patch(DistributedOptimizer, "recv_shard_state", lambda self, src: "recv" in FAULTS and die("recv"))
+      lambda root, iteration, *args, **kwargs: fault("save") == iteration and die("save"))
+patch(DistributedOptimizer, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
+patch(DistributedOptimizer, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
 pretrain_gpt.forward_step = forward_step
 
 if __name__ == "__main__":
