@@ -256,10 +256,6 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
             if snapshot is None and live is not None:  # a failure outside train_step (a save, the log)
                 snapshot = _snapshot(live[0], None, live[1], live[2])
             live = None
-            if dist.is_initialized():
-                # Closes this rank's connections now: a survivor blocked in a collective with this rank fails at
-                # once instead of at the collective timeout (gloo cannot abort it otherwise).
-                dist.destroy_process_group()
             timings = timings or Timings(time.time())
             print(f"[rank {membership.rank}] > generation {membership.generation} failed "
                   f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); waiting for the next one", flush=True)
