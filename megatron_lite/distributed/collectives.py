@@ -168,7 +168,9 @@ class _SumOnWait:
             total.add_(piece)
         if total is not self._own:
             self._own.copy_(total)  # with `accumulate`: the one rounding back to the bucket's dtype
-        self._copies = None  # free the scratch now, not when the handle goes
+        # Free the scratch now, not when the handle goes: the work, too, holds it (gloo's all-to-all keeps its
+        # output tensor), and the bucket keeps this handle until its next iteration.
+        self._copies = self._work = None
         return True
 
     def is_completed(self):

@@ -109,6 +109,33 @@ def test_gloo_reduce_scatter_and_all_gather_paths(dp):
     assert all(all(ok) for ok in run_distributed(_gloo_paths_worker, dp))
 
 
+def _scratch_worker():
+    import torch
+
+    from megatron_lite.distributed import collectives
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    # 40 MB buckets: above glibc's largest mmap threshold (32 MB), so a freed scratch leaves RSS at once.
+    buckets = [torch.ones(10_000_002) for _ in range(2)]
+    before = rss()
+    handles = [collectives.reduce_scatter(b, async_op=True) for b in buckets]
+    for handle in handles:
+        handle.wait()
+    return rss() - before, buckets[0].numel() * 4
+
+
+def test_reduce_scatter_frees_its_scratch_on_wait():
+    """dp=3 (gloo's all-to-all path, a bucket-sized scratch per reduce-scatter): after wait(), with the handles
+    still alive (a bucket keeps its handle until its next iteration), the scratches are gone. Would catch a
+    handle that keeps the collective's work, which holds its output tensor: every bucket's scratch, a full
+    copy of the gradients, alive until the next iteration (as it was until 2026-11-26)."""
+    for grown, bucket_bytes in run_distributed(_scratch_worker, 3):
+        assert grown < bucket_bytes // 2, (grown, bucket_bytes)
+
+
 def _one_rank_worker():
     import torch
 
