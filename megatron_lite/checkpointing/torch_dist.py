@@ -286,7 +286,8 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     values = collectives.run_collectively(_optimizer_values, state, described, group=group)
     if load_optim:
         lagging = common.get("optimizer_lagging_steps")
-        optimizer.load_sharded_state(described.with_values(values, common["optimizer_step"], lagging))
+        # The moments read are the state's own now (adopted, not copied: the pieces are this load's alone).
+        optimizer.load_sharded_state(described.with_values(values, common["optimizer_step"], lagging), adopt=True)
     # The model: whole parameters, or (ZeRO-3) the rank's shards, written through the description's views.
     shapes = common["shapes"]
     others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}

@@ -262,22 +262,25 @@ class MegatronOptimizer:
         return {"param": flat, **{k: state[k].reshape(-1) for k in STATE_KEYS[self.config.optimizer] if k in state}}
 
     @torch.no_grad()
-    def load_sharded_state(self, state: ShardedOptimizerState):
+    def load_sharded_state(self, state: ShardedOptimizerState, adopt: bool = False):
         """Set this rank's main params, moments and step counts from `state` (a description of this rank's
         layout: its shards are matched by (name, start)), then write the params into the model (for the
         distributed optimizer a collective: the parameter all-gather). The common part is loaded by
-        load_common_state_dict(state.common, ...), first: it checks the kind and the hyperparameters."""
-        self._load_shards(state)
+        load_common_state_dict(state.common, ...), first: it checks the kind and the hyperparameters.
+        With `adopt` the moments become the optimizer's state as they are where they are fp32 on its device
+        (no copy): for a caller that hands over tensors it read for this and keeps no other use of (the
+        torch_dist load: a second copy of the moments would be the load's peak)."""
+        self._load_shards(state, adopt)
         self._copy_main_params_to_model_params()
 
-    def _load_shards(self, state: ShardedOptimizerState):
+    def _load_shards(self, state: ShardedOptimizerState, adopt: bool = False):
         """load_sharded_state's local part: the main params, moments and step counts (no collective)."""
         given = {(s.name, s.start): s for s in state.shards}
         for param, start, _, main, _ in self._main_shards():
             shard = given[(self.param_to_name[param], start)]
             main.data.copy_(shard.tensors["param"].view_as(main))
             moments = {k: shard.tensors[k].view_as(main) for k in state.state_keys if k in shard.tensors}
-            self._set_state_of(main, state.own_step(shard), moments)
+            self._set_state_of(main, state.own_step(shard), moments, adopt)
         self.update_count = state.step
 
     # ------------------------------------------------------------------ the 'torch' format's state dict
@@ -373,12 +376,13 @@ class MegatronOptimizer:
         collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
         return int(step.item())
 
-    def _set_state_of(self, main_param: torch.Tensor, step, tensors: Dict[str, torch.Tensor]):
+    def _set_state_of(self, main_param: torch.Tensor, step, tensors: Dict[str, torch.Tensor], adopt: bool = False):
         if not tensors:
             return
         state = self.optimizer.state[main_param]
         for key, value in tensors.items():
-            state[key] = value.to(device=main_param.device, dtype=torch.float32).clone()
+            moved = value.to(device=main_param.device, dtype=torch.float32)
+            state[key] = moved if adopt or moved is not value else moved.clone()  # never the caller's tensor unasked
         if step is not None and self.config.optimizer == "adam":
             # torch keeps Adam's step on the CPU, except for its fused/capturable kernels.
             on_device = self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable")
