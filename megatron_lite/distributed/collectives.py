@@ -291,6 +291,12 @@ def instance_groups(group, topology: DataParallelTopology):
     return _instance_groups[key]
 
 
+def forget_instance_groups():
+    """Drop the cached instance groups (live recovery, after a failure: the process groups are being
+    destroyed, and a gloo group releases its peers' blocked operations only once nothing refers to it)."""
+    _instance_groups.clear()
+
+
 # ------------------------------------------------------------------------------------------ objects
 def barrier(group=None):
     dist.barrier(group=group)

@@ -206,6 +206,14 @@ class DistributedDataParallel(torch.nn.Module):
         self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, self._launch_order, units,
                                                       unit_of, self.intra_instance_group)
 
+    def remove_grad_hooks(self):
+        """Unregister the gradient-ready hooks from the parameters (live recovery discards a wrapper after a
+        failure: a hook held by a parameter keeps the wrapper, its buckets and their process groups alive,
+        out of the garbage collector's sight, and a gloo group releases its peers only once freed)."""
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._grad_hook_handles = []
+
     @torch.no_grad()
     def _keep_initial_value(self, tensor: torch.Tensor, value: torch.Tensor):
         """A meta-built tensor's initial value (full, on the CPU): ZeRO-3 keeps the part in this rank's shard
