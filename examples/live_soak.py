@@ -83,23 +83,26 @@ def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, c
     job = launch_live(directory, iters, save_interval, collective_timeout)
     rows = []
     try:
-        for generation, (kill_at, ranks) in enumerate(kills, start=1):
+        for kill_at, ranks in kills:
             wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, 300,
                      f"iteration {kill_at}")
             with open(log_path) as f:
-                before_pids = processes(f.read())
+                text = f.read()
+            before_pids, before_generation = processes(text), max(recoveries(text), default=0)
             for rank in ranks:
                 os.kill(before_pids[rank][-1], signal.SIGKILL)
             killed_at = time.time()
             before = records(metrics)
             first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "an iteration")
             seconds = time.time() - killed_at
-            if len(ranks) == 1:  # let the recovery's lines reach the log before the next kill
-                wait_for(lambda: f"recovered into generation {generation}" in open(log_path).read(), job, 60,
-                         "the recovery record")
+            generation = before_generation
+            if len(ranks) == 1:  # the recovery's records (the generation that healed: a spurious timeout while
+                # healing adds one) reach the log before the next kill
+                generation = wait_for(lambda: max(recoveries(open(log_path).read()), default=0) > before_generation
+                                      and max(recoveries(open(log_path).read())), job, 60, "the recovery record")
             rows.append({"kill": len(rows), "rank": ",".join(map(str, ranks)), "completed": before[-1]["iteration"],
                          "resumed": first["iteration"] - 1, "seconds": round(seconds, 2), "killed_at": killed_at,
-                         "pids_before": before_pids})
+                         "pids_before": before_pids, "generation": generation})
         code = job.wait(timeout=600)
     finally:
         if job.poll() is None:
@@ -107,10 +110,10 @@ def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, c
     with open(log_path) as f:
         log = f.read()
     after_pids, splits = processes(log), recoveries(log)
-    for generation, row in enumerate(rows, start=1):
-        killed = {int(r) for r in row["rank"].split(",")}
+    for k, row in enumerate(rows):
+        killed, generation = {int(r) for r in row["rank"].split(",")}, row["generation"]
         # The other ranks' processes until the next kill (or the end) are the ones before this kill.
-        pids_next = rows[generation]["pids_before"] if generation < len(rows) else after_pids
+        pids_next = rows[k + 1]["pids_before"] if k + 1 < len(rows) else after_pids
         row["healthy_pids_kept"] = code == 0 and all(pids_next[r] == row["pids_before"][r]
                                                      for r in range(WORLD) if r not in killed)
         row["lost"] = max(0, row["completed"] - row["resumed"])

@@ -27,8 +27,10 @@ run's, bit for bit. When a shard has no holder at the target (both holders of a 
 exit with EXIT_FALLBACK after writing their last words, and the supervisor restarts the whole job (--load).
 """
 
+import gc
 import json
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
@@ -165,6 +167,7 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
     # does; else this process is a replacement, healed from the survivors.
     fresh_job = set(membership.replaced()) == set(range(membership.world_size))
     snapshot: Optional[Snapshot] = None
+    model = optimizer = scheduler = iterator = None
     live = None  # (progress, optimizer, scheduler) once this generation's state is consistent
     losses, recoveries = {}, []
     # A replacement times its own start (process start -> first iteration) as a recovery of its own.
@@ -256,6 +259,18 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
             if snapshot is None and live is not None:  # a failure outside train_step (a save, the log)
                 snapshot = _snapshot(live[0], None, live[1], live[2])
             live = None
+            # Free this generation's process groups now: gloo cannot abort an operation, but a group that is
+            # freed closes its connections, so a survivor blocked in a collective with this rank fails at
+            # once instead of at the collective timeout. Everything that refers to a group goes: the model
+            # (and the hooks its parameters hold), the optimizer, the last words, the traceback's frames.
+            traceback.clear_frames(e.__traceback__)
+            if model is not None:
+                model.remove_grad_hooks()
+            words = model = optimizer = scheduler = iterator = None
+            collectives.forget_instance_groups()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.collect()
             timings = timings or Timings(time.time())
             print(f"[rank {membership.rank}] > generation {membership.generation} failed "
                   f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); waiting for the next one", flush=True)

@@ -80,7 +80,8 @@ def test_kills_during_backward_update_and_save_are_recovered_live_and_exactly(tm
     for phase in ("forward_backward", "update", "save"):
         assert f"killed at {phase}" in output, output
     assert {r: len(p) for r, p in pids.items()} == {0: 2, 1: 1, 2: 2, 3: 2}, output
-    assert "recovered into generation 2" in output and "generation 3: replaced [2]" in output, output
+    replaced = re.findall(r"\[supervisor\] generation \d+: replaced (\[.*\])", output)
+    assert [r for r in replaced if r != "[]"] == ["[3]", "[0]", "[2]"], output  # "[]": a re-forming only
     check_exact(tmp_path, reference, losses, output)
 
 
@@ -91,7 +92,7 @@ def test_replacement_killed_while_healing(tmp_path, reference):
     code, pids, losses, output = run_live(tmp_path, "3:3:forward_backward:0;3:0:recv:1")
     assert code == 0, output
     assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 1, 3: 3}, output
-    assert "recovered into generation 2" in output, output
+    assert "recovered into generation" in output, output
     check_exact(tmp_path, reference, losses, output)
 
 
