@@ -7,8 +7,10 @@ Started by the supervisor (launch.py), pretrain_gpt.py runs pretrain_live() inst
 of dp=4, R=2 dies::
 
     rank 3 killed   supervisor: generation 1, replaced [3]; starts a new rank 3 (only that process)
-    ranks 0-2       a collective fails (gloo: at once; behind a survivor that left: the collective timeout)
+    ranks 0-2       a collective fails (gloo: at once with the dead rank; behind a survivor that left, once
+                    that survivor freed its groups; a hung peer: the collective timeout)
                     -> snapshot: the state of the last iteration this rank completed (see _snapshot)
+                    -> last words; this generation's groups freed
                     -> wait for generation 1; join it: a fresh gloo WORLD on the store prefix gen_1
     every rank      build the model, optimizer, scheduler anew (the same construction collectives on every
                     rank), then heal:

@@ -13,8 +13,8 @@ rank only. Every rank forms the process group of generation g on its own key spa
     last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
     gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
 
-A survivor whose collective fails (gloo raises within milliseconds when a peer process dies, or at the
-collective timeout when a peer it waits for has itself left to recover) calls wait_for_next_generation();
+A survivor whose collective fails (gloo raises within milliseconds when a peer process dies or frees its
+groups, at the collective timeout when a peer hangs) calls wait_for_next_generation();
 once the new generation is ready on every rank it calls join(): the old groups are dropped and a fresh
 gloo WORLD is created on the new prefix. Nothing waits without a deadline.
 """
@@ -45,10 +45,10 @@ class LiveConfig:
     """The live-recovery timeouts (launch.py's flags, passed to the workers in their environment)."""
 
     collective_timeout_s: float = 3.0
-    """A collective waiting longer than this fails (every gloo group's timeout). It is how a survivor blocked
-    behind another survivor (one that already left to recover) learns of the failure: gloo cannot abort an
-    operation in flight, so it bounds the detection time; it must exceed the longest gap between two ranks'
-    arrivals at one collective in a healthy run (a periodic save, a slow evaluation)."""
+    """A collective waiting longer than this fails (every gloo group's timeout): how a peer that hangs without
+    dying is detected (a dead one is at once; a survivor that leaves frees its groups, which releases the
+    peers blocked on it). It must exceed the longest gap between two ranks' arrivals at one collective in a
+    healthy run (a periodic save, a slow evaluation); a spurious timeout costs a re-forming."""
     join_timeout_s: float = 60.0
     """How long a rank waits for a new generation (the supervisor noticing the death) and for every rank of
     it to arrive (the replacement starting). Past it the rank gives up live recovery (EXIT_FALLBACK)."""
