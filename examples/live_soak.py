@@ -55,7 +55,10 @@ def recoveries(log: str) -> dict:
     out = {}
     for line in log.splitlines():
         if "> recovered into generation" in line:
-            record = json.loads(line.split(": ", 1)[1])
+            try:
+                record = json.loads(line.split(": ", 1)[1])
+            except ValueError:  # the line is being written
+                continue
             out.setdefault(record["generation"], []).append(record)
     return out
 
