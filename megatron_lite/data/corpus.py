@@ -76,6 +76,13 @@ def _is_stdlib(module) -> bool:
     return not in_site and (path.startswith(stdlib + os.sep) or path.startswith(platstdlib + os.sep))
 
 
+def _defined_outside_stdlib(code) -> bool:
+    """Whether a function was defined in a module outside the standard library (a third-party library
+    patching a standard class): such text depends on what the process imported, not on Python."""
+    module = sys.modules.get(getattr(code, "__module__", None) or "")
+    return module is not None and not _is_stdlib(module)
+
+
 def builtin_corpus_documents() -> List[str]:
     """Collect the standard library's docstrings, one document each.
 
@@ -119,6 +126,8 @@ def builtin_corpus_documents() -> List[str]:
                         member = members[member_name]
                         if isinstance(member, (staticmethod, classmethod)):
                             member = member.__func__
+                        if _defined_outside_stdlib(member.fget if isinstance(member, property) else member):
+                            continue  # patched in by a library (importing transformers adds Logger methods)
                         if inspect.isroutine(member) or isinstance(member, property):
                             add(member)
     return documents

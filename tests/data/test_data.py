@@ -275,6 +275,24 @@ def test_builtin_corpus_is_deterministic(corpus):
     assert out.stdout.strip() == digest
 
 
+def test_builtin_corpus_ignores_what_libraries_patch_into_the_standard_library(corpus, monkeypatch):
+    """Catches a corpus that depends on what the process imported: importing transformers adds methods to
+    logging.Logger, and the built-in dataset then differed from a fresh interpreter's."""
+    import logging
+    import types
+
+    library = types.ModuleType("some_library")
+    library.__file__ = os.path.join(os.sep, "venv", "lib", "site-packages", "some_library", "__init__.py")
+    monkeypatch.setitem(sys.modules, "some_library", library)
+
+    def warning_once(self, message):
+        """A method that a third-party library patches into the standard library's Logger class."""
+
+    warning_once.__module__ = "some_library"
+    monkeypatch.setattr(logging.Logger, "warning_once", warning_once, raising=False)
+    assert builtin_corpus_documents() == corpus
+
+
 def test_ensure_builtin_dataset_builds_once_and_repairs(tmp_path, corpus):
     """Catches rebuilding on every call, returning a broken cached dataset, and a tokenization that
     differs from the corpus (missing eod between documents)."""
