@@ -139,7 +139,9 @@ def same_weights(directory: str, reference_directory: str, iters: int) -> bool:
 
 
 def main(args, rng, reference: dict):
-    gap = 8  # iterations between kills: each recovery completes before the next kill
+    # Iterations between kills (at least 8: each recovery completes before the next kill); the longer, the
+    # likelier the warm spare started after one recovery is ready at the next kill.
+    gap = max(8, (args.iters - 15) // max(args.kills, 1))
     if args.iters < 15 + gap * args.kills:
         raise SystemExit(f"--live needs --iters >= {15 + gap * args.kills} for {args.kills} spaced kills")
     points = [5 + k * gap + rng.randint(0, gap // 2) for k in range(args.kills)]
