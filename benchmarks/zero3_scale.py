@@ -33,7 +33,8 @@ Theory, per rank (bytes; N parameters, d ranks, s = this rank's shard elements, 
       A = tokens x (68 h L + 8 V): the activations this GPT's autograd saves in fp32 (per layer and token
           17 h values: LayerNorm inputs and outputs, q/k/v, attention output, MLP input, 4h GELU input and
           output) and the logits with their log-softmax
-      O = 4 s: torch's foreach AdamW step (one shard-sized temporary, the square root of the second moment)
+      O = 4 s: torch's foreach AdamW step (one shard-sized temporary, the square root of the second moment);
+          2 x the largest shard piece with the single-tensor step (`per_tensor_adam`, the wide model)
       C = what the process maps on first use whatever the model's size (library code, threads, gloo's
           connections and buffers, autograd's state, the allocator's slack): measured first, as the peak of the
           same build and three iterations of a GPT of one tiny layer (the `calibration` run) at the same dp
