@@ -1,7 +1,8 @@
 """pretrain_gpt.py with faults injected, for tests/training/test_live_recovery.py (run by the live supervisor).
 
-LIVE_FAULTS="rank:iteration:phase:generation;..." kills (SIGKILL, no clean-up) the process of `rank` started
-for `generation` (0: the first processes, survivors included) when it reaches `phase` of `iteration`:
+LIVE_FAULTS="rank:iteration:phase:started;..." kills (SIGKILL, no clean-up) the process of `rank` that was
+`started` for a generation (0: the first processes, survivors included) or as warm spare i (`spare<i>`, whatever
+generation it is assigned to: a spurious re-forming shifts the numbers) when it reaches `phase` of `iteration`:
 
     forward_backward   the forward of the second micro-batch of the iteration (one backward done)
     update             right after the local optimizer update, before the parameter all-gather
@@ -18,17 +19,18 @@ from pretrain_testing import REPO
 sys.path.insert(0, REPO)
 
 import pretrain_gpt  # noqa: E402
-from megatron_lite.fault_tolerance import live_training  # noqa: E402
+from megatron_lite.fault_tolerance import live_training, membership  # noqa: E402
 from megatron_lite.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 
 
 def fault(phase: str):
     """The iteration at which this process dies in `phase`, or None. Read when asked: a warm spare learns its
     rank and generation only once assigned."""
-    rank, generation = os.environ.get("RANK"), os.environ.get("MEGATRON_LITE_LIVE_GENERATION", "0")
+    spare = os.environ.get(membership.ENV_SPARE)
+    started = f"spare{spare}" if spare else os.environ.get(membership.ENV_GENERATION, "0")
     for spec in filter(None, os.environ.get("LIVE_FAULTS", "").split(";")):
-        fault_rank, iteration, fault_phase, fault_generation = spec.split(":")
-        if (fault_rank, fault_phase, fault_generation) == (rank, phase, generation):
+        fault_rank, iteration, fault_phase, fault_started = spec.split(":")
+        if (fault_rank, fault_phase, fault_started) == (os.environ.get("RANK"), phase, started):
             return int(iteration)
     return None
 

@@ -26,7 +26,7 @@ FLAGS = tiny_pretrain_flags(train_iters=str(ITERS), global_batch_size="16", log_
                             num_distributed_optimizer_instances="2", save_interval="4")
 SINGLE_FAILURES = ";".join([
     "3:2:forward_backward:0",  # rank 3 during the forward/backward of iteration 2 ...
-    "3:0:recv:1",  # ... its replacement (the warm spare, generation 1) while receiving its shard
+    "3:0:recv:spare1",  # ... its replacement (the warm spare) while receiving its shard
     "0:5:update:0",  # rank 0 right after its optimizer update of iteration 5
     "2:8:save:0",  # rank 2 during the periodic save after iteration 8
 ])
@@ -34,8 +34,11 @@ SINGLE_FAILURES = ";".join([
 
 def run_live(directory, faults, timeout_s=100):
     """The supervisor's run in `directory`: (return code, {rank: [pids]}, {iteration: {losses}}, output)."""
+    # Every failure here is a killed process, which gloo reports at once: the collective timeout only bounds a
+    # hung peer, so it is long enough for the ranks' skew on a loaded machine (a spurious timeout would cost a
+    # re-forming after the trouble grace).
     command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4",
-               "--collective-timeout", "2", "--join-timeout", "25", "--trouble-grace", "5", WORKER, *FLAGS,
+               "--collective-timeout", "10", "--join-timeout", "25", "--trouble-grace", "5", WORKER, *FLAGS,
                "--save", str(directory), "--load", str(directory)]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "LIVE_FAULTS": faults}
     try:
