@@ -164,125 +164,179 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
                   forward_step_func: Callable, flops_per_iteration: Optional[Callable] = None) -> dict:
     """pretrain() under the live-recovery supervisor (same arguments; evaluation is not run). Returns
     {'iteration', 'losses', 'recoveries'}."""
-    membership = Membership.from_env()
-    # Every rank started afresh (generation 0, or the supervisor restarting the whole job): start as pretrain()
-    # does; else this process is a replacement, healed from the survivors.
-    fresh_job = set(membership.replaced()) == set(range(membership.world_size))
-    snapshot: Optional[Snapshot] = None
-    model = optimizer = scheduler = iterator = None
-    live = None  # (progress, optimizer, scheduler) once this generation's state is consistent
-    losses, recoveries = {}, []
-    # A replacement times its own start (process start -> first iteration) as a recovery of its own.
-    timings: Optional[Timings] = None if fresh_job else Timings(time.time(), role="replacement")
+    run = _LiveRun(args, train_valid_test_datasets_provider, model_provider, forward_step_func, flops_per_iteration)
     while True:
-        words = None
         try:
-            membership.join()
-            if timings is not None:
-                timings.mark("joined")
-            device, tokenizer = initialize_megatron(args)
-            train_ds, _, _ = collectives.run_collectively(train_valid_test_datasets_provider, args, tokenizer)
-            model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, device)
-            membership.limit_group_timeouts()  # the groups the model just created, too
-            if fresh_job:
-                progress = _start(args, model, optimizer, scheduler)
-            else:
-                progress = _heal(snapshot, model, optimizer, scheduler)
-                if timings is not None:
-                    timings.mark("healed")
-            fresh_job = False
-            snapshot, live = None, (progress, optimizer, scheduler)
-            rank, dp = dist.get_rank(), dist.get_world_size()
-            log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
-            if args.save and args.last_words:
-                words = LastWords(args.save, optimizer, scheduler, progress.iteration, progress.consumed,
-                                  checkpoint_args(args))
-            if progress.losses is not None and progress.iteration > membership.last_logged():
-                losses[progress.iteration] = progress.losses  # completed by the survivors, never logged
-                log.training(progress.iteration, progress.consumed, progress.losses,
-                             optimizer.param_groups[0]["lr"], optimizer.get_loss_scale().item(), None, True)
-                if rank == 0:
-                    membership.note_logged(progress.iteration)
-            if args.save and args.save_interval and progress.iteration % args.save_interval == 0 \
-                    and progress.last_saved != progress.iteration and progress.iteration > 0:
-                _save(args, progress, model, optimizer, scheduler)  # interrupted by the failure: again
-            iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp)
-            while progress.iteration < args.train_iters:
-                staged: Optional[Progress] = None
-
-                def stage(reduced_losses=None):
-                    nonlocal staged
-                    scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
-                    staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size,
-                                      get_rng_state(), scheduled, optimizer.steps_taken + 1, reduced_losses,
-                                      progress.last_saved)
-                    if words is not None:
-                        words.stage(staged.iteration, staged.consumed)
-                try:
-                    reported, ok, grad_norm = train_step(forward_step_func, iterator, model, optimizer, scheduler,
-                                                         args.num_micro_batches, args.check_for_nan_in_loss_and_grad,
-                                                         stage)
-                except BaseException:
-                    snapshot = _snapshot(progress, staged, optimizer, scheduler)
-                    raise
-                progress = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
-                                    optimizer.steps_taken, reported, progress.last_saved)
-                live = (progress, optimizer, scheduler)
-                if words is not None:
-                    words.commit()
-                losses[progress.iteration] = reported
-                log.training(progress.iteration, progress.consumed, reported, optimizer.param_groups[0]["lr"],
-                             optimizer.get_loss_scale().item(), grad_norm, ok)
-                if rank == 0:
-                    membership.note_logged(progress.iteration)
-                if timings is not None:
-                    timings.mark("redone")
-                    recoveries.append(_report(timings, membership.generation))
-                    timings = None
-                if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
-                    try:
-                        _save(args, progress, model, optimizer, scheduler)
-                    except BaseException:
-                        snapshot = _snapshot(progress, None, optimizer, scheduler)
-                        raise
-            if args.save and progress.last_saved != progress.iteration:
-                _save(args, progress, model, optimizer, scheduler)
-            log.close()
-            return {"iteration": progress.iteration, "losses": losses, "recoveries": recoveries}
+            return run.train_generation()
         except (LiveRecoveryImpossible, TimeoutError) as e:
             _fall_back(f"live recovery is impossible: {e}")
         except BaseException as e:
             # Last words first, as pretrain() leaves them: with replicas the survivors' files of a single
             # failure form a complete set, which the whole-job restart (the fallback) resumes from.
-            if words is not None:
-                words.write(f"{type(e).__name__}: {e}")
+            if run.words is not None:
+                run.words.write(f"{type(e).__name__}: {e}")
             if not _is_peer_failure(e):
                 raise
-            if snapshot is None and live is not None:  # a failure outside train_step (a save, the log)
-                snapshot = _snapshot(live[0], None, live[1], live[2])
-            live = None
-            # Free this generation's process groups now: gloo cannot abort an operation, but a group that is
-            # freed closes its connections, so a survivor blocked in a collective with this rank fails at
-            # once instead of at the collective timeout. Everything that refers to a group goes: the model
-            # (and the hooks its parameters hold), the optimizer, the last words, the traceback's frames.
-            traceback.clear_frames(e.__traceback__)
-            if model is not None:
-                model.remove_grad_hooks()
-            words = model = optimizer = scheduler = iterator = None
-            collectives.forget_instance_groups()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            gc.collect()
-            timings = timings or Timings(time.time())
-            print(f"[rank {membership.rank}] > generation {membership.generation} failed "
-                  f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); waiting for the next one", flush=True)
+            run.leave_generation(e)
+
+
+class _LiveRun:
+    """pretrain_live's state: what this process carries from one generation to the next (the snapshot, the
+    losses, the recovery timings) and the objects of the current generation, which hold its process groups
+    and are dropped when it fails.
+
+    One generation: train_generation() (join and build, start or heal, catch up, train to the end); a peer's
+    failure: leave_generation() (snapshot, free the groups, wait for the next generation)."""
+
+    def __init__(self, args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
+                 forward_step_func: Callable, flops_per_iteration: Optional[Callable]):
+        self.args = args
+        self.train_valid_test_datasets_provider = train_valid_test_datasets_provider
+        self.model_provider, self.forward_step_func = model_provider, forward_step_func
+        self.flops_per_iteration = flops_per_iteration
+        self.membership = Membership.from_env()
+        # Every rank started afresh (generation 0, or the supervisor restarting the whole job): start as
+        # pretrain() does; else this process is a replacement, healed from the survivors.
+        self.fresh_job = set(self.membership.replaced()) == set(range(self.membership.world_size))
+        self.snapshot: Optional[Snapshot] = None
+        self.model = self.optimizer = self.scheduler = self.iterator = self.words = self.log = None
+        self.live = None  # (progress, optimizer, scheduler) once this generation's state is consistent
+        self.losses, self.recoveries = {}, []
+        # A replacement times its own start (process start -> first iteration) as a recovery of its own.
+        self.timings: Optional[Timings] = None if self.fresh_job else Timings(time.time(), role="replacement")
+
+    def train_generation(self) -> dict:
+        """Join the current generation and train in it to the end. Returns pretrain_live's summary; raises
+        whatever interrupted the generation."""
+        args = self.args
+        self.words = None
+        device, train_ds = self._form_generation()
+        progress = self._resume()
+        rank, dp = dist.get_rank(), dist.get_world_size()
+        self.log = TrainingLog(args, device, dp, self.flops_per_iteration(args) if self.flops_per_iteration else None)
+        if args.save and args.last_words:
+            self.words = LastWords(args.save, self.optimizer, self.scheduler, progress.iteration, progress.consumed,
+                                   checkpoint_args(args))
+        self._catch_up(progress)
+        self.iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp)
+        while progress.iteration < args.train_iters:
+            progress = self._train_iteration(progress)
+        if args.save and progress.last_saved != progress.iteration:
+            _save(args, progress, self.model, self.optimizer, self.scheduler)
+        self.log.close()
+        return {"iteration": progress.iteration, "losses": self.losses, "recoveries": self.recoveries}
+
+    def _form_generation(self):
+        """Join the generation's process group and build the model, optimizer and scheduler anew (the same
+        construction collectives on every rank). Returns (device, training dataset)."""
+        args = self.args
+        self.membership.join()
+        if self.timings is not None:
+            self.timings.mark("joined")
+        device, tokenizer = initialize_megatron(args)
+        train_ds, _, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args, tokenizer)
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(self.model_provider, args, device)
+        self.membership.limit_group_timeouts()  # the groups the model just created, too
+        return device, train_ds
+
+    def _resume(self) -> Progress:
+        """Bring the new objects to where training stands: from scratch or --load in a fresh job, else healed
+        from the survivors' snapshots and the replicas. Returns the progress every rank continues from."""
+        if self.fresh_job:
+            progress = _start(self.args, self.model, self.optimizer, self.scheduler)
+        else:
+            progress = _heal(self.snapshot, self.model, self.optimizer, self.scheduler)
+            if self.timings is not None:
+                self.timings.mark("healed")
+        self.fresh_job = False
+        self.snapshot, self.live = None, (progress, self.optimizer, self.scheduler)
+        return progress
+
+    def _catch_up(self, progress: Progress):
+        """What the failure interrupted after an iteration completed: its log line (when the survivors
+        completed it but it was never logged) and its periodic save."""
+        args = self.args
+        if progress.losses is not None and progress.iteration > self.membership.last_logged():
+            self.losses[progress.iteration] = progress.losses  # completed by the survivors, never logged
+            self.log.training(progress.iteration, progress.consumed, progress.losses,
+                              self.optimizer.param_groups[0]["lr"], self.optimizer.get_loss_scale().item(), None, True)
+            if dist.get_rank() == 0:
+                self.membership.note_logged(progress.iteration)
+        if args.save and args.save_interval and progress.iteration % args.save_interval == 0 \
+                and progress.last_saved != progress.iteration and progress.iteration > 0:
+            _save(args, progress, self.model, self.optimizer, self.scheduler)  # interrupted by the failure: again
+
+    def _train_iteration(self, progress: Progress) -> Progress:
+        """One iteration, its log line and its periodic save. Returns the new progress; on a failure, takes the
+        snapshot of this rank's consistent state (the update may or may not have been applied) and re-raises."""
+        args, optimizer, scheduler, words = self.args, self.optimizer, self.scheduler, self.words
+        staged: Optional[Progress] = None
+
+        def stage(reduced_losses=None):
+            nonlocal staged
+            scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
+            staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size, get_rng_state(),
+                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved)
+            if words is not None:
+                words.stage(staged.iteration, staged.consumed)
+        try:
+            reported, ok, grad_norm = train_step(self.forward_step_func, self.iterator, self.model, optimizer,
+                                                 scheduler, args.num_micro_batches,
+                                                 args.check_for_nan_in_loss_and_grad, stage)
+        except BaseException:
+            self.snapshot = _snapshot(progress, staged, optimizer, scheduler)
+            raise
+        progress = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
+                            optimizer.steps_taken, reported, progress.last_saved)
+        self.live = (progress, optimizer, scheduler)
+        if words is not None:
+            words.commit()
+        self.losses[progress.iteration] = reported
+        self.log.training(progress.iteration, progress.consumed, reported, optimizer.param_groups[0]["lr"],
+                          optimizer.get_loss_scale().item(), grad_norm, ok)
+        if dist.get_rank() == 0:
+            self.membership.note_logged(progress.iteration)
+        if self.timings is not None:
+            self.timings.mark("redone")
+            self.recoveries.append(_report(self.timings, self.membership.generation))
+            self.timings = None
+        if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
             try:
-                membership.wait_for_next_generation()
-            except TimeoutError as timeout:
-                _fall_back(str(timeout))
-            timings.mark("next_generation")
-            print(f"[rank {membership.rank}] > joining generation {membership.generation} (replaced: "
-                  f"{membership.replaced()})", flush=True)
+                _save(args, progress, self.model, optimizer, scheduler)
+            except BaseException:
+                self.snapshot = _snapshot(progress, None, optimizer, scheduler)
+                raise
+        return progress
+
+    def leave_generation(self, error: BaseException):
+        """After a peer's failure interrupted this generation: keep this rank's consistent state (the
+        snapshot), free the generation's process groups and wait for the supervisor's next generation."""
+        if self.snapshot is None and self.live is not None:  # a failure outside train_step (a save, the log)
+            self.snapshot = _snapshot(self.live[0], None, self.live[1], self.live[2])
+        self.live = None
+        # Free this generation's process groups now: gloo cannot abort an operation, but a group that is freed
+        # closes its connections, so a survivor blocked in a collective with this rank fails at once instead of
+        # at the collective timeout. Everything that refers to a group goes: the model (and the hooks its
+        # parameters hold), the optimizer, the last words, the traceback's frames.
+        traceback.clear_frames(error.__traceback__)
+        if self.model is not None:
+            self.model.remove_grad_hooks()
+        self.words = self.model = self.optimizer = self.scheduler = self.iterator = None
+        collectives.forget_instance_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        self.timings = self.timings or Timings(time.time())
+        membership = self.membership
+        print(f"[rank {membership.rank}] > generation {membership.generation} failed "
+              f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); waiting for the next one", flush=True)
+        try:
+            membership.wait_for_next_generation()
+        except TimeoutError as timeout:
+            _fall_back(str(timeout))
+        self.timings.mark("next_generation")
+        print(f"[rank {membership.rank}] > joining generation {membership.generation} (replaced: "
+              f"{membership.replaced()})", flush=True)
 
 
 def _start(args, model, optimizer, scheduler) -> Progress:
