@@ -108,10 +108,10 @@ def benchmark(args, rank, world, device):
           f"{'forward+backward+optimizer' if args.optimizer else 'forward+backward'}, median of "
           f"{args.repeats}x{args.steps} steps")
     flops = num_floating_point_operations(config, args.micro_batch, args.seq)
-    result["mfu"] = {n: mfu(flops, timings.median_ms(k) / 1e3, device, 1) for k, n in enumerate(names)}
+    result["mfu"] = {n: mfu(flops, t / 1e3, device, 1) for n, t in result["median_ms"].items()}
     print(f"{'variant':36s} {'ms/step':>9s} {'vs bare':>8s} {'tokens/s':>10s} {'MFU':>6s} {'peak rise MB':>13s}")
-    for k, name in enumerate(names):
-        t, utilization = timings.median_ms(k), result["mfu"][name]
+    for name in names:
+        t, utilization = result["median_ms"][name], result["mfu"][name]
         shown = "-" if utilization is None else f"{100 * utilization:.1f}%"
         print(f"{name:36s} {t:9.2f} {100 * (t / base - 1):+7.2f}% {tokens_per_step / t * 1e3:10.0f} {shown:>6s} "
               f"{result['peak_rise_mb'][name]:13.0f}")
@@ -127,6 +127,7 @@ def main():
                    "(pretrain_gpt.py --torch-compile); the warmup steps compile")
     args, cpu = parse_sized(p, SIZES)
     launch(benchmark, args, 1, cpu=cpu, threads_per_rank=None if cpu else 1)
+
 
 if __name__ == "__main__":
     main()
