@@ -100,7 +100,8 @@ def test_damaged_cache_is_rebuilt_with_a_warning(corpora, tmp_path, damage):
     cache = str(tmp_path / "cache")
     reference = build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0]
     expected = [reference[i]["tokens"] for i in range(0, 200, 9)]
-    base = [n for n in os.listdir(cache) if "-train-" in n and n.endswith("description.txt")][0][:-len("description.txt")]
+    description = [n for n in os.listdir(cache) if "-train-" in n and n.endswith("description.txt")][0]
+    base = description[:-len("description.txt")]
     if damage == "truncate":
         path = os.path.join(cache, base + "sample_index.npy")
         with open(path, "r+b") as f:
