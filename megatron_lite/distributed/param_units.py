@@ -231,8 +231,7 @@ class ParamUnits:
         self._schedules[phase].dispatch_all()
         for index in range(len(self.units)):
             if index not in keep:
-                for bucket in self.buckets.get(index, []):
-                    bucket.release_params()
+                self.release_unit(index)
         self._open.discard(phase)
 
     def begin_forward(self):
@@ -274,8 +273,7 @@ class ParamUnits:
     def _post_forward_hook(self, index):
         def hook(module, args, output):
             if not (index in self.kept_for_backward and torch.is_grad_enabled()):
-                for bucket in self.buckets.get(index, []):
-                    bucket.release_params()
+                self.release_unit(index)
             if torch.is_grad_enabled():  # gather again just before this unit's backward (unless kept)
                 for tensor in _tensors(output):
                     if tensor.requires_grad:
