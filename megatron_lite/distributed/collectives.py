@@ -216,12 +216,12 @@ def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):
     if world_size == 1:
         return DONE
     _notify("all_gather", bucket, world_size)
-    own = shard(bucket, world_size, rank)
     if backend(group) == "gloo":  # each shard broadcast from its rank straight into place (module docstring)
         handle = _broadcasts(group, [shard(bucket, world_size, r) for r in range(world_size)])
         if not async_op:
             handle.wait()
         return handle
+    own = shard(bucket, world_size, rank)
     return _handle(_all_gather_single(bucket, own, group=group, async_op=async_op))
 
 
