@@ -441,7 +441,6 @@ def test_max_reuse_distance_keeps_the_last_units_for_backward():
         assert last["max_held"] <= 3 * u and two["max_held"] <= 4 * u and every["max_held"] == 6 * u
 
 
-_pretrain = pretrain_losses
 ZERO3_TINY = tiny_pretrain_flags(micro_batch_size="1", train_iters="4", log_interval="1", overlap_grad_reduce=True,
                                  data_parallel_sharding_strategy="optim_grads_params")
 
@@ -452,8 +451,8 @@ def test_tunables_through_pretrain_gpt_train_and_resume_like_the_defaults(tmp_pa
     default's): the tiny GPT with all three tunables loses exactly what it loses without them."""
     tuned = ZERO3_TINY + ["--ddp-prefetch-bucket-size", "0", "--ddp-max-reuse-distance", "0",
                           "--ddp-param-persistence-threshold", "100"]
-    straight = run_distributed(_pretrain, 2, ZERO3_TINY)[0]
-    assert run_distributed(_pretrain, 2, tuned)[0] == straight
-    run_distributed(_pretrain, 2, tuned + ["--save", str(tmp_path), "--exit-interval", "2"])
-    resumed = run_distributed(_pretrain, 2, tuned + ["--load", str(tmp_path)])[0]
+    straight = run_distributed(pretrain_losses, 2, ZERO3_TINY)[0]
+    assert run_distributed(pretrain_losses, 2, tuned)[0] == straight
+    run_distributed(pretrain_losses, 2, tuned + ["--save", str(tmp_path), "--exit-interval", "2"])
+    resumed = run_distributed(pretrain_losses, 2, tuned + ["--load", str(tmp_path)])[0]
     assert sorted(resumed) == [3, 4] and all(resumed[i] == straight[i] for i in (3, 4))
