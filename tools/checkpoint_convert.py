@@ -131,9 +131,7 @@ def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=N
     os.makedirs(output, exist_ok=True)
     weights = os.path.join(output, "model.safetensors")
     safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)  # safetensors creates the file 0600; the other files follow the umask
+    os.chmod(weights, 0o666 & ~files._umask())  # safetensors creates the file 0600; the other files follow the umask
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if tokenizer_type != "NullTokenizer":

@@ -119,7 +119,7 @@ def to_hf(model_state: Dict[str, torch.Tensor], args: dict, vocab_size: int, eod
         if name in ("word_embeddings.weight", "output_layer.weight"):
             tensor = tensor[:vocab_size]
         for hf_name, part in names(name, tensor, config):
-            tensors[hf_name] = part.contiguous().clone()
+            tensors[hf_name] = part.clone(memory_format=torch.contiguous_format)  # one copy, even of a transpose
     return hf_config, tensors
 
 
@@ -236,7 +236,7 @@ def from_hf(hf_config: dict, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, Di
         tensor = pieces[0].t() if conv1d else torch.cat(pieces, dim=0)  # Conv1D weights: transposed back
         if name in ("word_embeddings.weight", "output_layer.weight"):  # the padding rows: zeros
             tensor = torch.cat([tensor, tensor.new_zeros(shapes[name][0] - vocab_size, tensor.shape[1])])
-        state[name] = tensor.float().contiguous().clone()
+        state[name] = tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one copy
     return args, state
 
 
