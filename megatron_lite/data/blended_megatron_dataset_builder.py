@@ -19,7 +19,7 @@ import math
 from typing import Dict, List, Optional, Sequence
 
 from .blended_dataset import BlendedDataset
-from .blended_megatron_dataset_config import SPLIT_NAMES, GPTDatasetConfig, normalize
+from .blended_megatron_dataset_config import SPLIT_NAMES, GPTDatasetConfig, document_range, normalize
 from .gpt_dataset import GPTDataset, SplitTooSmallError
 from .indexed_dataset import IndexedDataset
 
@@ -96,10 +96,10 @@ def _build_splits(prefix: str, matrix, sizes, config: GPTDatasetConfig, opened, 
         if bookends is None:
             datasets.append(None)
             continue
-        begin, end = (int(round(b * float(len(indexed)))) for b in bookends)
+        documents = document_range(bookends, len(indexed))
         try:
-            datasets.append(GPTDataset(indexed, range(begin, end), sizes[i], SPLIT_NAMES[i], config)
-                            if end > begin else None)
+            datasets.append(GPTDataset(indexed, documents, sizes[i], SPLIT_NAMES[i], config)
+                            if len(documents) else None)
         except SplitTooSmallError:
             if i == 0:  # no training data is an error; a validation or test split too small is left out
                 raise

@@ -93,6 +93,12 @@ def split_matrix(weights: Sequence[float]) -> List[Optional[Tuple[float, float]]
     return [(b, e) if e > b else None for b, e in zip(bounds[:-1], bounds[1:])]
 
 
+def document_range(bookends: Tuple[float, float], num_docs: int) -> range:
+    """A split's (begin, end) fractions -> documents [round(begin x n), round(end x n)) (megatron-core's rounding)."""
+    begin, end = (int(round(b * float(num_docs))) for b in bookends)
+    return range(begin, end)
+
+
 def split_documents(num_docs: int, split: str) -> Tuple[range, range, range]:
     """`--split` applied to `num_docs` documents as megatron-core does: split i is documents
     [round(begin_i x n), round(end_i x n)). Ranges are contiguous and cover range(num_docs); a split with
@@ -108,8 +114,7 @@ def split_documents(num_docs: int, split: str) -> Tuple[range, range, range]:
         if bookends is None:
             ranges.append(range(ranges[-1].stop if ranges else 0, ranges[-1].stop if ranges else 0))
             continue
-        begin, end = (int(round(b * float(num_docs))) for b in bookends)
-        ranges.append(range(begin, end))
+        ranges.append(document_range(bookends, num_docs))
     return tuple(ranges)
 
 

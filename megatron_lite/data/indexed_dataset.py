@@ -65,6 +65,13 @@ def _largest_exact_id(dtype: np.dtype) -> int:
     return 2 ** (np.finfo(dtype).nmant + 1)
 
 
+def _token_offsets(lengths: np.ndarray) -> np.ndarray:
+    """n + 1 int64 offsets: sequence i is tokens [offsets[i], offsets[i + 1]) of the back-to-back stream."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, dtype=np.int64, out=offsets[1:])
+    return offsets
+
+
 def _fsync_dir(directory: str) -> None:
     # Makes the renames durable on POSIX; directories cannot be opened this way on Windows.
     try:
@@ -158,9 +165,7 @@ class IndexedDatasetBuilder:
         os.fsync(self._bin_file.fileno())
         self._bin_file.close()
         lengths = np.asarray(self._sequence_lengths, dtype="<i4")
-        pointers = np.zeros(len(lengths), dtype="<i8")
-        np.cumsum(lengths[:-1], dtype="<i8", out=pointers[1:])
-        pointers *= self.dtype.itemsize
+        pointers = (_token_offsets(lengths)[:-1] * self.dtype.itemsize).astype("<i8", copy=False)
         with open(self._idx_tmp, "wb") as f:
             f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(lengths),
                                  len(self._document_indices)))
@@ -202,7 +207,8 @@ class IndexedDatasetBuilder:
 
 def _read_index(prefix: str):
     """Parse and check PREFIX.idx. Returns: (dtype, sequence_lengths int32, sequence_pointers int64,
-    document_indices int64), the arrays read into memory."""
+    document_indices int64), the arrays read into memory, and offsets, the n + 1 int64 token offsets of the
+    sequences in the stream (the pointers are checked against them)."""
     idx_path = prefix + ".idx"
     with open(idx_path, "rb") as f:
         header = f.read(_HEADER.size)
@@ -234,12 +240,11 @@ def _read_index(prefix: str):
     if np.any(lengths < 0):
         raise ValueError(f"{idx_path}: corrupt sequence lengths (negative)")
     dtype = DTYPES[code]
-    contiguous = np.zeros(n, dtype=np.int64)
-    np.cumsum(lengths[:-1], dtype=np.int64, out=contiguous[1:])
-    if not np.array_equal(pointers, contiguous * dtype.itemsize):
+    offsets = _token_offsets(lengths)
+    if not np.array_equal(pointers, offsets[:-1] * dtype.itemsize):
         raise ValueError(f"{idx_path}: sequence pointers leave gaps or overlap in the .bin; megatron-lite reads "
                          f"sequences stored back to back (what Megatron-LM's preprocessing writes)")
-    return dtype, lengths, pointers, document_indices
+    return dtype, lengths, pointers, document_indices, offsets
 
 
 class IndexedDataset:
@@ -265,9 +270,8 @@ class IndexedDataset:
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 raise ValueError(f"{path}: no such file (write PREFIX.bin/.idx with tools/preprocess_data.py)")
-        self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = _read_index(prefix)
-        self.offsets = np.zeros(len(self.sequence_lengths) + 1, dtype=np.int64)
-        np.cumsum(self.sequence_lengths, dtype=np.int64, out=self.offsets[1:])
+        (self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+         self.offsets) = _read_index(prefix)
         self.sizes = np.diff(self.offsets)  # sequence lengths in tokens, int64
         self.num_tokens = int(self.offsets[-1])
         expected = self.num_tokens * self.dtype.itemsize
