@@ -120,12 +120,11 @@ def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress
     to it (see the module docstring). Returns the progress to continue from."""
     rank = dist.get_rank()
     topology = optimizer.data_parallel_topology
-    mine = None if snapshot is None else (snapshot.progress.iteration, snapshot.progress.steps_taken)
-    everyone = collectives.all_gather_object(mine, None)
-    target = max((s[0] for s in everyone if s is not None), default=None)
+    everyone = collectives.all_gather_object(None if snapshot is None else snapshot.progress.iteration, None)
+    target = max((s for s in everyone if s is not None), default=None)
     if target is None:
         raise LiveRecoveryImpossible("no rank holds any state")
-    current = [s is not None and s[0] == target for s in everyone]
+    current = [s == target for s in everyone]
     donors = {}
     for position in range(topology.intra_distributed_optimizer_instance_size):
         holders = topology.holders(position)
@@ -138,9 +137,8 @@ def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress
             if not current[r]:
                 donors[r] = up_to_date[0]
     reference = current.index(True)
-    small = snapshot.progress if current[rank] else None
-    small = collectives.broadcast_object((small, snapshot.common if current[rank] else None), None, reference)
-    progress, common = small
+    progress, common = collectives.broadcast_object((snapshot.progress, snapshot.common) if current[rank] else None,
+                                                    None, reference)
     optimizer.load_common_state_dict(common)
     scheduler.load_state_dict(progress.scheduler)
     # Survivors at the target load their own copy; the others load the fresh state for now (the same
@@ -200,7 +198,7 @@ class _LiveRun:
         self.fresh_job = set(self.membership.replaced()) == set(range(self.membership.world_size))
         self.snapshot: Optional[Snapshot] = None
         self.model = self.optimizer = self.scheduler = self.iterator = self.words = self.log = None
-        self.live = None  # (progress, optimizer, scheduler) once this generation's state is consistent
+        self.progress: Optional[Progress] = None  # where this generation's objects stand, once consistent
         self.losses, self.recoveries = {}, []
         # A replacement times its own start (process start -> first iteration) as a recovery of its own.
         self.timings: Optional[Timings] = None if self.fresh_job else Timings(time.time(), role="replacement")
@@ -249,7 +247,7 @@ class _LiveRun:
             if self.timings is not None:
                 self.timings.mark("healed")
         self.fresh_job = False
-        self.snapshot, self.live = None, (progress, self.optimizer, self.scheduler)
+        self.snapshot, self.progress = None, progress
         return progress
 
     def _catch_up(self, progress: Progress):
@@ -288,7 +286,7 @@ class _LiveRun:
             raise
         progress = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
                             optimizer.steps_taken, reported, progress.last_saved)
-        self.live = (progress, optimizer, scheduler)
+        self.progress = progress
         if words is not None:
             words.commit()
         self.losses[progress.iteration] = reported
@@ -311,9 +309,9 @@ class _LiveRun:
     def leave_generation(self, error: BaseException):
         """After a peer's failure interrupted this generation: keep this rank's consistent state (the
         snapshot), free the generation's process groups and wait for the supervisor's next generation."""
-        if self.snapshot is None and self.live is not None:  # a failure outside train_step (a save, the log)
-            self.snapshot = _snapshot(self.live[0], None, self.live[1], self.live[2])
-        self.live = None
+        if self.snapshot is None and self.progress is not None:  # a failure outside train_step (a save, the log)
+            self.snapshot = _snapshot(self.progress, None, self.optimizer, self.scheduler)
+        self.progress = None
         # Free this generation's process groups now: gloo cannot abort an operation, but a group that is freed
         # closes its connections, so a survivor blocked in a collective with this rank fails at once instead of
         # at the collective timeout. Everything that refers to a group goes: the model (and the hooks its
