@@ -81,9 +81,6 @@ class Supervisor:
         self.spares.append((self.spare_count, proc))
         self.say(f"spare {self.spare_count}: pid {proc.pid}")
 
-    def last_logged(self) -> int:
-        return int(self.store.get("last_logged")) if self.store.check(["last_logged"]) else 0
-
     def tend_spares(self):
         """Drop spares that died; start new ones, but not while a recovery is under way (on few cores a
         starting process slows the recovery down): only once an iteration after the last death was logged."""
@@ -93,7 +90,7 @@ class Supervisor:
             self.num_spares = 0  # a spare that dies waiting would die again: start replacements afresh
         self.spares = alive
         if len(self.spares) < self.num_spares:
-            if self.spare_after_logged is None or self.last_logged() > self.spare_after_logged:
+            if self.spare_after_logged is None or membership.last_logged(self.store) > self.spare_after_logged:
                 self.spare_after_logged = None
                 self.spawn_spare()
 
@@ -160,7 +157,7 @@ class Supervisor:
             if dead:
                 self.say(f"rank(s) {dead} died (exit codes {[self.workers[r].returncode for r in dead]})")
                 replacements += len(dead)
-                self.spare_after_logged = self.last_logged()
+                self.spare_after_logged = membership.last_logged(self.store)
                 if replacements > self.max_replacements:
                     self.say(f"more than {self.max_replacements} replacements (--max-replacements): giving up")
                     self.stop_all()

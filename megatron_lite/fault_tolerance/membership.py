@@ -70,6 +70,11 @@ def live_recovery_enabled() -> bool:
     return ENV_STORE in os.environ
 
 
+def last_logged(store: dist.Store) -> int:
+    """The last iteration rank 0 logged (Membership.note_logged), 0 before the first."""
+    return int(store.get("last_logged")) if store.check(["last_logged"]) else 0
+
+
 def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
     """A client of the supervisor's TCPStore at `address` ("host:port")."""
     host, port = address.rsplit(":", 1)
@@ -123,7 +128,15 @@ class Membership:
         prefix = f"gen_{self.generation}"
         if self.store.add(f"{prefix}/arrived", 1) == self.world_size:
             self.store.set(f"{prefix}/ready", "1")
-        self._wait(lambda: self.store.check([f"{prefix}/ready"]), f"every rank of generation {self.generation}")
+        what = f"every rank of generation {self.generation}"
+
+        def ready() -> bool:
+            if self.store.check([f"{prefix}/ready"]):
+                return True
+            if self.current_generation() > self.generation:
+                raise GenerationSuperseded(f"generation {self.generation} was superseded while waiting for {what}")
+            return False
+        self._wait(ready, what)
         if dist.is_initialized():
             dist.destroy_process_group()  # measured: milliseconds, also with an operation pending
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=self.rank,
@@ -143,7 +156,7 @@ class Membership:
         self.store.set("last_logged", str(iteration))
 
     def last_logged(self) -> int:
-        return int(self.store.get("last_logged")) if self.store.check(["last_logged"]) else 0
+        return last_logged(self.store)
 
     def report_trouble(self):
         """Tell the supervisor a collective of this generation failed (it starts a new generation even if no
@@ -159,10 +172,7 @@ class Membership:
 
     def _wait(self, done, what: str):
         deadline = time.monotonic() + self.config.join_timeout_s
-        start = self.generation
         while not done():
-            if self.current_generation() > start and what != "the next generation":
-                raise GenerationSuperseded(f"generation {start} was superseded while waiting for {what}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: no {what} within {self.config.join_timeout_s} s "
                                    f"(MEGATRON_LITE_LIVE_JOIN_TIMEOUT)")
