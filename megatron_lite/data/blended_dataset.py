@@ -12,6 +12,7 @@ the greedy rule never asks one for more than it holds.
 
 from typing import Dict, Optional, Sequence
 
+import numpy as np
 import torch
 
 from . import helpers
@@ -52,7 +53,7 @@ class BlendedDataset:
             dataset_index, sample_index = helpers.build_blending_indices(self.weights, self.size)
         else:
             dataset_index, sample_index = helpers.build_exhaustive_blending_indices(self.weights)
-        counts = torch.bincount(torch.from_numpy(dataset_index.astype("int64")), minlength=len(self.datasets))
+        counts = np.bincount(dataset_index, minlength=len(self.datasets))
         for j, (dataset, count) in enumerate(zip(self.datasets, counts.tolist())):
             if count > len(dataset):
                 raise ValueError(f"the {self.index_split} blend asks {dataset.indexed.prefix} (number {j}) for "

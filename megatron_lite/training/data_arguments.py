@@ -14,6 +14,7 @@ import argparse
 import os
 
 from ..data import GPTDatasetConfig, get_blend_from_list, parse_split
+from ..data.blended_megatron_dataset_builder import PER_SPLIT_FLAGS
 
 PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
 
@@ -71,10 +72,9 @@ def check_data_args(args):
     if per_split and not args.train_data_path:
         raise ValueError("--valid-data-path / --test-data-path need --train-data-path")
     args.blend = get_blend_from_list(args.data_path, "--data-path")
-    args.blend_per_split = [get_blend_from_list(getattr(args, name), "--" + name.replace("_", "-"))
-                            for name in PER_SPLIT] if per_split else None
-    for flag, blend in [("--data-path", args.blend)] + list(zip(
-            ("--train-data-path", "--valid-data-path", "--test-data-path"), args.blend_per_split or [])):
+    args.blend_per_split = [get_blend_from_list(getattr(args, name), flag)
+                            for name, flag in zip(PER_SPLIT, PER_SPLIT_FLAGS)] if per_split else None
+    for flag, blend in [("--data-path", args.blend)] + list(zip(PER_SPLIT_FLAGS, args.blend_per_split or [])):
         for prefix in (blend or ([],))[0]:
             for path in (prefix + ".idx", prefix + ".bin"):
                 if not os.path.isfile(path):
