@@ -16,7 +16,6 @@ samples asked for decides the number of epochs and so the order: as in Megatron-
 for train_iters x global_batch_size training samples.
 """
 
-import hashlib
 from typing import Dict, Optional
 
 import numpy as np
@@ -86,7 +85,7 @@ class GPTDataset:
         self.num_epochs = helpers.num_epochs_for(num_samples, self.tokens_per_epoch, self.seq_length, self.extra)
         description = {
             "class": "GPTDataset", "format": INDEX_FORMAT, "dataset_path": indexed.prefix,
-            "sequence_lengths_md5": _lengths_digest(indexed), "documents": [documents.start, documents.stop],
+            "sequence_lengths_md5": indexed.sequence_lengths_md5, "documents": [documents.start, documents.stop],
             "num_samples": num_samples, "index_split": index_split, "random_seed": config.random_seed,
             "sequence_length": self.seq_length, "split": config.split, "split_matrix": config.split_matrix,
             "add_extra_token_to_sequence": bool(self.extra),
@@ -148,14 +147,6 @@ class GPTDataset:
                      + [sequence(last)[:last_offset + self.extra]])
         text = np.concatenate(parts).astype(np.int64)
         return _sample(text, self.config.eod if self.config.eod_mask_loss else None, self.extra)
-
-
-def _lengths_digest(indexed: IndexedDataset) -> str:
-    """md5 of the sequence lengths (what the indices depend on), computed once per IndexedDataset."""
-    if getattr(indexed, "_lengths_md5", None) is None:
-        lengths = np.ascontiguousarray(indexed.sequence_lengths, dtype=np.int32)
-        indexed._lengths_md5 = hashlib.md5(lengths.tobytes(), usedforsecurity=False).hexdigest()
-    return indexed._lengths_md5
 
 
 class MockGPTDataset:

@@ -25,6 +25,8 @@ The builder writes both files under temporary names and renames them into place,
 reader never sees a half-written dataset; every reader checks that the two files agree in size.
 """
 
+import functools
+import hashlib
 import os
 import struct
 import uuid
@@ -291,6 +293,12 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
+
+    @functools.cached_property
+    def sequence_lengths_md5(self) -> str:
+        """md5 of the int32 sequence lengths (what GPTDataset's cached indices depend on), computed once."""
+        lengths = np.ascontiguousarray(self.sequence_lengths, dtype=np.int32)
+        return hashlib.md5(lengths.tobytes(), usedforsecurity=False).hexdigest()
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Args: i, a sequence index (negative counts from the end). Returns: its tokens, a view."""
