@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from megatron_lite.checkpointing import files, hf_convert, torch_dist, torch_format  # noqa: E402
 from megatron_lite.data import build_tokenizer  # noqa: E402
+from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
 
 WEIGHTS_ONLY_KEY = "weights_only"  # a checkpoint without optimizer state or RNG (load.py: only with --finetune)
 
@@ -206,7 +207,7 @@ def _copy_tokenizer(directory: str, output: str, payload: dict) -> list:
     shutil.copyfile(source, target)
     payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
     tokenizer = build_tokenizer("HuggingFaceTokenizer", target)
-    if hf_convert.padded(tokenizer.vocab_size) != payload["args"]["padded_vocab_size"]:
+    if vocab_size_with_padding(tokenizer.vocab_size) != payload["args"]["padded_vocab_size"]:
         print(f"> note: {source} has {tokenizer.vocab_size} ids, config.json's vocab_size pads to "
               f"{payload['args']['padded_vocab_size']}: pretrain_gpt.py will refuse it, give another tokenizer")
     return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target]

@@ -31,15 +31,17 @@ keeps the tokenizer's rows only, the import pads with zero rows (logit 0 for ids
 pretrain_gpt.py by their argparse names; keys missing from older checkpoints take the flags' defaults.
 """
 
+import argparse
 import math
 from typing import Dict, List, Tuple
 
 import torch
 
 from ..models import GPTConfig, GPTModel
+from ..training.arguments import gpt_config_from_args
+from ..training.initialize import vocab_size_with_padding
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
-PAD_VOCAB_TO = 128  # megatron_lite.training.initialize.vocab_size_with_padding's divisor
 
 # pretrain_gpt.py's defaults of the architecture flags, for checkpoints saved before a flag existed.
 _DEFAULTS = dict(ffn_hidden_size=None, position_embedding_type="learned_absolute", normalization="LayerNorm",
@@ -48,27 +50,16 @@ _DEFAULTS = dict(ffn_hidden_size=None, position_embedding_type="learned_absolute
                  init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def padded(vocab_size: int) -> int:
-    return -(-vocab_size // PAD_VOCAB_TO) * PAD_VOCAB_TO
+def _with_defaults(args: dict) -> dict:
+    return {**_DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
 
 
 def gpt_config(args: dict) -> GPTConfig:
-    """The GPTConfig of a checkpoint's recorded architecture (pretrain_gpt.py's mapping of the flags)."""
-    a = {**_DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
-    groups = a["num_query_groups"] if a["group_query_attention"] else None
-    if a["group_query_attention"] and groups is None:
-        groups = 1  # Megatron's default, as pretrain_gpt.py's
-    return GPTConfig(num_layers=a["num_layers"], hidden_size=a["hidden_size"],
-                     num_attention_heads=a["num_attention_heads"], vocab_size=a["padded_vocab_size"],
-                     max_position_embeddings=a["max_position_embeddings"], ffn_hidden_size=a["ffn_hidden_size"],
-                     normalization=a["normalization"], gated_linear_unit=a["swiglu"],
-                     activation_func="silu" if a["swiglu"] else "gelu", num_query_groups=groups,
-                     add_bias_linear=not a["disable_bias_linear"],
-                     position_embedding_type="rope" if a["position_embedding_type"] == "rope" else "learned",
-                     rotary_base=float(a["rotary_base"]), layernorm_epsilon=float(a["norm_epsilon"]),
-                     init_method_std=a["init_method_std"], hidden_dropout=a["hidden_dropout"],
-                     attention_dropout=a["attention_dropout"],
-                     share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"])
+    """The GPTConfig of a checkpoint's recorded architecture: pretrain_gpt.py's mapping of the flags
+    (gpt_config_from_args), with fp32 parameters."""
+    a = _with_defaults(args)
+    a.update(rotary_base=float(a["rotary_base"]), norm_epsilon=float(a["norm_epsilon"]), fp16=False, bf16=False)
+    return gpt_config_from_args(argparse.Namespace(**a), vocab_size=a["padded_vocab_size"])
 
 
 def architecture(config: GPTConfig) -> str:
@@ -200,7 +191,7 @@ def from_hf(hf_config: dict, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, Di
         raise ValueError(f"config.json: model_type {model_type!r} cannot be imported: only 'gpt2' "
                          f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
     vocab_size = hf_config["vocab_size"]
-    args["padded_vocab_size"] = padded(vocab_size)
+    args["padded_vocab_size"] = vocab_size_with_padding(vocab_size)
     config = gpt_config(args)
     # Recorded as pretrain_gpt.py records a flag left out (None), where the value is the flag's default: a
     # --finetune run need not give it (a checkpoint's None is not compared; the shapes still are).
@@ -302,7 +293,7 @@ def _args_from_llama(c: dict) -> dict:
 
 def pretrain_flags(args: dict) -> List[str]:
     """The architecture flags of pretrain_gpt.py that build this model (give them with --finetune --load)."""
-    a = {**_DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
+    a = _with_defaults(args)
     config = gpt_config(args)
     flags = ["--num-layers", a["num_layers"], "--hidden-size", a["hidden_size"],
              "--num-attention-heads", a["num_attention_heads"], "--ffn-hidden-size", config.ffn_hidden_size,
