@@ -112,7 +112,8 @@ def split_documents(num_docs: int, split: str) -> Tuple[range, range, range]:
     ranges = []
     for bookends in split_matrix(parse_split(split)):
         if bookends is None:
-            ranges.append(range(ranges[-1].stop if ranges else 0, ranges[-1].stop if ranges else 0))
+            start = ranges[-1].stop if ranges else 0
+            ranges.append(range(start, start))
             continue
         ranges.append(document_range(bookends, num_docs))
     return tuple(ranges)
