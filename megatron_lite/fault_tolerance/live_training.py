@@ -39,14 +39,14 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import LastWords, checkpoint_args, load_checkpoint, save_checkpoint
+from ..checkpointing import LastWords, checkpoint_args, save_checkpoint
 from ..checkpointing.rng import get_rng_state, set_rng_state
 from ..data import micro_batch_iterator
 from ..distributed import collectives
 from ..optimizer.sharded_state import flatten, unflatten
 from ..training.initialize import initialize_megatron, shutdown
 from ..training.metrics import TrainingLog, print_rank_0
-from ..training.training import setup_model_and_optimizer, train_step
+from ..training.training import resume, setup_model_and_optimizer, train_step
 from .membership import EXIT_FALLBACK, GenerationSuperseded, Membership
 
 
@@ -338,16 +338,10 @@ class _LiveRun:
 
 
 def _start(args, model, optimizer, scheduler) -> Progress:
-    """The first generation: from scratch or --load, as pretrain() does."""
-    iteration, consumed = 0, 0
-    if args.load:
-        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
-                                              checkpoint_args(args), "check", False, True, True)
-        if loaded is not None:
-            iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
-            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)")
+    """The first generation: from scratch or --load with its options, as pretrain() starts."""
+    iteration, consumed, loaded = resume(args, model, optimizer, scheduler)
     return Progress(iteration, consumed, get_rng_state(), scheduler.state_dict(), optimizer.steps_taken,
-                    last_saved=iteration if iteration else None)
+                    last_saved=iteration if loaded else None)
 
 
 def _save(args, progress: Progress, model, optimizer, scheduler):

@@ -165,6 +165,41 @@ def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batche
     return _reduce_over_ranks(sums, group, dist.get_world_size(group) * num_micro_batches)[0]
 
 
+def resume(args, model, optimizer, scheduler):
+    """--load and its options (--finetune, --no-load-optim, --no-load-rng, --override-opt_param-scheduler,
+    --use-checkpoint-opt-param-scheduler, --exit-on-missing-checkpoint), then the --save directory checked
+    against what was loaded (refuse_to_shadow): the start of pretrain() and of the live loop. Collective.
+
+    Returns:
+        (iteration, consumed samples, the load's record or None)
+    """
+    iteration, consumed = 0, 0
+    loaded = None
+    if args.load:
+        policy = ("override" if args.override_opt_param_scheduler else
+                  "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
+        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
+                                              architecture_args(args), policy, args.finetune, not args.no_load_optim,
+                                              not args.no_load_rng)
+        if loaded is None and args.exit_on_missing_checkpoint:
+            raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
+        if loaded is None:
+            print_rank_0(f"> no checkpoint found in {args.load}: training from scratch"
+                         + (" (--finetune: nothing to fine-tune)" if args.finetune else ""))
+        elif args.finetune:
+            print_rank_0(f"> --finetune: model weights from {loaded['path']} (iteration "
+                         f"{loaded['checkpoint_iteration']}); fresh optimizer, schedule and RNG, from iteration 0")
+        else:
+            iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
+            fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
+                                             ("RNG", args.no_load_rng)) if flag]
+            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
+                         + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else ""))
+    if args.save:  # every rank stops, also where only rank 0 (the writer) can see the directory
+        collectives.run_collectively(refuse_to_shadow, args.save, loaded)
+    return iteration, consumed, loaded
+
+
 def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: Callable, flops_per_iteration: Optional[Callable] = None) -> dict:
     """Train per `args` (from arguments.parse_args) with Megatron's providers.
@@ -191,30 +226,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
     print_rank_0(f"> {n_params / 1e6:.2f}M parameters | dp={dp} on {device} ({args.distributed_backend}) | "
                  f"{args.num_micro_batches} micro-batches of {args.micro_batch_size}")
 
-    iteration, consumed = 0, 0
-    loaded = None
-    if args.load:
-        policy = ("override" if args.override_opt_param_scheduler else
-                  "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
-        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
-                                              architecture_args(args), policy, args.finetune, not args.no_load_optim,
-                                              not args.no_load_rng)
-        if loaded is None and args.exit_on_missing_checkpoint:
-            raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
-        if loaded is None:
-            print_rank_0(f"> no checkpoint found in {args.load}: training from scratch"
-                         + (" (--finetune: nothing to fine-tune)" if args.finetune else ""))
-        elif args.finetune:
-            print_rank_0(f"> --finetune: model weights from {loaded['path']} (iteration "
-                         f"{loaded['checkpoint_iteration']}); fresh optimizer, schedule and RNG, from iteration 0")
-        else:
-            iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
-            fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
-                                             ("RNG", args.no_load_rng)) if flag]
-            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
-                         + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else ""))
-    if args.save:  # every rank stops, also where only rank 0 (the writer) can see the directory
-        collectives.run_collectively(refuse_to_shadow, args.save, loaded)
+    iteration, consumed, loaded = resume(args, model, optimizer, scheduler)
     last_saved = iteration if loaded else None
 
     # --async-save: DCP writes in a background thread, with a process group of its own (its collectives
