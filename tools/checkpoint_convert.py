@@ -40,8 +40,6 @@ from megatron_lite.checkpointing import files, hf_convert, torch_dist, torch_for
 from megatron_lite.data import build_tokenizer  # noqa: E402
 from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
 
-WEIGHTS_ONLY_KEY = "weights_only"  # a checkpoint without optimizer state or RNG (load.py: only with --finetune)
-
 
 def read(directory: str) -> dict:
     """Either format -> the `torch` format's payload (full tensors, per parameter name)."""
@@ -65,7 +63,7 @@ def read(directory: str) -> dict:
             name, field = rest.rsplit(".", 1)
             state.setdefault(name, {"step": common["optimizer_step"]})[field] = tensor.view(shapes[name])
     return {**{k: common[k] for k in ("iteration", "consumed_train_samples", "opt_param_scheduler", "rng_state",
-                                      "args", WEIGHTS_ONLY_KEY) if k in common},
+                                      "args", files.WEIGHTS_ONLY_KEY) if k in common},
             "checkpoint_version": files.CHECKPOINT_VERSION, "model": model,
             "optimizer": {**common["optimizer"], "state": state}}
 
@@ -94,7 +92,7 @@ def _write_torch_dist(directory: str, payload: dict):
     tensors.update({f"optimizer.{name}.{field}": value.reshape(-1) for name, entry in state.items()
                     for field, value in entry.items() if field != "step"})
     common = {**{k: payload[k] for k in ("iteration", "consumed_train_samples", "opt_param_scheduler", "rng_state",
-                                         "args", WEIGHTS_ONLY_KEY) if k in payload},
+                                         "args", files.WEIGHTS_ONLY_KEY) if k in payload},
               "checkpoint_version": files.CHECKPOINT_VERSION, "format": "torch_dist",
               "optimizer": {k: v for k, v in payload["optimizer"].items() if k != "state"},
               "optimizer_step": max([int(e.get("step", 0)) for e in state.values()] + [0]),
@@ -194,7 +192,8 @@ def import_hf(directory: str) -> dict:
     args, model = hf_convert.from_hf(config, tensors)
     return {"checkpoint_version": files.CHECKPOINT_VERSION, "iteration": 0, "consumed_train_samples": 0,
             "model": model, "optimizer": {"state": {}}, "opt_param_scheduler": {}, "rng_state": [], "args": args,
-            WEIGHTS_ONLY_KEY: f"imported from {os.path.abspath(directory)} by tools/checkpoint_convert.py --from hf"}
+            files.WEIGHTS_ONLY_KEY: f"imported from {os.path.abspath(directory)} by tools/checkpoint_convert.py "
+                                    f"--from hf"}
 
 
 def _copy_tokenizer(directory: str, output: str, payload: dict) -> list:

@@ -30,6 +30,9 @@ from typing import Callable, Dict, Optional, Tuple
 CHECKPOINT_VERSION = 2  # stored in both formats' state; 2: a manifest with checksums (and the torch_dist format)
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MANIFEST_FILENAME = "manifest.json"
+# The key of a checkpoint with model weights only (no optimizer state, no RNG; tools/checkpoint_convert.py --from
+# hf writes it, its value says where the weights came from): load.py loads it only with --finetune.
+WEIGHTS_ONLY_KEY = "weights_only"
 LAST_WORDS_DIRNAME = "last_words"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 

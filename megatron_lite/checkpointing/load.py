@@ -94,8 +94,8 @@ def _load_periodic(directory, model, optimizer, scheduler, group, check_args, hy
     is_torch_dist = torch_dist.is_torch_dist(directory)
     path = f"{directory}/{torch_dist.COMMON_FILENAME if is_torch_dist else torch_format.CHECKPOINT_FILENAME}"
     state = collectives.run_collectively(_read_verified, directory, path, check_args, group=group)
-    if state.get("weights_only") and (load_optim or load_rng):  # the same file on every rank: all raise alike
-        raise ValueError(f"checkpoint {path} holds model weights only ({state['weights_only']}): no optimizer "
+    if state.get(files.WEIGHTS_ONLY_KEY) and (load_optim or load_rng):  # the same file on every rank: all raise alike
+        raise ValueError(f"checkpoint {path} holds model weights only ({state[files.WEIGHTS_ONLY_KEY]}): no optimizer "
                          f"state or RNG to resume, start from it with --finetune")
     if is_torch_dist:  # DCP's reads agree across ranks, and no tensor is written before all read theirs
         experts.refuse(optimizer, "loading a torch_dist checkpoint")
