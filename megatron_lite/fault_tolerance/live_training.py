@@ -46,7 +46,7 @@ from ..distributed import collectives
 from ..optimizer.sharded_state import flatten, unflatten
 from ..training.initialize import initialize_megatron, shutdown
 from ..training.metrics import TrainingLog, print_rank_0
-from ..training.training import resume, setup_model_and_optimizer, train_step
+from ..training.training import resume, save_due, setup_model_and_optimizer, train_step
 from .membership import EXIT_FALLBACK, GenerationSuperseded, Membership
 
 
@@ -260,8 +260,7 @@ class _LiveRun:
                               self.optimizer.param_groups[0]["lr"], self.optimizer.get_loss_scale().item(), None, True)
             if dist.get_rank() == 0:
                 self.membership.note_logged(progress.iteration)
-        if args.save and args.save_interval and progress.iteration % args.save_interval == 0 \
-                and progress.last_saved != progress.iteration and progress.iteration > 0:
+        if save_due(args, progress.iteration) and progress.last_saved != progress.iteration and progress.iteration > 0:
             _save(args, progress, self.model, self.optimizer, self.scheduler)  # interrupted by the failure: again
 
     def _train_iteration(self, progress: Progress) -> Progress:
@@ -298,7 +297,7 @@ class _LiveRun:
             self.timings.mark("redone")
             self.recoveries.append(_report(self.timings, self.membership.generation))
             self.timings = None
-        if args.save and args.save_interval and progress.iteration % args.save_interval == 0:
+        if save_due(args, progress.iteration):
             try:
                 _save(args, progress, self.model, optimizer, scheduler)
             except BaseException:

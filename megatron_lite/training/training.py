@@ -165,6 +165,11 @@ def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batche
     return _reduce_over_ranks(sums, group, dist.get_world_size(group) * num_micro_batches)[0]
 
 
+def save_due(args, iteration: int) -> bool:
+    """Whether --save-interval asks for a periodic checkpoint at `iteration`."""
+    return bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+
+
 def resume(args, model, optimizer, scheduler):
     """--load and its options (--finetune, --no-load-optim, --no-load-rng, --override-opt_param-scheduler,
     --use-checkpoint-opt-param-scheduler, --exit-on-missing-checkpoint), then the --save directory checked
@@ -279,7 +284,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
                 valid_losses[iteration] = evaluate(forward_step_func, valid_iterator, model,
                                                    args.eval_iters * args.num_micro_batches)
                 log.validation(iteration, valid_losses[iteration])
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
+            if save_due(args, iteration):
                 save()
                 last_saved = iteration
                 log.restart_timer()
