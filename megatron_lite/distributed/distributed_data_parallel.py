@@ -12,9 +12,11 @@ Key steps of one iteration (see docs/ddp_buffer_and_buckets.md for a worked exam
     model.finish_grad_sync()                 # launch what is left, wait for everything
     optimizer.step()
 
-Buckets are launched in one fixed order (the order their gradients are expected in backward), never in
-the order they happen to complete: every rank then issues the same sequence of collectives even when
-autograd visits parameters in a rank-dependent order (grad_sync.py).
+This module builds the wrapper (buffers, buckets, the parameter side) and holds its forward and parameter-side
+calls. The gradient side of the protocol above (the hooks, no_sync, start/finish_grad_sync, zero_grad_buffer)
+is grad_hooks.py, a mixin of the wrapper. Buckets are launched in one fixed order (the order their gradients
+are expected in backward), never in the order they happen to complete: every rank then issues the same
+sequence of collectives even when autograd visits parameters in a rank-dependent order (grad_sync.py).
 
 A model built on the meta device (materialize.py: `meta_device_init()`, or modules with `reset_parameters()`)
 is materialized here: every tensor gets storage on `init_device` (ZeRO-3: only this rank's shards, in the
@@ -26,24 +28,16 @@ keeps) and picks the parameter synchronization object (param_sync.py) that every
 below goes to; the wrapper itself never asks which strategy it runs.
 """
 
-import contextlib
-import functools
-import types
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import collectives
-from .distributed_data_parallel_config import UNSHARDED_GRADIENT_STRATEGIES, DistributedDataParallelConfig
+from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .expert_parallel import expert_topology, gradient_scaling_factors, is_expert_param
-from .grad_checks import (
-    globally_unused_params,
-    raise_if_any_rank_found_nonfinite,
-    raise_if_requires_grad_changed,
-    unused_parameters_message,
-)
-from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT, GradSyncSchedule
+from .grad_hooks import GradHooksMixin
+from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT
 from .layout import DataParallelTopology, default_bucket_size
 from .materialize import MetaMaterializer, has_meta_tensors
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
@@ -54,7 +48,7 @@ from .replica_check import check_replicas_agree
 __all__ = ["DistributedDataParallel", "ZERO2_BUCKETS_IN_FLIGHT"]
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
     """Wrap `module` for data-parallel training with Megatron's buffer/bucket scheme.
 
     Args:
@@ -174,45 +168,18 @@ class DistributedDataParallel(torch.nn.Module):
         if materializer is not None:
             materializer.run(self._keep_initial_value)
 
-        # The buckets' gradient collectives in one fixed launch order (grad_sync.py).
-        registration = {p: i for i, p in enumerate(self.param_to_name)}
-        all_buffers = self.param_and_grad_buffers + self.expert_parallel_buffers
-        all_buckets = [b for buffer in all_buffers for b in buffer.buckets]
-        self.grad_sync = GradSyncSchedule(all_buckets, registration, config.sharding.gradients)
-        self._launch_order: List[Bucket] = self.grad_sync.order
-        # This iteration's gradient-sync state: whether finish_grad_sync ran, whether a backward ran since
-        # zero_grad_buffer / finish_grad_sync. Updated from the grad hooks, so kept on a plain object:
-        # nn.Module.__setattr__ costs microseconds.
-        self._grads = types.SimpleNamespace(finalized=False, unsynchronized=False, aliased=False)
-        # gradient_as_bucket_view: params whose .grad can be main_grad (same dtype, a persistent buffer).
-        self._grad_views = [p for p, bucket in self.param_to_bucket.items() if config.gradient_as_bucket_view
-                            and not bucket.shards_grads and p.main_grad.dtype == p.dtype]
-        self._overlap = config.overlap_grad_reduce
-        self._find_unused = config.find_unused_parameters
-        self.unused_params: frozenset = frozenset()  # find_unused_parameters: no rank's gradient in this iteration
-        self.is_last_microbatch = True
+        # The gradient side: launch schedule, per-iteration state, one hook per parameter (grad_hooks.py).
+        all_buckets = [b for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers
+                       for b in buffer.buckets]
+        self._register_grad_hooks(all_buckets)
         # broadcast_buffers: whether to copy rank 0's buffers before the next forward (torch DDP's rule, see
         # the config field); looked up per forward, since models may replace a buffer tensor.
         self._sync_buffers = config.broadcast_buffers and any(True for _ in module.buffers())
         self._grads.buffers_stale = True
 
-        self._grad_hook_handles = []
-        for bucket in all_buckets:
-            for index, param in enumerate(bucket.params_list):
-                self._grad_hook_handles.append(param.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_ready_hook, bucket=bucket, index=index)))
-
         # Gathers, releases and the hooks around forward and backward (param_sync.py).
         self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, self._launch_order, units,
                                                       unit_of, self.intra_instance_group)
-
-    def remove_grad_hooks(self):
-        """Unregister the gradient-ready hooks from the parameters (live recovery discards a wrapper after a
-        failure: a hook held by a parameter keeps the wrapper, its buckets and their process groups alive,
-        out of the garbage collector's sight, and a gloo group releases its peers only once freed)."""
-        for handle in self._grad_hook_handles:
-            handle.remove()
-        self._grad_hook_handles = []
 
     @torch.no_grad()
     def _keep_initial_value(self, tensor: torch.Tensor, value: torch.Tensor):
@@ -247,43 +214,8 @@ class DistributedDataParallel(torch.nn.Module):
         """The parameter synchronization (param_sync.py)."""
         return self.param_sync
 
-    # ---------------------------------------------------------------- hooks and launching
-    def _grad_ready_hook(self, param: torch.nn.Parameter, bucket: Bucket, index: int):
-        """Runs after autograd accumulated `param.grad` (= bucket.params_list[index]): move it into
-        main_grad and, on the last micro-batch with overlap, mark it ready and maybe launch buckets."""
-        if self._grads.finalized:
-            raise RuntimeError(
-                f"gradient for {self.param_to_name[param]} arrived after finish_grad_sync(): call "
-                f"zero_grad_buffer() at the start of every iteration"
-            )
-        self._grads.unsynchronized = True
-        if self._find_unused:
-            bucket.grad_seen[index] = True
-        report_ready = self._overlap and self.is_last_microbatch
-        if report_ready:
-            bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
-        grad = param.grad
-        if grad is not None:
-            bucket.ensure_grad_storage()  # ZeRO-2: the bucket's gradients are freed between iterations
-            main_grad = param.main_grad
-            if grad.data_ptr() == main_grad.data_ptr():
-                # .grad aliases main_grad (gradient_as_bucket_view, or FP32Optimizer's step left it so):
-                # autograd accumulated into the buffer in place; the alias stays for the next micro-batch.
-                if param.grad_added_to_main_grad:
-                    raise ValueError(f"{self.param_to_name[param]}: a fused weight-gradient layer added into "
-                                     f"main_grad while .grad aliases it (its dummy gradient was added too): wrap "
-                                     f"with gradient_as_bucket_view=False")
-            else:
-                # Skip the add when a fused weight-gradient layer already added the gradient
-                # (grad_added_to_main_grad, as in megatron-core).
-                if not param.grad_added_to_main_grad:
-                    main_grad.add_(grad)  # main_grad is a view into the buffer: only add_ into it
-                param.grad = None
-        if report_ready and bucket.mark_ready(index):
-            self.grad_sync.launch_ready()
-        self.param_sync.grad_arrived(bucket, index)  # ZeRO-3: its backward done, release the full parameters
-
-    # ---------------------------------------------------------------- the public protocol
+    # ---------------------------------------------------------------- the public protocol (the gradient side:
+    # zero_grad_buffer, no_sync, start/finish_grad_sync, scale_gradients, check_ready_for_step in grad_hooks.py)
     def forward(self, *args, **kwargs):
         if self._sync_buffers and self._grads.buffers_stale:
             collectives.broadcast_coalesced(list(self.module.buffers()), group=self.data_parallel_group)
@@ -296,71 +228,6 @@ class DistributedDataParallel(torch.nn.Module):
         output = self.module(*args, **kwargs)
         self.param_sync.end_forward()
         return output
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradients of backward passes inside the context accumulate in main_grad; nothing is communicated."""
-        self.is_last_microbatch = False
-        try:
-            yield
-        finally:
-            self.is_last_microbatch = True
-
-    def start_grad_sync(self):
-        """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce)."""
-        self.grad_sync.launch_rest()
-
-    def finish_grad_sync(self, force_all_reduce: bool = False):
-        """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean (with the
-        distributed optimizer: in this rank's shard of every bucket).
-
-        With overlap_grad_reduce, buckets still waiting for parameters mean some parameters got no
-        gradient in this iteration: an error naming them, unless `find_unused_parameters` is set, in
-        which case their (zero) contribution is communicated now.
-
-        `force_all_reduce` (megatron-core's argument): with the distributed optimizer, every rank ends with
-        the whole reduced gradient, not just its shard (buckets not launched yet are all-reduced, the others'
-        reduced shards all-gathered). Not with ZeRO-2/3, which keep no full gradients.
-        """
-        if self._grads.finalized:
-            return
-        if force_all_reduce and self.ddp_config.sharding.gradients:
-            raise ValueError(
-                f"finish_grad_sync(force_all_reduce=True) with data_parallel_sharding_strategy="
-                f"'{self.ddp_config.sharding.name}': ZeRO-2/3 keep only this rank's shard of the reduced "
-                f"gradients; use one of {', '.join(map(repr, UNSHARDED_GRADIENT_STRATEGIES))} to get them whole "
-                f"on every rank"
-            )
-        unused_error = None
-        if self.ddp_config.overlap_grad_reduce:
-            pending = self.grad_sync.pending
-            if pending and not self.ddp_config.find_unused_parameters:
-                unused_error = unused_parameters_message(self._launch_order, pending, self.param_to_name)
-        # Communicate even when about to raise: a peer that saw every gradient is already waiting in
-        # these collectives and must not hang.
-        self.grad_sync.finish(force_all_reduce)
-        if self._find_unused:  # no rank of the group that reduces a parameter got a gradient for it
-            expert = [b for b in self._launch_order if b.params_list[0] in self.expert_params]
-            dense = [b for b in self._launch_order if b.params_list[0] not in self.expert_params]
-            self.unused_params = (globally_unused_params(dense, self.data_parallel_group)
-                                  | globally_unused_params(expert, self.expert_data_parallel_group))
-        self._grads.finalized = True
-        self._grads.unsynchronized = False
-        if self.ddp_config.use_distributed_optimizer and self._grads.aliased:
-            # gradient_as_bucket_view: only this rank's shard of the buffer is reduced now (NCCL leaves the
-            # rest partial): no .grad rather than a .grad that torch's clip_grad_norm_ would read half-reduced.
-            for param in self._grad_views:
-                param.grad = None
-            self._grads.aliased = False
-        self.param_sync.end_iteration()  # ZeRO-3: release what the first iteration (or an unused param) kept
-        if unused_error:
-            raise ValueError(unused_error)
-        if self._overlap:
-            self.grad_sync.learn_expected_counts()  # the first complete iteration sets what to expect
-        raise_if_requires_grad_changed(self._all_named_params)
-        if self.ddp_config.check_for_nan_in_grad:
-            raise_if_any_rank_found_nonfinite(self.param_and_grad_buffers + self.expert_parallel_buffers,
-                                              self.data_parallel_group)
 
     # ---------------------------------------------------------------- parameter all-gather
     def start_param_sync(self, force_sync: bool = False):
@@ -385,47 +252,6 @@ class DistributedDataParallel(torch.nn.Module):
         """ZeRO-3: every parameter gathered inside the context (released after it; with `write_back`, what
         was written into them is kept as the new shards). Other strategies: nothing to do."""
         return self.param_sync.full_parameters(write_back)
-
-    def zero_grad_buffer(self):
-        """Zero all main_grads and reset bucket state; call at the start of every iteration."""
-        raise_if_requires_grad_changed(self._all_named_params)
-        self._raise_if_params_moved()
-        for param in self.param_to_name:
-            param.grad = None  # may alias main_grad after an FP32Optimizer step
-            param.grad_added_to_main_grad = False
-        for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
-            buffer.reset()
-        self.grad_sync.reset()
-        self._grads.finalized = False
-        self._grads.unsynchronized = False
-        self._grads.aliased = False
-
-    def check_ready_for_step(self):
-        """Raise unless every gradient of this iteration's backward passes was synchronized (called by the
-        optimizer's step(): stepping on unreduced gradients silently makes the replicas diverge)."""
-        self._raise_if_params_moved()
-        if self._grads.unsynchronized:
-            raise RuntimeError(
-                "optimizer.step() after a backward pass whose gradients were not synchronized: call "
-                "model.finish_grad_sync() after the last micro-batch's backward and before optimizer.step()"
-            )
-
-    def _raise_if_params_moved(self):
-        problems = [p for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers
-                    for p in buffer.misplaced_params()]
-        if problems:
-            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-            raise ValueError(
-                f"parameters changed under DistributedDataParallel since it was wrapped: {shown}. Its buffers are "
-                f"laid out once, for the dtype, device and storage the parameters had then: convert the model "
-                f"(.to(dtype), .half(), .cuda()) before wrapping it, and load new weights in place "
-                f"(model.load_state_dict, or param.data.copy_(...)) instead of assigning param.data."
-            )
-
-    def scale_gradients(self, scaling_factor: float):
-        """Multiply every main_grad by `scaling_factor`."""
-        for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers:
-            buffer.scale_gradients(scaling_factor)
 
     def broadcast_params(self):
         """Copy every parameter from data-parallel rank 0 to the other ranks (an expert parameter: from rank 0
