@@ -4,7 +4,7 @@
 
     SAVE/iter_0000200/model_optim_rng.pt   {'checkpoint_version', 'iteration', 'consumed_train_samples',
                                             'model': full tensors, 'optimizer': full fp32 tensors per
-                                            parameter name (optimizer/optimizer.py), 'opt_param_scheduler',
+                                            parameter name (optimizer/optimizer_state.py), 'opt_param_scheduler',
                                             'rng_state': one per rank, 'args'[, 'expert_parallel']}
     SAVE/iter_0000200/manifest.json        checksums (files.py)
 

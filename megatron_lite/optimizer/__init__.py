@@ -7,8 +7,8 @@ import torch
 from ..distributed import DistributedDataParallel
 from .distrib_optimizer import DistributedOptimizer
 from .full_param_optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler
-from .optimizer import MegatronOptimizer, make_grad_scaler
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler, make_grad_scaler
+from .optimizer import MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
 __all__ = [

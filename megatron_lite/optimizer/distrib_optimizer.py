@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology, shard_range
-from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_params
+from .main_params import copy_main_to_model, copy_model_to_main, main_params
+from .optimizer import MegatronOptimizer
 from .sharded_state import flat_numel, flatten, unflatten
 
 

@@ -4,7 +4,8 @@ FP32Optimizer steps the model's fp32 parameters themselves (grad = main_grad, an
 Float16OptimizerWithFloat16Params keeps fp32 main copies of fp16/bf16 parameters and casts them back.
 """
 
-from .optimizer import MegatronOptimizer, copy_main_to_model, copy_model_to_main, main_params, qualified_param_names
+from .main_params import copy_main_to_model, copy_model_to_main, main_params
+from .optimizer import MegatronOptimizer, qualified_param_names
 
 
 class _FullParamOptimizer(MegatronOptimizer):

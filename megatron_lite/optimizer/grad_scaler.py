@@ -4,6 +4,8 @@ Every rank feeds the same `found_inf` (agreed by an all-reduce in the optimizer)
 same scaling decisions and stays bitwise in step.
 """
 
+from .optimizer_config import OptimizerConfig
+
 
 class ConstantGradScaler:
     def __init__(self, scale: float):
@@ -62,3 +64,15 @@ class DynamicGradScaler(ConstantGradScaler):
         self.scale = float(state_dict["scale"])
         self._growth_tracker = int(state_dict.get("growth_tracker", 0))
         self._hysteresis_tracker = int(state_dict.get("hysteresis_tracker", self.hysteresis))
+
+
+def make_grad_scaler(config: OptimizerConfig):
+    """Megatron's choice: a constant scale when one is given (fp16 or bf16), dynamic scaling for fp16."""
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if not config.fp16:
+        return None
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+        growth_interval=config.loss_scale_window, hysteresis=config.hysteresis,
+    )

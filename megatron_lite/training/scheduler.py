@@ -2,7 +2,7 @@
 
 import math
 
-from ..optimizer.optimizer import pick_hyperparameter
+from ..optimizer.optimizer_state import pick_hyperparameter
 
 
 def check_schedule(lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str):
