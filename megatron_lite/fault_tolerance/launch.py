@@ -1,7 +1,8 @@
 """The live-recovery supervisor: starts the ranks, and when one dies restarts that rank only.
 
     python -m megatron_lite.fault_tolerance.launch --nproc-per-node 4 [--max-replacements 20]
-        [--collective-timeout 3] [--join-timeout 60] [--max-restarts 1] pretrain_gpt.py ARGS...
+        [--collective-timeout 3] [--join-timeout 60] [--max-restarts 1]
+        [--min-instances 1 [--replacement-timeout 10]] pretrain_gpt.py ARGS...
 
 torchrun's agent cannot do this: on a worker's failure it stops every local worker and restarts them all
 (torch.distributed.elastic's LocalElasticAgent; `--max-restarts` counts those whole-group restarts), which
@@ -14,6 +15,11 @@ the generation keys of membership.py:
                                 warm spare (--spares, started ahead with torch imported) or a new one
     a rank reports trouble      (a collective failed, no process died within --trouble-grace seconds):
                                 generation += 1 with no replacement, every rank re-forms the groups
+    elastic (--min-instances)   a replacement not back (its process not ready to join) --replacement-timeout
+                                seconds after the death: generation += 1 with the complete instances only
+                                (shrink; its instance partners wait, alive, to be admitted); once every rank
+                                of a left-out instance is ready: gen_<g>/leave_at = an iteration all members
+                                have yet to pass, generation += 1 with them all (grow)
     a worker exits 3            live recovery is impossible (both holders of a shard lost), or a worker
     (EXIT_FALLBACK) or 1        raised an error of its own (a bug, a NaN: a new process would meet it again):
                                 every worker is stopped (SIGTERM: last words) and the whole job restarted,
@@ -38,12 +44,16 @@ class Supervisor:
     """The workers of one job and the store of their generations (see the module docstring)."""
 
     def __init__(self, command, world_size: int, config: LiveConfig, max_replacements: int, max_restarts: int,
-                 trouble_grace_s: float, spares: int = 1):
+                 trouble_grace_s: float, spares: int = 1, replacement_timeout_s: float = 10.0):
         self.command, self.world_size, self.config = command, world_size, config
         self.max_replacements, self.max_restarts, self.trouble_grace_s = max_replacements, max_restarts, trouble_grace_s
+        self.replacement_timeout_s = replacement_timeout_s
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.generation = 0
+        self.generation = -1  # the first is 0
+        self.members = list(range(world_size))  # the ranks training in the current generation
+        self.opened_at = time.monotonic()  # when the current generation was opened
         self.workers = {}  # rank -> Popen
+        self.pending = {}  # rank -> pid: replacement processes not yet ready to join (no standby/<rank>)
         self.done = set()
         self.num_spares = spares
         self.spares = []  # [(id, Popen)] warm processes waiting for a rank, oldest first
@@ -54,11 +64,13 @@ class Supervisor:
         print(f"[supervisor] {text}", flush=True)
 
     def _env(self, **extra) -> dict:
+        elastic = {} if self.config.min_instances is None else {
+            membership.ENV_MIN_INSTANCES: str(self.config.min_instances)}
         return {**os.environ, "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
                 membership.ENV_STORE: f"127.0.0.1:{self.store.port}",
                 membership.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
-                membership.ENV_JOIN_TIMEOUT: str(self.config.join_timeout_s), **extra}
+                membership.ENV_JOIN_TIMEOUT: str(self.config.join_timeout_s), **elastic, **extra}
 
     def spawn(self, rank: int):
         """A process for `rank` in the current generation: a warm spare if one is waiting, else a new one."""
@@ -67,10 +79,11 @@ class Supervisor:
             self.store.set(f"spare_{spare}/assign", json.dumps({"rank": rank, "generation": self.generation}))
             self.workers[rank] = proc
             self.say(f"rank {rank}: pid {proc.pid} (generation {self.generation}, warm spare {spare})")
-            return
-        env = self._env(RANK=str(rank), LOCAL_RANK=str(rank), **{membership.ENV_GENERATION: str(self.generation)})
-        self.workers[rank] = subprocess.Popen([sys.executable, *self.command], env=env)
-        self.say(f"rank {rank}: pid {self.workers[rank].pid} (generation {self.generation})")
+        else:
+            env = self._env(RANK=str(rank), LOCAL_RANK=str(rank), **{membership.ENV_GENERATION: str(self.generation)})
+            self.workers[rank] = subprocess.Popen([sys.executable, *self.command], env=env)
+            self.say(f"rank {rank}: pid {self.workers[rank].pid} (generation {self.generation})")
+        self.pending[rank] = self.workers[rank].pid
 
     def spawn_spare(self):
         """A warm spare: the training script started (torch imported, arguments parsed) and waiting in
@@ -94,20 +107,26 @@ class Supervisor:
                 self.spare_after_logged = None
                 self.spawn_spare()
 
-    def new_generation(self, replaced):
+    def open_generation(self, replaced, members=None, why=""):
+        """Generation += 1: its members (default: the current ones), the ranks started afresh
+        for it, their processes; the `generation` key last, since the new processes' environment says it."""
         self.generation += 1
+        self.members = sorted(self.members if members is None else members)
+        self.store.set(f"gen_{self.generation}/members", json.dumps(self.members))
         self.store.set(f"gen_{self.generation}/replaced", json.dumps(sorted(replaced)))
         for rank in replaced:
             self.spawn(rank)
-        self.store.set("generation", str(self.generation))  # after the spawns: their environment says it
-        self.say(f"generation {self.generation}: replaced {sorted(replaced)}")
+        self.store.set("generation", str(self.generation))
+        self.opened_at = time.monotonic()
+        self.say(f"generation {self.generation}: replaced {sorted(replaced)}"
+                 + (f", members {self.members}" if len(self.members) < self.world_size else "") + why)
 
     def start_all(self):
+        """Every rank afresh, in a new generation (the first, or the whole-job restart of the fallback)."""
         self.done.clear()
-        self.store.set(f"gen_{self.generation}/replaced", json.dumps(list(range(self.world_size))))
-        for rank in range(self.world_size):
-            self.spawn(rank)
-        self.store.set("generation", str(self.generation))
+        self.stop_all()
+        self.workers, self.pending = {}, {}
+        self.open_generation(range(self.world_size), range(self.world_size))
 
     def stop_all(self):
         for _, proc in self.spares:
@@ -125,11 +144,40 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
 
+    def tend_elastic(self):
+        """Elastic mode: shrink to the complete instances when a replacement is late, grow back when it is
+        ready (see the module docstring). Instances are whole: their ranks' shard positions stay the same."""
+        for rank, pid in list(self.pending.items()):
+            key = f"standby/{rank}"
+            if self.store.check([key]) and self.store.get(key).decode() == str(pid):
+                del self.pending[rank]
+        if self.config.min_instances is None or not self.store.check(["instance_size"]):
+            return
+        size = int(self.store.get("instance_size"))
+        complete = [i for i in range(self.world_size // size)
+                    if all(r not in self.pending and self.workers[r].poll() is None
+                           for r in range(i * size, (i + 1) * size))]
+        wanted = [r for i in complete for r in range(i * size, (i + 1) * size)]
+        formed = self.store.check([f"gen_{self.generation}/ready"])
+        if formed and set(wanted) > set(self.members):
+            leave_at = membership.last_logged(self.store) + 2  # no member can have passed it (module docstring)
+            self.store.set(f"gen_{self.generation}/leave_at", str(leave_at))
+            self.open_generation([], wanted, f" (grow: instance(s) back; the members leave after iteration {leave_at})")
+        elif (not formed and self.pending.keys() & set(self.members) and len(complete) >= self.config.min_instances
+              and time.monotonic() - self.opened_at > self.replacement_timeout_s):
+            late = sorted(self.pending.keys() & set(self.members))
+            self.open_generation([], wanted, f" (shrink: rank(s) {late} not back within "
+                                             f"{self.replacement_timeout_s} s)")
+
+    def finished(self) -> bool:
+        """Every rank exited 0: training ended (the ranks waiting to be admitted exit once it has)."""
+        return len(self.done) == self.world_size
+
     def run(self) -> int:
         replacements = restarts = 0
         self.start_all()
         trouble_since = None
-        while len(self.done) < self.world_size:
+        while not self.finished():
             time.sleep(0.02)
             self.tend_spares()
             dead, fallback = [], False
@@ -150,8 +198,6 @@ class Supervisor:
                     return 1
                 restarts += 1
                 self.say(f"live recovery is impossible: restarting the whole job ({restarts}/{self.max_restarts})")
-                self.stop_all()
-                self.generation += 1
                 self.start_all()
                 continue
             if dead:
@@ -162,13 +208,19 @@ class Supervisor:
                     self.say(f"more than {self.max_replacements} replacements (--max-replacements): giving up")
                     self.stop_all()
                     return 1
-                self.new_generation(dead)
+                if set(dead) & set(self.members):
+                    self.open_generation(dead)
+                else:  # elastic: ranks waiting to be admitted; their replacements wait in their place
+                    for rank in dead:
+                        self.spawn(rank)
                 trouble_since = None
             elif self.store.check([f"gen_{self.generation}/trouble"]):
                 trouble_since = trouble_since or time.monotonic()
                 if time.monotonic() - trouble_since > self.trouble_grace_s:  # no process died: re-form only
-                    self.new_generation([])
+                    self.open_generation([])
                     trouble_since = None
+            else:
+                self.tend_elastic()
         return 0
 
 
@@ -187,13 +239,26 @@ def main(argv=None) -> int:
                              "the start-up of a Python process; 0: start the replacement afresh")
     parser.add_argument("--trouble-grace", type=float, default=2.0,
                         help="seconds between a rank's failed collective and a re-forming without a death")
+    parser.add_argument("--min-instances", type=int, default=None,
+                        help="elastic mode (torchft's min_replicas, torchrun's --nnodes MIN:MAX, in distributed-"
+                             "optimizer instances): when a replacement is not back within --replacement-timeout, "
+                             "train on with the complete instances if there are at least this many, and admit the "
+                             "missing one at an iteration boundary once it is back (default: not elastic, wait for "
+                             "the replacement)")
+    parser.add_argument("--replacement-timeout", type=float, default=10.0,
+                        help="elastic mode: seconds a generation waits for a replacement before it shrinks "
+                             "(torchft Lighthouse's join_timeout)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give the training script, e.g. pretrain_gpt.py ARGS")
-    config = LiveConfig(args.collective_timeout, args.join_timeout)
+    if args.replacement_timeout <= 0:
+        parser.error(f"--replacement-timeout must be > 0 seconds, got {args.replacement_timeout}")
+    if args.min_instances is not None and args.min_instances < 1:
+        parser.error(f"--min-instances must be >= 1, got {args.min_instances}")
+    config = LiveConfig(args.collective_timeout, args.join_timeout, args.min_instances)
     supervisor = Supervisor(args.command, args.nproc_per_node, config, args.max_replacements, args.max_restarts,
-                            args.trouble_grace, args.spares)
+                            args.trouble_grace, args.spares, args.replacement_timeout)
     try:
         return supervisor.run()
     finally:

@@ -29,6 +29,7 @@ run's, bit for bit. When a shard has no holder at the target (both holders of a 
 exit with EXIT_FALLBACK after writing their last words, and the supervisor restarts the whole job (--load).
 """
 
+import copy
 import gc
 import json
 import time
@@ -47,7 +48,7 @@ from ..optimizer.sharded_state import flatten, unflatten
 from ..training.initialize import initialize_megatron, shutdown
 from ..training.metrics import TrainingLog, print_rank_0
 from ..training.training import resume, save_due, setup_model_and_optimizer, train_step
-from .membership import EXIT_FALLBACK, GenerationSuperseded, Membership
+from .membership import EXIT_FALLBACK, GenerationEnded, GenerationSuperseded, JobFinished, Membership
 
 
 class LiveRecoveryImpossible(RuntimeError):
@@ -94,7 +95,7 @@ def _is_peer_failure(error: BaseException) -> bool:
     """A collective that failed because of another rank (gloo's errors, a timeout), not this rank's bug."""
     text = str(error).lower()  # gloo raises plain RuntimeErrors: "Connection reset/closed by peer", "Timed out
     # waiting 3000ms for recv", "Application timeout caused pair closure" (a peer's timeout closed the pair)
-    return isinstance(error, (dist.DistError, GenerationSuperseded)) or (
+    return isinstance(error, (dist.DistError, GenerationSuperseded, GenerationEnded)) or (
         isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "connection", "timed out", "timeout",
                                                                     "pair closure")))
 
@@ -161,17 +162,21 @@ def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress
 def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
                   forward_step_func: Callable, flops_per_iteration: Optional[Callable] = None) -> dict:
     """pretrain() under the live-recovery supervisor (same arguments; evaluation is not run). Returns
-    {'iteration', 'losses', 'recoveries'}."""
+    {'iteration', 'losses', 'recoveries'} ('iteration' None on a rank that was never admitted back before
+    training ended: elastic mode)."""
     run = _LiveRun(args, train_valid_test_datasets_provider, model_provider, forward_step_func, flops_per_iteration)
     while True:
         try:
             return run.train_generation()
+        except JobFinished as e:  # elastic: training ended while this rank waited to be admitted
+            print(f"[rank {run.membership.rank}] > {e}", flush=True)
+            return {"iteration": None, "losses": run.losses, "recoveries": run.recoveries}
         except (LiveRecoveryImpossible, TimeoutError) as e:
             _fall_back(f"live recovery is impossible: {e}")
         except BaseException as e:
             # Last words first, as pretrain() leaves them: with replicas the survivors' files of a single
             # failure form a complete set, which the whole-job restart (the fallback) resumes from.
-            if run.words is not None:
+            if run.words is not None and not isinstance(e, GenerationEnded):
                 run.words.write(f"{type(e).__name__}: {e}")
             if not _is_peer_failure(e):
                 raise
@@ -188,11 +193,13 @@ class _LiveRun:
 
     def __init__(self, args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
                  forward_step_func: Callable, flops_per_iteration: Optional[Callable]):
-        self.args = args
+        self.job_args = self.args = args  # the job's arguments; self.args: the current generation's (elastic)
         self.train_valid_test_datasets_provider = train_valid_test_datasets_provider
         self.model_provider, self.forward_step_func = model_provider, forward_step_func
         self.flops_per_iteration = flops_per_iteration
         self.membership = Membership.from_env()
+        if self.membership.config.elastic:
+            check_elastic(args, self.membership.config.min_instances)
         # Every rank started afresh (generation 0, or the supervisor restarting the whole job): start as
         # pretrain() does; else this process is a replacement, healed from the survivors.
         self.fresh_job = set(self.membership.replaced()) == set(range(self.membership.world_size))
@@ -206,9 +213,9 @@ class _LiveRun:
     def train_generation(self) -> dict:
         """Join the current generation and train in it to the end. Returns pretrain_live's summary; raises
         whatever interrupted the generation."""
-        args = self.args
         self.words = None
         device, train_ds = self._form_generation()
+        args = self.args
         progress = self._resume()
         rank, dp = dist.get_rank(), dist.get_world_size()
         self.log = TrainingLog(args, device, dp, self.flops_per_iteration(args) if self.flops_per_iteration else None)
@@ -219,22 +226,30 @@ class _LiveRun:
         self.iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp)
         while progress.iteration < args.train_iters:
             progress = self._train_iteration(progress)
+            if self.membership.config.elastic and progress.iteration < args.train_iters \
+                    and self.membership.leave_due(progress.iteration):
+                raise GenerationEnded(f"leaving generation {self.membership.generation} after iteration "
+                                      f"{progress.iteration} to admit the ranks that are back")
         if args.save and progress.last_saved != progress.iteration:
             _save(args, progress, self.model, self.optimizer, self.scheduler)
         self.log.close()
+        if dist.get_rank() == 0:
+            self.membership.note_finished(progress.iteration)
         return {"iteration": progress.iteration, "losses": self.losses, "recoveries": self.recoveries}
 
     def _form_generation(self):
         """Join the generation's process group and build the model, optimizer and scheduler anew (the same
         construction collectives on every rank). Returns (device, training dataset)."""
-        args = self.args
         self.membership.join()
         if self.timings is not None:
             self.timings.mark("joined")
+        self.args = args = generation_args(self.job_args, len(self.membership.members()))
         device, tokenizer = initialize_megatron(args)
         train_ds, _, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args, tokenizer)
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(self.model_provider, args, device)
         self.membership.limit_group_timeouts()  # the groups the model just created, too
+        topology = self.optimizer.data_parallel_topology
+        self.membership.publish_instance_size(topology.intra_distributed_optimizer_instance_size)
         return device, train_ds
 
     def _resume(self) -> Progress:
@@ -323,17 +338,55 @@ class _LiveRun:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
-        self.timings = self.timings or Timings(time.time())
         membership = self.membership
-        print(f"[rank {membership.rank}] > generation {membership.generation} failed "
-              f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); waiting for the next one", flush=True)
+        if isinstance(error, GenerationEnded):  # elastic grow: not a failure
+            self.timings = Timings(time.time(), role="grow")
+            print(f"[rank {membership.rank}] > {error}", flush=True)
+        else:
+            self.timings = self.timings or Timings(time.time())
+            print(f"[rank {membership.rank}] > generation {membership.generation} failed ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:160]}); waiting for the next one", flush=True)
         try:
             membership.wait_for_next_generation()
         except TimeoutError as timeout:
             _fall_back(str(timeout))
         self.timings.mark("next_generation")
+        if membership.rank not in membership.members():
+            self.timings.role = "parked"  # elastic shrink: this rank's instance is left out until it is whole
         print(f"[rank {membership.rank}] > joining generation {membership.generation} (replaced: "
-              f"{membership.replaced()})", flush=True)
+              f"{membership.replaced()}, members: {membership.members()})", flush=True)
+
+
+def check_elastic(args, min_instances: int):
+    """ValueError unless the run can train on `min_instances` .. R instances (elastic mode): R >= 2, and the
+    global batch splits into whole micro-batches at every data-parallel size it may shrink to."""
+    instances, world = args.num_distributed_optimizer_instances, args.data_parallel_size
+    if instances < 2:
+        raise ValueError(f"elastic mode (--min-instances {min_instances}) needs --num-distributed-optimizer-instances "
+                         f">= 2 (got {instances}): a left-out instance's shards must live on in another")
+    if min_instances > instances:
+        raise ValueError(f"--min-instances {min_instances} exceeds --num-distributed-optimizer-instances {instances}")
+    for count in range(min_instances, instances):
+        per_step = args.micro_batch_size * world // instances * count
+        if args.global_batch_size % per_step:
+            raise ValueError(f"elastic mode: with {count} of {instances} instances the data-parallel size is "
+                             f"{per_step // args.micro_batch_size}, and --global-batch-size {args.global_batch_size} "
+                             f"is not divisible by --micro-batch-size {args.micro_batch_size} x that: choose a global "
+                             f"batch size that is, or a larger --min-instances")
+
+
+def generation_args(args, members: int):
+    """The arguments of a generation of `members` ranks: `args` itself with every rank, else a copy with the
+    data-parallel size, the instances and the micro-batches per rank of the smaller job (elastic shrink: the
+    instances are whole, so the same global batch of samples, more micro-batches per rank)."""
+    if members == args.data_parallel_size:
+        return args
+    smaller = copy.copy(args)
+    smaller.data_parallel_size = members
+    smaller.num_distributed_optimizer_instances = (args.num_distributed_optimizer_instances * members
+                                                   // args.data_parallel_size)
+    smaller.num_micro_batches = args.global_batch_size // (args.micro_batch_size * members)
+    return smaller
 
 
 def _start(args, model, optimizer, scheduler) -> Progress:

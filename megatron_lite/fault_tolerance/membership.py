@@ -6,12 +6,24 @@ rank only. Every rank forms the process group of generation g on its own key spa
 
     store key                      written by        meaning
     generation                     supervisor        the current generation g (0 at the start)
+    gen_<g>/members                supervisor        JSON list of the ranks ("slots") that train in generation g
     gen_<g>/replaced               supervisor        JSON list of the ranks started afresh in generation g
-    gen_<g>/arrived                every rank        counter; the rank that makes it WORLD sets .../ready
+    gen_<g>/arrived                every member      counter; the member that makes it len(members) sets .../ready
     gen_<g>/trouble                a rank            "a collective of generation g failed" (see launch.py)
+    gen_<g>/leave_at               supervisor        elastic grow: the members of g leave after this iteration
+    standby/<rank>                 every process     its pid, once it is ready to join (the supervisor's
+                                                     "the replacement came back")
     spare_<i>/assign               supervisor        JSON {rank, generation}: warm spare i becomes that rank
+    instance_size                  every rank        ranks per distributed-optimizer instance (elastic: the
+                                                     supervisor shrinks and grows by whole instances)
     last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
+    finished                       rank 0            training ended at this iteration: ranks waiting to be
+                                                     admitted (elastic) exit
     gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
+
+A rank keeps its number (its slot) for the whole job; in a generation of fewer members (elastic: an
+instance left out) its process-group rank is its index in the members, which keeps every surviving rank's
+shard position (instances are whole, and a slot's position is slot % instance size).
 
 A survivor whose collective fails (gloo raises within milliseconds when a peer process dies or frees its
 groups, at the collective timeout when a peer hangs) calls wait_for_next_generation();
@@ -33,11 +45,21 @@ ENV_GENERATION = "MEGATRON_LITE_LIVE_GENERATION"
 ENV_COLLECTIVE_TIMEOUT = "MEGATRON_LITE_LIVE_COLLECTIVE_TIMEOUT"
 ENV_JOIN_TIMEOUT = "MEGATRON_LITE_LIVE_JOIN_TIMEOUT"
 ENV_SPARE = "MEGATRON_LITE_LIVE_SPARE"  # a warm spare's id: it waits for the rank it is to replace
+ENV_MIN_INSTANCES = "MEGATRON_LITE_LIVE_MIN_INSTANCES"  # elastic mode: the fewest instances to train with
 EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts the whole job (--load)
 
 
 class GenerationSuperseded(RuntimeError):
     """A newer generation began while this one was forming (another rank died meanwhile)."""
+
+
+class GenerationEnded(RuntimeError):
+    """Elastic grow: the supervisor admits new members, and this generation's members leave together at an
+    iteration boundary (gen_<g>/leave_at) to form the next one with them."""
+
+
+class JobFinished(Exception):
+    """Training ended while this process waited to be admitted (elastic): it has nothing left to do."""
 
 
 @dataclass(frozen=True)
@@ -52,17 +74,30 @@ class LiveConfig:
     join_timeout_s: float = 60.0
     """How long a rank waits for a new generation (the supervisor noticing the death) and for every rank of
     it to arrive (the replacement starting). Past it the rank gives up live recovery (EXIT_FALLBACK)."""
+    min_instances: Optional[int] = None
+    """Elastic mode (torchft's min_replicas, torchrun's --nnodes MIN:MAX, counted in distributed-optimizer
+    instances): when a replacement has not come back within the supervisor's --replacement-timeout, train on
+    with the complete instances, as long as there are at least this many; grow back when it comes. None: not
+    elastic (wait for the replacement)."""
 
     def __post_init__(self):
         for name in ("collective_timeout_s", "join_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.min_instances is not None and (not isinstance(self.min_instances, int) or self.min_instances < 1):
+            raise ValueError(f"min_instances must be an int >= 1 (or None: not elastic), got {self.min_instances!r}")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_instances is not None
 
     @classmethod
     def from_env(cls) -> "LiveConfig":
+        minimum = os.environ.get(ENV_MIN_INSTANCES)
         return cls(float(os.environ.get(ENV_COLLECTIVE_TIMEOUT, cls.collective_timeout_s)),
-                   float(os.environ.get(ENV_JOIN_TIMEOUT, cls.join_timeout_s)))
+                   float(os.environ.get(ENV_JOIN_TIMEOUT, cls.join_timeout_s)),
+                   int(minimum) if minimum else None)
 
 
 def live_recovery_enabled() -> bool:
@@ -73,6 +108,12 @@ def live_recovery_enabled() -> bool:
 def last_logged(store: dist.Store) -> int:
     """The last iteration rank 0 logged (Membership.note_logged), 0 before the first."""
     return int(store.get("last_logged")) if store.check(["last_logged"]) else 0
+
+
+def members(store: dist.Store, generation: int, world_size: int) -> List[int]:
+    """The ranks that train in `generation` (every rank unless the supervisor recorded fewer)."""
+    key = f"gen_{generation}/members"
+    return json.loads(store.get(key)) if store.check([key]) else list(range(world_size))
 
 
 def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
@@ -87,7 +128,8 @@ class Membership:
 
     Args:
         store: the supervisor's TCPStore (a client).
-        rank, world_size: this rank and the job's size (fixed: a replacement takes the dead rank's place).
+        rank, world_size: this rank's slot and the job's size (fixed: a replacement takes the dead rank's
+            place; a generation may have fewer members, see members()).
         generation: the generation this process starts in (0, or the one it was started for).
         config: the timeouts.
     """
@@ -95,6 +137,7 @@ class Membership:
     def __init__(self, store: dist.Store, rank: int, world_size: int, generation: int, config: LiveConfig):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.generation, self.config = generation, config
+        self._leave_at: Optional[int] = None
 
     @classmethod
     def from_env(cls) -> "Membership":
@@ -120,13 +163,26 @@ class Membership:
         key = f"gen_{self.generation if generation is None else generation}/replaced"
         return json.loads(self.store.get(key)) if self.store.check([key]) else []
 
+    def members(self, generation: Optional[int] = None) -> List[int]:
+        """The ranks that train in `generation` (default: this one)."""
+        return members(self.store, self.generation if generation is None else generation, self.world_size)
+
     def join(self):
-        """Form the default process group of this generation (gloo, WORLD = every rank): wait until every
-        rank has arrived (the replacement may still be importing torch), then rendezvous on the generation's
-        prefix. The previous generation's groups (every group: WORLD and the instances') are destroyed
-        first."""
-        prefix = f"gen_{self.generation}"
-        if self.store.add(f"{prefix}/arrived", 1) == self.world_size:
+        """Form the default process group of this generation (gloo, WORLD = its members, ranked by slot):
+        wait until every member has arrived (the replacement may still be importing torch), then rendezvous
+        on the generation's prefix. The previous generation's groups (every group: WORLD and the instances')
+        are destroyed first. A process that starts late joins the newest generation; one that is not a member
+        of it (elastic: its instance is left out) waits, without a deadline, until it is admitted, and raises
+        JobFinished if training ends first."""
+        self.store.set(f"standby/{self.rank}", str(os.getpid()))
+        self.generation = max(self.generation, self.current_generation())
+        while self.rank not in self.members():
+            if self.store.check(["finished"]):
+                raise JobFinished(f"rank {self.rank}: training finished at iteration {self.store.get('finished').decode()}")
+            time.sleep(0.01)
+            self.generation = self.current_generation()
+        prefix, members = f"gen_{self.generation}", self.members()
+        if self.store.add(f"{prefix}/arrived", 1) == len(members):
             self.store.set(f"{prefix}/ready", "1")
         what = f"every rank of generation {self.generation}"
 
@@ -139,9 +195,26 @@ class Membership:
         self._wait(ready, what)
         if dist.is_initialized():
             dist.destroy_process_group()  # measured: milliseconds, also with an operation pending
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=self.rank,
-                                world_size=self.world_size,
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=members.index(self.rank),
+                                world_size=len(members),
                                 timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+        self._leave_at = None
+
+    def leave_due(self, iteration: int) -> bool:
+        """Elastic: whether the supervisor asked this generation's members to leave after `iteration` (to admit
+        returning ranks). Every member reads the same key at the same iteration boundary, so all leave together.
+        One store lookup per iteration until the key appears."""
+        if self._leave_at is None and self.store.check([f"gen_{self.generation}/leave_at"]):
+            self._leave_at = int(self.store.get(f"gen_{self.generation}/leave_at"))
+        return self._leave_at is not None and iteration >= self._leave_at
+
+    def note_finished(self, iteration: int):
+        """Rank 0, when training ended: ranks still waiting to be admitted exit."""
+        self.store.set("finished", str(iteration))
+
+    def publish_instance_size(self, instance_size: int):
+        """Ranks per distributed-optimizer instance, for the supervisor's elastic decisions (whole instances)."""
+        self.store.set("instance_size", str(instance_size))
 
     def limit_group_timeouts(self):
         """Give every process group of this generation (WORLD and the ones created since, e.g. the

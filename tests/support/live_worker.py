@@ -8,11 +8,18 @@ generation it is assigned to: a spurious re-forming shifts the numbers) when it 
     update             right after the local optimizer update, before the parameter all-gather
     save               the periodic checkpoint saved after the iteration
     send / recv        healing: sending / receiving a shard to / from a replica (iteration ignored)
+    hold               not a kill: the process waits, before it starts training, until rank 0 has logged
+                       `iteration` (a replacement that comes back late, for elastic mode)
+    grow               not a kill: after `iteration`, the rank waits until the supervisor asks its generation
+                       to leave for a grow (elastic mode: the held replacement is then surely back in time)
+
+`started` may also be "new": any process started for a generation after the first (not a warm spare).
 """
 
 import os
 import signal
 import sys
+import time
 
 from pretrain_testing import REPO
 
@@ -30,9 +37,43 @@ def fault(phase: str):
     started = f"spare{spare}" if spare else os.environ.get(membership.ENV_GENERATION, "0")
     for spec in filter(None, os.environ.get("LIVE_FAULTS", "").split(";")):
         fault_rank, iteration, fault_phase, fault_started = spec.split(":")
+        if fault_started == "new" and not spare and started != "0":
+            fault_started = started
         if (fault_rank, fault_phase, fault_started) == (os.environ.get("RANK"), phase, started):
             return int(iteration)
     return None
+
+
+def wait_for(store, done, what: str):
+    deadline = time.monotonic() + 120
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {os.environ['RANK']}: {what} did not happen within 120 s")
+        time.sleep(0.01)
+
+
+original_leave_due = membership.Membership.leave_due
+
+
+def leave_due(self, iteration):
+    if fault("grow") == iteration:
+        wait_for(self.store, lambda: self.store.check([f"gen_{self.generation}/leave_at"]), "the grow")
+        print(f"[rank {self.rank}] > injected fault: waited for the grow after iteration {iteration}", flush=True)
+    return original_leave_due(self, iteration)
+
+
+membership.Membership.leave_due = leave_due
+
+
+def hold():
+    """The "hold" fault: wait (polling the supervisor's store, with a deadline) until rank 0 logged the
+    iteration."""
+    iteration = fault("hold")
+    if iteration is None:
+        return
+    store = membership.connect_store(os.environ[membership.ENV_STORE], 60)
+    wait_for(store, lambda: membership.last_logged(store) >= iteration, f"iteration {iteration} logged")
+    print(f"[rank {os.environ['RANK']}] > injected fault: held until iteration {iteration} was logged", flush=True)
 
 
 completed = {"steps": 0, "micro_batches": 0}
@@ -85,6 +126,7 @@ pretrain_gpt.forward_step = forward_step
 
 if __name__ == "__main__":
     args = pretrain_gpt.parse_args()
+    hold()
     live_training.pretrain_live(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
                                 forward_step)
     pretrain_gpt.shutdown()

@@ -9,21 +9,17 @@ loss and the final checkpoint bitwise, and which ranks got a new process. Wall t
 each recovered before the next; the double failure ends in a whole-job restart and has its own run.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
-from distributed_helper import run_distributed
-from pretrain_testing import REPO, pretrain_losses, tiny_pretrain_flags
+from live_testing import check_exact, run_live
 
-WORKER = os.path.join(REPO, "tests", "support", "live_worker.py")
-ITERS = 8
-FLAGS = tiny_pretrain_flags(train_iters=str(ITERS), global_batch_size="16", log_interval="100",
-                            use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size="2000",
-                            num_distributed_optimizer_instances="2", save_interval="4")
+
+@pytest.fixture(scope="module")
+def reference(live_reference):
+    return live_reference[1:]
+
+
 SINGLE_FAILURES = ";".join([
     "3:2:forward_backward:0",  # rank 3 during the forward/backward of iteration 2 ...
     "3:0:recv:spare1",  # ... its replacement (the warm spare) while receiving its shard
@@ -32,67 +28,11 @@ SINGLE_FAILURES = ";".join([
 ])
 
 
-def run_live(directory, faults, timeout_s=100):
-    """The supervisor's run in `directory`: (return code, {rank: [pids]}, {iteration: {losses}}, output)."""
-    # Every failure here is a killed process, which gloo reports at once: the collective timeout only bounds a
-    # hung peer, so it is long enough for the ranks' skew on a loaded machine (a spurious timeout would cost a
-    # re-forming after the trouble grace).
-    command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4",
-               "--collective-timeout", "10", "--join-timeout", "25", "--trouble-grace", "5", WORKER, *FLAGS,
-               "--save", str(directory), "--load", str(directory)]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "LIVE_FAULTS": faults}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as e:  # the supervisor stops its workers on the way out (stop_all)
-        pytest.fail(f"the live run did not finish within {timeout_s} s:\n{e.stdout}")
-    output = done.stdout + done.stderr
-    pids = {}
-    for rank, pid in re.findall(r"\[supervisor\] rank (\d+): pid (\d+)", output):
-        pids.setdefault(int(rank), []).append(int(pid))
-    return done.returncode, pids, logged_losses(directory), output
-
-
-def logged_losses(directory):
-    """{iteration: {every lm loss logged for it}} from the run's metrics.jsonl (a redone iteration may log twice)."""
-    losses = {}
-    with open(os.path.join(directory, "metrics.jsonl")) as f:
-        for record in map(json.loads, f):
-            if "lm_loss" in record:
-                losses.setdefault(record["iteration"], set()).add(record["lm_loss"])
-    return losses
-
-
-def final_checkpoint(directory):
-    folder = os.path.join(directory, f"iter_{ITERS:07d}")
-    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
-            if name.endswith(".distcp")}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run: plain pretrain() on 4 ranks of the session's pool (no process start-up of its
-    own), so the live runs are held to the ordinary training loop, not only to an uninterrupted live run."""
-    directory = str(tmp_path_factory.mktemp("reference"))
-    run_distributed(pretrain_losses, 4, FLAGS + ["--save", directory, "--load", directory], timeout=120)
-    losses = logged_losses(directory)
-    assert sorted(losses) == list(range(1, ITERS + 1)) and all(len(v) == 1 for v in losses.values()), losses
-    return {iteration: values.pop() for iteration, values in losses.items()}, final_checkpoint(directory)
-
-
 @pytest.fixture(scope="module")
 def single_failures(tmp_path_factory):
     """One live run with the four single failures of SINGLE_FAILURES, each recovered before the next."""
     directory = tmp_path_factory.mktemp("single_failures")
     return directory, run_live(directory, SINGLE_FAILURES)
-
-
-def check_exact(directory, reference, losses, output):
-    expected_losses, expected_weights = reference
-    assert sorted(losses) == list(range(1, ITERS + 1)), output
-    differing = {i: v for i, v in losses.items() if v != {expected_losses[i]}}
-    assert not differing, f"losses differ from the uninterrupted run at {differing}\n{output}"
-    assert final_checkpoint(directory) == expected_weights, "the final weights differ\n" + output
 
 
 def test_kills_during_backward_update_and_save_are_recovered_live_and_exactly(single_failures, reference):
@@ -108,7 +48,7 @@ def test_kills_during_backward_update_and_save_are_recovered_live_and_exactly(si
     for phase in ("forward_backward", "update", "save"):
         assert f"killed at {phase}" in output, output
     assert len(pids[0]) == 2 and len(pids[1]) == 1 and len(pids[2]) == 2, output  # rank 3: the next test
-    replaced = re.findall(r"\[supervisor\] generation \d+: replaced (\[.*\])", output)
+    replaced = re.findall(r"\[supervisor\] generation \d+: replaced (\[.*\])", output)[1:]  # [0]: the start
     assert [r for r in replaced if r != "[]"] == ["[3]", "[3]", "[0]", "[2]"], output  # "[]": a re-forming only
     check_exact(directory, reference, losses, output)
 
