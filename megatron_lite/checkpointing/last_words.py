@@ -340,12 +340,15 @@ def _read_position(files: Dict[int, List[str]], rank: int, position: int):
 
 
 def _misfit(record: dict, where: str, world: int, per_instance: int) -> Optional[str]:
-    """Why last words written by another layout cannot be loaded (a header or a payload), or None."""
-    if record["world"] != world or record["per_instance"] != per_instance:
+    """Why last words written by another layout cannot be loaded (a header or a payload), or None. Only the
+    ranks per instance matter: a rank's shards are its position's, and the buffers are cut for the instance's
+    group (param_and_grad_buffer), so a set written at another data-parallel size with as many ranks per
+    instance loads as it is (elastic mode: written by the instances left after a shrink)."""
+    if record["per_instance"] != per_instance:
         return (f"the last words in {where} were written by {record['world']} ranks, {record['per_instance']} "
-                f"per instance; this job has {world} ranks, {per_instance} per instance: resume with the same "
-                f"data-parallel size and --num-distributed-optimizer-instances, or move the last_words directory "
-                f"away to resume from the periodic checkpoint")
+                f"per instance; this job has {world} ranks, {per_instance} per instance: resume with as many ranks "
+                f"per instance (data-parallel size / --num-distributed-optimizer-instances), or move the "
+                f"last_words directory away to resume from the periodic checkpoint")
     return None
 
 

@@ -192,3 +192,63 @@ def test_last_words_refuse_several_data_parallel_groups(tmp_path):
     each group's rank r would overwrite the other's file (a resume would mix two groups' shards)."""
     for error in run_distributed(_subgroup_worker, 4, str(tmp_path)):
         assert error is not None and "--no-last-words" in error
+
+
+# ---------------------------------------------------------------------------------------- another data-parallel size
+def _fresh(instances):
+    from optim_testing import build
+
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    ddp_kwargs = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=40,
+                      num_distributed_optimizer_instances=instances)
+    model, ddp, opt = build(ddp_kwargs, dict(lr=1e-2, use_distributed_optimizer=True))
+    return ddp, opt, OptimizerParamScheduler(opt, 1e-2, 1e-3, 1, 6, "cosine")
+
+
+def _write_at_dp2_worker(root):
+    """dp=2, one instance of 2 ranks (what an elastic job of dp=4, R=2 shrinks to): 3 steps, last words."""
+    import torch
+    import torch.distributed as dist
+    from optim_testing import megatron_steps
+
+    from megatron_lite.checkpointing import last_words
+
+    ddp, opt, scheduler = _fresh(1)
+    words = last_words.LastWords(root, opt, scheduler, 0, 0)
+    for k in range(3):
+        words.stage(k + 1, (k + 1) * 8)
+        megatron_steps(ddp, opt, dist.get_rank(), dist.get_world_size(), 1, first_step=k)
+        scheduler.step()
+        words.commit()
+    words.write("test: the job stops")
+    state = full_state(opt)
+    if dist.get_rank() == 0:
+        torch.save(state, os.path.join(root, "written.pt"))
+    dist.barrier()
+
+
+def _load_at_dp4_worker(root, instances):
+    """dp=4 with `instances`: load the dp=2 set; (loaded iteration, state equal to the written one) or the error."""
+    import torch
+
+    from megatron_lite.checkpointing import last_words
+
+    ddp, opt, scheduler = _fresh(instances)
+    sets, problems = last_words.scan(root)
+    try:
+        loaded = last_words.load(sets[3], ddp, opt, scheduler)
+    except ValueError as e:
+        return str(e)
+    return loaded["iteration"], states_equal(full_state(opt), torch.load(os.path.join(root, "written.pt")))
+
+
+def test_last_words_load_at_another_data_parallel_size_with_the_same_instance_size(tmp_path):
+    """A set written by 2 ranks in one instance loads into dp=4 with 2 instances of 2 (the elastic job growing
+    back after a whole-job restart) with every tensor bitwise as written, and is refused, naming the rule, by dp=4
+    with instances of 4. Would catch a loader that refuses any other data-parallel size (an elastic job's last
+    words after a shrink would be unusable), or one that accepts a set cut for another instance size."""
+    run_distributed(_write_at_dp2_worker, 2, str(tmp_path))
+    assert run_distributed(_load_at_dp4_worker, 4, str(tmp_path), 2) == [(3, True)] * 4
+    for error in run_distributed(_load_at_dp4_worker, 4, str(tmp_path), 1):
+        assert "2 per instance; this job has 4 ranks, 4 per instance" in error
