@@ -137,6 +137,16 @@ def _llama_config(config: GPTConfig, vocab_size: int) -> dict:
                 tie_word_embeddings=config.share_embeddings_and_output_weights)
 
 
+# GPT-2's linear layers are Conv1D modules: their weights are stored [in, out], the transpose of GPTModel's.
+_GPT2_CONV1D = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _gpt2_transposed(name: str) -> bool:
+    """Whether transformers' GPT-2 holds the megatron-lite parameter `name` transposed (both directions)."""
+    parts = name.split(".")
+    return parts[0] == "layers" and parts[-1] == "weight" and ".".join(parts[2:-1]) in _GPT2_CONV1D
+
+
 def _gpt2_names(name: str, tensor: torch.Tensor, config: GPTConfig) -> List[Tuple[str, torch.Tensor]]:
     top = {"word_embeddings.weight": "transformer.wte.weight", "position_embeddings.weight": "transformer.wpe.weight",
            "final_layernorm.weight": "transformer.ln_f.weight", "final_layernorm.bias": "transformer.ln_f.bias",
@@ -147,8 +157,7 @@ def _gpt2_names(name: str, tensor: torch.Tensor, config: GPTConfig) -> List[Tupl
     hf = {"input_layernorm": "ln_1", "pre_mlp_layernorm": "ln_2", "self_attention.linear_qkv": "attn.c_attn",
           "self_attention.linear_proj": "attn.c_proj", "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj"}
     key = ".".join([module, *rest[:-1]])
-    conv1d = key not in ("input_layernorm", "pre_mlp_layernorm") and rest[-1] == "weight"
-    return [(f"transformer.h.{i}.{hf[key]}.{rest[-1]}", tensor.t() if conv1d else tensor)]
+    return [(f"transformer.h.{i}.{hf[key]}.{rest[-1]}", tensor.t() if _gpt2_transposed(name) else tensor)]
 
 
 def _llama_names(name: str, tensor: torch.Tensor, config: GPTConfig) -> List[Tuple[str, torch.Tensor]]:
@@ -222,9 +231,8 @@ def from_hf(hf_config: dict, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, Di
     state = {}
     for name, pieces in parts.items():
         pieces = [t for _, t in sorted(pieces, key=lambda p: p[0])]
-        conv1d = model_type == "gpt2" and pieces[0].dim() == 2 and name not in (
-            "word_embeddings.weight", "position_embeddings.weight", "output_layer.weight")
-        tensor = pieces[0].t() if conv1d else torch.cat(pieces, dim=0)  # Conv1D weights: transposed back
+        transposed = model_type == "gpt2" and _gpt2_transposed(name)
+        tensor = pieces[0].t() if transposed else torch.cat(pieces, dim=0)  # Conv1D weights: transposed back
         if name in ("word_embeddings.weight", "output_layer.weight"):  # the padding rows: zeros
             tensor = torch.cat([tensor, tensor.new_zeros(shapes[name][0] - vocab_size, tensor.shape[1])])
         state[name] = tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one copy
