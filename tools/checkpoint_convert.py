@@ -113,9 +113,17 @@ def _safetensors():
     return safetensors.torch
 
 
+def check_hf_output(output: str):
+    """--to hf writes a new transformers directory: refuse a non-empty `output` before any work is done."""
+    if os.path.exists(output) and os.listdir(output):
+        raise ValueError(f"--output {output} is not empty: choose a new directory")
+
+
 def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=None, vocab_size=None):
     """Write `payload`'s model as a transformers directory `output` (new or empty). The tokenizer is the one the
     checkpoint records, unless given (checkpoints saved before it was recorded, or a tokenizer.json moved)."""
+    check_hf_output(output)
+    safetensors_torch = _safetensors()  # before any conversion work
     args = payload["args"]
     tokenizer_type = tokenizer_type or args.get("tokenizer_type")
     if tokenizer_type is None:
@@ -124,9 +132,6 @@ def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=N
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model or args.get("tokenizer_model"),
                                 vocab_size=vocab_size or args.get("vocab_size"))
     config, tensors = hf_convert.to_hf(payload["model"], args, tokenizer.vocab_size, tokenizer.eod)
-    safetensors_torch = _safetensors()  # before anything is written
-    if os.path.exists(output) and os.listdir(output):
-        raise ValueError(f"--output {output} is not empty: choose a new directory")
     os.makedirs(output, exist_ok=True)
     weights = os.path.join(output, "model.safetensors")
     safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
@@ -235,6 +240,11 @@ def main(argv=None):
         p.error("give --output with --to, and/or --export-weights")
     if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
+    if args.to == "hf":
+        try:
+            check_hf_output(args.output)  # before the checkpoint is read
+        except ValueError as e:
+            p.error(str(e))
     if args.source == "hf":
         try:
             payload = import_hf(args.input)

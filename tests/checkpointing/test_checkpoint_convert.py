@@ -4,9 +4,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from distributed_helper import run_distributed
 from pretrain_testing import REPO, pretrain_losses, tiny_pretrain_flags
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import checkpoint_convert  # noqa: E402
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_convert.py")
 TINY = tiny_pretrain_flags(overlap_grad_reduce=True, ddp_bucket_size="2000")
@@ -48,3 +52,27 @@ def test_convert_both_ways_and_export_weights(tmp_path):
     model.load_state_dict(weights)  # strict: every key and shape
     saved = torch.load(os.path.join(torch_dir, "iter_0000003", "model_optim_rng.pt"), weights_only=True)["model"]
     assert all(torch.equal(weights[k], saved[k]) for k in saved)
+
+
+def test_hf_export_refuses_a_non_empty_output_before_any_work(tmp_path, monkeypatch, capsys):
+    """export_hf and `--to hf` refuse a non-empty --output, naming it, before the checkpoint is read, the
+    tokenizer built or a tensor converted, and leave the directory as it was. Would catch the check made
+    after the conversion (a large model read and converted, then refused), or files written into it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+
+    def conversion_work(*args, **kwargs):
+        raise AssertionError("conversion work before the --output check")
+
+    monkeypatch.setattr(checkpoint_convert.files, "find_latest", conversion_work)
+    monkeypatch.setattr(checkpoint_convert, "read", conversion_work)
+    monkeypatch.setattr(checkpoint_convert, "build_tokenizer", conversion_work)
+    monkeypatch.setattr(checkpoint_convert.hf_convert, "to_hf", conversion_work)
+    payload = {"model": {}, "iteration": 0, "args": {"tokenizer_type": "NullTokenizer", "vocab_size": 300}}
+    with pytest.raises(ValueError, match=f"--output {out} is not empty"):
+        checkpoint_convert.export_hf(payload, str(out))
+    with pytest.raises(SystemExit):
+        checkpoint_convert.main(["--input", str(tmp_path / "save"), "--to", "hf", "--output", str(out)])
+    assert f"--output {out} is not empty" in capsys.readouterr().err
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
