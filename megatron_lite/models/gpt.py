@@ -301,9 +301,8 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length
     elementwise and left out (the convention MFU numbers are quoted with).
     """
     b, s, L, h = batch_size, seq_length, config.num_layers, config.hidden_size
-    ffn = config.ffn_hidden_size if config.ffn_hidden_size is not None else 4 * h
-    groups = config.num_query_groups if config.num_query_groups is not None else config.num_attention_heads
-    kv = groups * (h // config.num_attention_heads)
+    ffn = config.ffn_hidden_size  # GPTConfig.__post_init__ fills both in: never None here
+    kv = config.num_query_groups * (h // config.num_attention_heads)
     mlp_matrices = 3 if config.gated_linear_unit else 2
     tokens = b * s
     forward = (2.0 * tokens * L * (h * (h + 2 * kv) + h * h + mlp_matrices * h * ffn)
