@@ -11,8 +11,11 @@
     last_words.py     LastWords: what the survivors of a failure write (no collective), and loading it
     files.py          directory naming (periodic and last words), atomic writes, manifest, sealing, scans
     rng.py            get_rng_state / set_rng_state
+    hf_convert.py     transformers GPT2LMHeadModel / LlamaForCausalLM <-> GPTModel: config and weights mapped in
+                      memory (torch only; tools/checkpoint_convert.py reads and writes the files)
 
-Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata).
+Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata). hf_convert
+stands apart: only tools/checkpoint_convert.py imports it.
 """
 
 from .last_words import LastWords
