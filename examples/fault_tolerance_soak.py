@@ -1,7 +1,8 @@
 """Kill ranks of a running job at random and check that it recovers by itself, losing nothing.
 
     python examples/fault_tolerance_soak.py [--kills 10] [--seed 0] [--iters 120] [--out runs/soak]
-    python examples/fault_tolerance_soak.py --live [--kills 10] [--iters 120]   # live recovery: live_soak.py
+    python examples/fault_tolerance_soak.py --live [--kills 10] [--iters 120] [--elastic-kills 3]
+                                                            # live recovery and elastic mode: live_soak.py
 
 For each trial a `torchrun --nproc-per-node 4 --max-restarts 1` job (dp=4, a small GPT on CPU/gloo,
 periodic checkpoints every --save-interval iterations) is started; when its metrics file reaches a random
@@ -36,9 +37,10 @@ MODEL = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-atten
 
 
 def launch(save_dir: str, iters: int, instances: int, save_interval: int, log_path: str,
-           script: str = os.path.join(REPO, "pretrain_gpt.py"), env: dict = None) -> subprocess.Popen:
+           script: str = os.path.join(REPO, "pretrain_gpt.py"), env: dict = None,
+           nproc: int = WORLD) -> subprocess.Popen:
     """Start the job (its own process group, so that a timeout can stop all of it)."""
-    cmd = ["torchrun", "--standalone", f"--nproc-per-node={WORLD}", "--max-restarts=1", "--monitor-interval=0.2",
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1", "--monitor-interval=0.2",
            script, *MODEL, "--train-iters", str(iters),
            "--num-distributed-optimizer-instances", str(instances), "--save", save_dir, "--load", save_dir,
            "--save-interval", str(save_interval)]
@@ -94,11 +96,12 @@ def wait_for(predicate, job, timeout: float, what: str):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def reference_losses(out: str, iters: int, instances: int) -> dict:
-    directory = os.path.join(out, f"reference_r{instances}")
+def reference_losses(out: str, iters: int, instances: int, nproc: int = WORLD) -> dict:
+    """The uninterrupted run's {iteration: loss}, written to OUT/reference_r<instances>[_dp<nproc>]."""
+    directory = os.path.join(out, f"reference_r{instances}" + ("" if nproc == WORLD else f"_dp{nproc}"))
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    job = launch(directory, iters, instances, iters, os.path.join(directory, "log.txt"))
+    job = launch(directory, iters, instances, iters, os.path.join(directory, "log.txt"), nproc=nproc)
     if job.wait(timeout=600) != 0:
         raise RuntimeError(f"the reference run failed: see {directory}/log.txt")
     return {r["iteration"]: r["lm_loss"] for r in records(os.path.join(directory, "metrics.jsonl"))}
@@ -159,6 +162,8 @@ def main():
                         help="the live-recovery soak (examples/live_soak.py): one job under the supervisor that "
                              "restarts only the killed rank, then the same kills restarting everything")
     parser.add_argument("--collective-timeout", type=float, default=3.0, help="--live: the supervisor's flag")
+    parser.add_argument("--elastic-kills", type=int, default=3,
+                        help="--live: kills in the elastic job (shrink, then grow back); 0: no elastic job")
     parser.add_argument("--restart-kills", type=int, default=None,
                         help="--live: how many of the kills to rerun on the restart-everything path (default all)")
     args = parser.parse_args()

@@ -17,6 +17,13 @@ after it, and the recovery split from the ranks' recovery lines:
 The whole job's losses and its final checkpoint are compared bitwise with an uninterrupted run. Then the
 same kills (rank, iteration) are run on the restart-everything path (torchrun --max-restarts, last words),
 one job per kill, and a double failure (ranks 1 and 3 at once) on the live path.
+
+Last, elastic mode (--elastic-kills, `launch --min-instances 1 --replacement-timeout 0.5 --spares 0`): one job,
+killed --elastic-kills times; each replacement is a cold process (~3 s to import torch on these cores), later
+than the timeout, so the job shrinks to the complete instance, then grows back when the replacement is ready.
+Per kill: the kill -> the first iteration of the shrunk job, the iterations it trained at dp=2, and the pause of
+the grow (the members leaving -> the first iteration of the whole job). The losses and final weights are
+compared with the uninterrupted run with the tolerance of tests/training/test_elastic.py.
 """
 
 import json
@@ -28,12 +35,16 @@ import subprocess
 import sys
 import time
 
-from fault_tolerance_soak import MODEL, REPO, WORLD, records, trial, wait_for
+from fault_tolerance_soak import MODEL, REPO, WORLD, records, reference_losses, trial, wait_for
+
+ELASTIC = ["--min-instances", "1", "--replacement-timeout", "0.5", "--spares", "0"]
+"""The supervisor's flags of the elastic job."""
 
 
-def launch_live(directory: str, iters: int, save_interval: int, collective_timeout: float) -> subprocess.Popen:
+def launch_live(directory: str, iters: int, save_interval: int, collective_timeout: float,
+                supervisor_flags=()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", f"--nproc-per-node={WORLD}",
-           "--collective-timeout", str(collective_timeout), "--max-restarts", "1",
+           "--collective-timeout", str(collective_timeout), "--max-restarts", "1", *supervisor_flags,
            os.path.join(REPO, "pretrain_gpt.py"),
            *MODEL, "--train-iters", str(iters), "--num-distributed-optimizer-instances", "2", "--save", directory,
            "--load", directory, "--save-interval", str(save_interval)]
@@ -124,6 +135,64 @@ def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, c
     return rows, log, directory, code
 
 
+def elastic_job(out: str, iters: int, save_interval: int, kills: list, collective_timeout: float) -> tuple:
+    """One elastic job, killing kills[i] = (iteration, rank) in turn, each after the previous grow. Returns
+    (rows, directory, exit code)."""
+    directory = os.path.join(out, "elastic")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    log_path, metrics = os.path.join(directory, "log.txt"), os.path.join(directory, "metrics.jsonl")
+    job = launch_live(directory, iters, save_interval, collective_timeout, ELASTIC)
+    grows = lambda: re.findall(r"generation (\d+): replaced \[\] \(grow: .* after iteration (\d+)\)",  # noqa: E731
+                               open(log_path).read())
+    rows = []
+    try:
+        for kill_at, rank in kills:
+            wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, 300,
+                     f"iteration {kill_at}")
+            grown = len(grows())
+            os.kill(processes(open(log_path).read())[rank][-1], signal.SIGKILL)
+            killed_at, before = time.time(), records(metrics)
+            first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "an iteration")
+            shrunk_s = time.time() - killed_at
+            generation, leave_at = map(int, wait_for(lambda: grows()[grown:] and grows()[grown], job, 300, "the grow"))
+            wait_for(lambda: len(recoveries(open(log_path).read()).get(generation, [])) == WORLD, job, 300,
+                     "the grown job")  # every rank's record of the grow: the next kill comes after it
+            rows.append({"kill": len(rows), "rank": rank, "completed": before[-1]["iteration"],
+                         "resumed": first["iteration"] - 1, "shrunk_s": round(shrunk_s, 2), "leave_at": leave_at})
+        code = job.wait(timeout=600)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    log = open(log_path).read()
+    shrinks = re.findall(r"generation (\d+): replaced \[\], members (\[[\d, ]+\]) \(shrink", log)
+    grow_generations = [records_ for _, records_ in sorted(recoveries(log).items())
+                        if any(r["role"] == "grow" for r in records_)]
+    for k, row in enumerate(rows):
+        row["shrunk_to"] = shrinks[k][1] if k < len(shrinks) else None
+        row["iterations_shrunk"] = row["leave_at"] - row["resumed"]
+        grow = grow_generations[k] if k < len(grow_generations) else None
+        row["grow_pause_s"] = None if grow is None else round(
+            max(r["redone"] for r in grow) - min(r["failed"] for r in grow if r["role"] == "grow"), 2)
+    return rows, directory, code
+
+
+def deviation(directory: str, reference: dict, reference_directory: str, iters: int) -> tuple:
+    """(max relative loss difference, max absolute final weight difference) against the uninterrupted run."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from checkpoint_convert import read
+
+    seen = {}
+    for r in records(os.path.join(directory, "metrics.jsonl")):
+        seen.setdefault(r["iteration"], []).append(r["lm_loss"])
+    if sorted(seen) != list(range(1, iters + 1)):
+        return float("inf"), float("inf")
+    loss = max(abs(v - reference[i]) / abs(reference[i]) for i, values in seen.items() for v in values)
+    final, expected = (read(os.path.join(d, f"iter_{iters:07d}"))["model"] for d in (directory, reference_directory))
+    weights = max((final[k].float() - expected[k].float()).abs().max().item() for k in expected)
+    return loss, weights
+
+
 def same_losses(directory: str, reference: dict, iters: int) -> bool:
     seen = {}
     for r in records(os.path.join(directory, "metrics.jsonl")):
@@ -191,5 +260,35 @@ def main(args, rng, reference: dict):
           f"{'yes' if double_identical else 'NO'}")
     ok = identical and all(r["lost"] == 0 and r["healthy_pids_kept"] for r in rows) and double_identical \
         and "has no replica" in message and all(r["identical"] for r in restart_rows)
+    if args.elastic_kills:
+        ok = elastic_soak(args, rng, reference, reference_dir) and ok
     print("live soak:", "PASSED" if ok else "FAILED")
+    return ok
+
+
+def elastic_soak(args, rng, reference: dict, reference_dir: str) -> bool:
+    """The elastic part (see the module docstring): kills spread over the job, each after the previous grow. The
+    yardstick for "the same up to the order of the sums" is an uninterrupted run at dp=2 (one instance): the
+    same samples, summed in the shrunk job's order throughout."""
+    gap = (args.iters - 20) // args.elastic_kills
+    kills = [(5 + k * gap + rng.randint(0, gap // 4), rng.randrange(WORLD)) for k in range(args.elastic_kills)]
+    rows, directory, code = elastic_job(args.out, args.iters, args.save_interval, kills, args.collective_timeout)
+    reference_losses(args.out, args.iters, 1, nproc=WORLD // 2)
+    order = deviation(os.path.join(args.out, "reference_r1_dp2"), reference, reference_dir, args.iters)
+    loss, weights = deviation(directory, reference, reference_dir, args.iters) if code == 0 else (None, None)
+    print("\n### elastic (one job, `launch --min-instances 1 --replacement-timeout 0.5 --spares 0`)\n")
+    print("| kill | rank | completed | resumed from | shrunk to | kill -> first iteration (s) | iterations at dp=2 "
+          "| grow pause (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kill']} | {r['rank']} | {r['completed']} | {r['resumed']} | {r['shrunk_to']} | {r['shrunk_s']} "
+              f"| {r['iterations_shrunk']} | {r['grow_pause_s']} |")
+    ok = code == 0 and len(rows) == args.elastic_kills and all(r["shrunk_to"] and r["completed"] == r["resumed"]
+                                                                for r in rows)
+    # Within twice what the order of the sums alone does over the whole run (and test_elastic.py's tolerance).
+    ok = ok and loss <= max(1e-6, 2 * order[0]) and weights <= max(2e-5, 2 * order[1])
+    print(f"elastic: {len(rows)} kills, each shrunk and grown back, iterations lost "
+          f"{sum(r['completed'] - r['resumed'] for r in rows)}; vs the uninterrupted run (dp=4, R=2): losses within "
+          f"{loss:.2e} relative, final weights within {weights:.2e} absolute; an uninterrupted run at dp=2 differs "
+          f"from it by {order[0]:.2e} and {order[1]:.2e}: {'within twice that' if ok else 'NOT within twice that'}")
     return ok

@@ -178,7 +178,8 @@ class Membership:
         self.generation = max(self.generation, self.current_generation())
         while self.rank not in self.members():
             if self.store.check(["finished"]):
-                raise JobFinished(f"rank {self.rank}: training finished at iteration {self.store.get('finished').decode()}")
+                ended = self.store.get("finished").decode()
+                raise JobFinished(f"rank {self.rank}: training finished at iteration {ended} before it was admitted")
             time.sleep(0.01)
             self.generation = self.current_generation()
         prefix, members = f"gen_{self.generation}", self.members()
