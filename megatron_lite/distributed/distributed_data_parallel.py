@@ -42,7 +42,7 @@ from .layout import DataParallelTopology, default_bucket_size
 from .materialize import MetaMaterializer, has_meta_tensors
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_sync import ParamSync, build_param_sync
-from .param_units import persistent_params_together, units_of
+from .fsdp_units import persistent_params_together, units_of
 from .replica_check import check_replicas_agree
 
 __all__ = ["DistributedDataParallel", "ZERO2_BUCKETS_IN_FLIGHT"]

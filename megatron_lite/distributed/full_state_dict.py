@@ -14,7 +14,7 @@ The keys, their order and what the state-dict hooks do come from one `module.sta
 over the placeholders (no values touched): its values are the Parameter objects, whose `.data` points into the
 bucket's storage once their unit is gathered (bucket.py), so each value is read then. Entries that are not
 sharded parameters (buffers, frozen parameters, extra state) are whole on every rank and read as they are.
-A tied parameter is one Parameter under two keys; it lives in the root unit (param_units.unit_of_params), so
+A tied parameter is one Parameter under two keys; it lives in the root unit (fsdp_units.unit_of_params), so
 both keys read it while the root is gathered. (A state-dict hook that computes new tensors from sharded
 parameters would compute them from placeholders: such a model reads `module.state_dict()` inside
 `full_parameters()` instead.)

@@ -39,7 +39,7 @@ def build_param_sync(module: torch.nn.Module, config: DistributedDataParallelCon
         module: the wrapped model (forward pre-hooks are registered on its submodules).
         buckets: every bucket, in buffer order (dense buffers first, then expert ones).
         launch_order: the same buckets in gradient launch order (parameters are gathered in its reverse).
-        units, unit_of: ZeRO-3's units and each parameter's unit (param_units.units_of).
+        units, unit_of: ZeRO-3's units and each parameter's unit (fsdp_units.units_of).
         group: the group the dense parameters are sharded over (this rank's optimizer instance).
     """
     param_to_bucket = {p: bucket for bucket in buckets for p in bucket.params_list}

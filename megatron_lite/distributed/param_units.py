@@ -23,110 +23,25 @@ prefetch_bucket_size (how many elements of units are dispatched ahead: the windo
 last units of forward kept gathered for their backward instead of gathered again), param_persistence_threshold
 (parameters below it in a persistent bucket: whole on every rank, gathered once per optimizer step).
 
-`ParamUnits` answers the same calls from DistributedDataParallel as `ParamGather` (param_gather.py) does
-for the strategies that keep whole parameters.
+Which modules are units, and which unit each parameter belongs to, is decided once at wrap time
+(fsdp_units.py). `ParamUnits` answers the same calls from DistributedDataParallel as `ParamGather`
+(param_gather.py) does for the strategies that keep whole parameters.
 """
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
-from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .fsdp_units import find_units, persistent_params_together, unit_of_params, units_of
 from .full_state_dict import iter_state_dict
 from .prefetch import PrefetchSchedule
 
-
-def units_of(module: torch.nn.Module, config: DistributedDataParallelConfig):
-    """(units, parameter -> unit index) for ZeRO-3 (find_units, unit_of_params; parameters with fewer than
-    config.param_persistence_threshold elements go to the persistent unit, len(units) + 1); ([], None) where
-    the strategy keeps whole parameters."""
-    if not config.sharding.parameters:
-        return [], None
-    units = find_units(module, config.fsdp_unit_modules)
-    unit_of = unit_of_params(module, units)
-    persistent = len(units) + 1
-    return units, {p: persistent if p.numel() < config.param_persistence_threshold else unit
-                   for p, unit in unit_of.items()}
-
-
-def persistent_params_together(params: List[torch.nn.Parameter], unit_of: Optional[Dict[torch.nn.Parameter, int]],
-                               num_units: int) -> List[torch.nn.Parameter]:
-    """`params` (a buffer's, in order) with the persistent ones (unit num_units + 1) moved, in their order, to
-    the end: buckets never span two units, so small parameters scattered between large ones (biases, norms)
-    would each close a bucket of their own. Unchanged when there are none."""
-    if not unit_of:
-        return list(params)
-    persistent = [p for p in params if unit_of[p] == num_units + 1]
-    return [p for p in params if unit_of[p] != num_units + 1] + persistent
-
-
-def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
-    """The outermost submodules whose class name is in `class_names` (None: the children of every
-    nn.ModuleList), in registration order, each once. `()` asks for no units (the whole model is gathered
-    at once). A class name that matches nothing, or None on a model without an nn.ModuleList, is a
-    ValueError listing the classes the model does contain: silently gathering everything at once would
-    defeat ZeRO-3."""
-    units: List[torch.nn.Module] = []
-    found = set()
-
-    def visit(parent: torch.nn.Module):
-        for child in parent.children():
-            if any(child is unit for unit in units):
-                continue
-            if (type(child).__name__ in class_names if class_names is not None
-                    else isinstance(parent, torch.nn.ModuleList)):
-                units.append(child)  # not descended into: nested matches belong to this unit
-                found.add(type(child).__name__)
-            else:
-                visit(child)
-
-    visit(module)
-    missing = [name for name in class_names if name not in found] if class_names is not None else []
-    if missing or (class_names is None and not units):
-        what = (f"fsdp_unit_modules names {missing}, which no submodule of {type(module).__name__} is" if missing
-                else f"fsdp_unit_modules=None takes the children of nn.ModuleLists as units, and "
-                     f"{type(module).__name__} has no nn.ModuleList")
-        raise ValueError(
-            f"ZeRO-3 (sharded parameters): {what}. Candidate unit classes in this model (class: count): "
-            f"{_candidate_units(module)}. Pass DistributedDataParallelConfig(fsdp_unit_modules=('ClassName', ...)) "
-            f"naming the repeated blocks (e.g. transformer layers, residual blocks), or fsdp_unit_modules=() to "
-            f"gather the whole model at once (no memory saved on parameters)."
-        )
-    return units
-
-
-def _candidate_units(module: torch.nn.Module) -> str:
-    """Class names of the submodules that hold parameters and have children of their own, most frequent first."""
-    counts: Dict[str, int] = {}
-    for sub in module.modules():
-        if sub is not module and any(True for _ in sub.children()) and any(True for _ in sub.parameters()):
-            counts[type(sub).__name__] = counts.get(type(sub).__name__, 0) + 1
-    if not counts:
-        for sub in module.modules():
-            if sub is not module:
-                counts[type(sub).__name__] = counts.get(type(sub).__name__, 0) + 1
-    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{name}: {n}" for name, n in ranked[:12]) or "none (a single module)"
-
-
-def unit_of_params(module: torch.nn.Module, units: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, int]:
-    """Parameter -> unit index; len(units) for the root unit, which also takes every parameter two units
-    share or a unit shares with a module outside every unit (a tied embedding / output layer): the root is
-    gathered for the whole forward and backward, so each of its users finds the full values."""
-    owner: Dict[torch.nn.Parameter, int] = {}
-    for index, unit in enumerate(units):
-        for p in unit.parameters():
-            owner[p] = index if p not in owner else len(units)
-    in_unit = {id(m) for unit in units for m in unit.modules()}
-    for sub in module.modules():
-        if id(sub) not in in_unit:
-            for p in sub.parameters(recurse=False):
-                owner[p] = len(units)
-    return {p: owner.get(p, len(units)) for p in module.parameters()}
+# The units themselves are found in fsdp_units.py; its functions are also importable from here.
+__all__ = ["ParamUnits", "units_of", "persistent_params_together", "find_units", "unit_of_params"]
 
 
 class ParamUnits:
@@ -135,7 +50,7 @@ class ParamUnits:
     Args:
         units: the unit modules, in forward (registration) order.
         buckets_of_unit: per unit index (len(units) for the root, len(units) + 1 for the persistent
-            parameters, see units_of), its buckets.
+            parameters, see fsdp_units.units_of), its buckets.
         group: the group the parameters are sharded over; gathers run on a group of their own with the same ranks.
             An expert bucket (expert_parallel.py) is sharded over its own group, bucket.data_parallel_group:
             its gathers, too, get a group of their own, and their sequence is checked over that group.

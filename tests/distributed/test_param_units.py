@@ -124,7 +124,7 @@ def _resnetish():
 def test_unit_discovery_refuses_to_gather_everything_silently():
     """Would catch fsdp_unit_modules naming a class the model lacks (a typo) or the default finding no
     nn.ModuleList (a ResNet-like nn.Sequential): both used to give 0 units, the whole model gathered at once."""
-    from megatron_lite.distributed.param_units import find_units
+    from megatron_lite.distributed.fsdp_units import find_units
 
     model = _resnetish()
     with pytest.raises(ValueError, match=r"\['Blok'\].*Block: 2"):
