@@ -36,13 +36,13 @@ import torch.distributed as dist
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .expert_parallel import expert_topology, gradient_scaling_factors, is_expert_param
+from .fsdp_units import persistent_params_together, units_of
 from .grad_hooks import GradHooksMixin
 from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT
 from .layout import DataParallelTopology, default_bucket_size
 from .materialize import MetaMaterializer, has_meta_tensors
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_sync import ParamSync, build_param_sync
-from .fsdp_units import persistent_params_together, units_of
 from .replica_check import check_replicas_agree
 
 __all__ = ["DistributedDataParallel", "ZERO2_BUCKETS_IN_FLIGHT"]
