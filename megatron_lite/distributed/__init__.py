@@ -2,7 +2,7 @@
 
 from .distributed_data_parallel import DistributedDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
-from .materialize import meta_device_init
+from .meta_init import meta_device_init
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 
 __all__ = ["DistributedDataParallel", "DistributedDataParallelConfig", "ParamAndGradBuffer", "Bucket",
