@@ -30,6 +30,7 @@ exit with EXIT_FALLBACK after writing their last words, and the supervisor resta
 """
 
 import copy
+import dataclasses
 import gc
 import json
 import time
@@ -47,7 +48,14 @@ from ..distributed import collectives
 from ..optimizer.sharded_state import flatten, unflatten
 from ..training.initialize import initialize_megatron, shutdown
 from ..training.metrics import TrainingLog, print_rank_0
-from ..training.training import resume, save_due, setup_model_and_optimizer, train_step
+from ..training.training import (
+    evaluate_validation,
+    evaluation_due,
+    resume,
+    save_due,
+    setup_model_and_optimizer,
+    train_step,
+)
 from .membership import EXIT_FALLBACK, GenerationEnded, GenerationSuperseded, JobFinished, Membership
 
 
@@ -66,6 +74,7 @@ class Progress:
     steps_taken: int  # the optimizer's step() count matching this record
     losses: Optional[Dict[str, float]] = None  # the iteration's reported losses, when known
     last_saved: Optional[int] = None
+    last_evaluated: Optional[int] = None
 
 
 @dataclass
@@ -101,19 +110,25 @@ def _is_peer_failure(error: BaseException) -> bool:
 
 
 def _snapshot(progress: Progress, staged: Optional[Progress], optimizer, scheduler) -> Snapshot:
-    """This rank's consistent state after an interrupted iteration: the iteration the optimizer's state
-    belongs to is the staged one if the update was applied (optimizer.steps_taken says so; the update is
-    local, so it is either done or not), else the last committed one."""
+    """This rank's consistent state after an interrupted iteration (see settled_progress), copied."""
+    return Snapshot(settled_progress(progress, staged, optimizer, scheduler),
+                    flatten(optimizer.sharded_state(), torch.device("cpu")).clone(), optimizer.common_state_dict())
+
+
+def settled_progress(progress: Progress, staged: Optional[Progress], optimizer, scheduler) -> Progress:
+    """The progress the optimizer's state belongs to after an interrupted iteration: the staged one if the
+    update was applied (optimizer.steps_taken says so; the update is local, so it is either done or not),
+    else the last committed one. The scheduler is brought to match: train_step steps it after a successful
+    update, and the failure may have come in between (in the parameter all-gather); an update that fp16's
+    loss scaler skipped leaves it where it was, as train_step does (the iteration still counts as done: its
+    loss scale was lowered and its samples consumed)."""
     if optimizer.updating:
         raise LiveRecoveryImpossible("the optimizer update was torn (it raised half-way)")
-    progress_now = progress
-    if staged is not None and optimizer.steps_taken == staged.steps_taken:
-        if scheduler.num_steps < staged.scheduler["num_steps"]:
-            scheduler.step()  # the update happened, the failure came in its parameter all-gather
-        progress_now = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
-                                staged.steps_taken, staged.losses, progress.last_saved)
-    return Snapshot(progress_now, flatten(optimizer.sharded_state(), torch.device("cpu")).clone(),
-                    optimizer.common_state_dict())
+    if staged is None or optimizer.steps_taken != staged.steps_taken:
+        return progress
+    if optimizer.last_step_successful and scheduler.num_steps < staged.scheduler["num_steps"]:
+        scheduler.step()
+    return dataclasses.replace(staged, scheduler=scheduler.state_dict())
 
 
 def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress:
@@ -161,8 +176,8 @@ def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress
 
 def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
                   forward_step_func: Callable, flops_per_iteration: Optional[Callable] = None) -> dict:
-    """pretrain() under the live-recovery supervisor (same arguments; evaluation is not run). Returns
-    {'iteration', 'losses', 'recoveries'} ('iteration' None on a rank that was never admitted back before
+    """pretrain() under the live-recovery supervisor (same arguments). Returns {'iteration', 'losses',
+    'valid_losses', 'recoveries'} ('iteration' None on a rank that was never admitted back before
     training ended: elastic mode)."""
     run = _LiveRun(args, train_valid_test_datasets_provider, model_provider, forward_step_func, flops_per_iteration)
     while True:
@@ -170,7 +185,8 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
             return run.train_generation()
         except JobFinished as e:  # elastic: training ended while this rank waited to be admitted
             print(f"[rank {run.membership.rank}] > {e}", flush=True)
-            return {"iteration": None, "losses": run.losses, "recoveries": run.recoveries}
+            return {"iteration": None, "losses": run.losses, "valid_losses": run.valid_losses,
+                    "recoveries": run.recoveries}
         except (LiveRecoveryImpossible, TimeoutError) as e:
             _fall_back(f"live recovery is impossible: {e}")
         except BaseException as e:
@@ -206,7 +222,8 @@ class _LiveRun:
         self.snapshot: Optional[Snapshot] = None
         self.model = self.optimizer = self.scheduler = self.iterator = self.words = self.log = None
         self.progress: Optional[Progress] = None  # where this generation's objects stand, once consistent
-        self.losses, self.recoveries = {}, []
+        self.losses, self.valid_losses, self.recoveries = {}, {}, []
+        self.valid_ds = None
         # A replacement times its own start (process start -> first iteration) as a recovery of its own.
         self.timings: Optional[Timings] = None if self.fresh_job else Timings(time.time(), role="replacement")
 
@@ -235,7 +252,8 @@ class _LiveRun:
         self.log.close()
         if dist.get_rank() == 0:
             self.membership.note_finished(progress.iteration)
-        return {"iteration": progress.iteration, "losses": self.losses, "recoveries": self.recoveries}
+        return {"iteration": progress.iteration, "losses": self.losses, "valid_losses": self.valid_losses,
+                "recoveries": self.recoveries}
 
     def _form_generation(self):
         """Join the generation's process group and build the model, optimizer and scheduler anew (the same
@@ -245,7 +263,8 @@ class _LiveRun:
             self.timings.mark("joined")
         self.args = args = generation_args(self.job_args, len(self.membership.members()))
         device, tokenizer = initialize_megatron(args)
-        train_ds, _, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args, tokenizer)
+        train_ds, self.valid_ds, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args,
+                                                                  tokenizer)
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(self.model_provider, args, device)
         self.membership.limit_group_timeouts()  # the groups the model just created, too
         topology = self.optimizer.data_parallel_topology
@@ -267,7 +286,7 @@ class _LiveRun:
 
     def _catch_up(self, progress: Progress):
         """What the failure interrupted after an iteration completed: its log line (when the survivors
-        completed it but it was never logged) and its periodic save."""
+        completed it but it was never logged), its evaluation and its periodic save."""
         args = self.args
         if progress.losses is not None and progress.iteration > self.membership.last_logged():
             self.losses[progress.iteration] = progress.losses  # completed by the survivors, never logged
@@ -275,12 +294,16 @@ class _LiveRun:
                               self.optimizer.param_groups[0]["lr"], self.optimizer.get_loss_scale().item(), None, True)
             if dist.get_rank() == 0:
                 self.membership.note_logged(progress.iteration)
+        if evaluation_due(args, progress.iteration, self.valid_ds) and progress.last_evaluated != progress.iteration \
+                and progress.iteration > 0:
+            self._evaluate(progress)
         if save_due(args, progress.iteration) and progress.last_saved != progress.iteration and progress.iteration > 0:
             _save(args, progress, self.model, self.optimizer, self.scheduler)  # interrupted by the failure: again
 
     def _train_iteration(self, progress: Progress) -> Progress:
-        """One iteration, its log line and its periodic save. Returns the new progress; on a failure, takes the
-        snapshot of this rank's consistent state (the update may or may not have been applied) and re-raises."""
+        """One iteration, its log line, its evaluation and its periodic save. Returns the new progress; on a
+        failure, takes the snapshot of this rank's consistent state (the update may or may not have been
+        applied) and re-raises."""
         args, optimizer, scheduler, words = self.args, self.optimizer, self.scheduler, self.words
         staged: Optional[Progress] = None
 
@@ -288,7 +311,8 @@ class _LiveRun:
             nonlocal staged
             scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
             staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size, get_rng_state(),
-                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved)
+                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved,
+                              progress.last_evaluated)
             if words is not None:
                 words.stage(staged.iteration, staged.consumed)
         try:
@@ -298,8 +322,8 @@ class _LiveRun:
         except BaseException:
             self.snapshot = _snapshot(progress, staged, optimizer, scheduler)
             raise
-        progress = Progress(staged.iteration, staged.consumed, staged.rng, scheduler.state_dict(),
-                            optimizer.steps_taken, reported, progress.last_saved)
+        progress = dataclasses.replace(staged, scheduler=scheduler.state_dict(), steps_taken=optimizer.steps_taken,
+                                       losses=reported)
         self.progress = progress
         if words is not None:
             words.commit()
@@ -312,6 +336,8 @@ class _LiveRun:
             self.timings.mark("redone")
             self.recoveries.append(_report(self.timings, self.membership.generation))
             self.timings = None
+        if evaluation_due(args, progress.iteration, self.valid_ds):
+            self._evaluate(progress)  # a failure here: the snapshot is of `progress`, and the catch-up evaluates
         if save_due(args, progress.iteration):
             try:
                 _save(args, progress, self.model, optimizer, scheduler)
@@ -319,6 +345,12 @@ class _LiveRun:
                 self.snapshot = _snapshot(progress, None, optimizer, scheduler)
                 raise
         return progress
+
+    def _evaluate(self, progress: Progress):
+        self.valid_losses[progress.iteration] = evaluate_validation(self.forward_step_func, self.valid_ds, self.model,
+                                                                    self.args)
+        self.log.validation(progress.iteration, self.valid_losses[progress.iteration])
+        progress.last_evaluated = progress.iteration
 
     def leave_generation(self, error: BaseException):
         """After a peer's failure interrupted this generation: keep this rank's consistent state (the
@@ -393,7 +425,7 @@ def _start(args, model, optimizer, scheduler) -> Progress:
     """The first generation: from scratch or --load with its options, as pretrain() starts."""
     iteration, consumed, loaded = resume(args, model, optimizer, scheduler)
     return Progress(iteration, consumed, get_rng_state(), scheduler.state_dict(), optimizer.steps_taken,
-                    last_saved=iteration if loaded else None)
+                    last_saved=iteration if loaded else None, last_evaluated=iteration)
 
 
 def _save(args, progress: Progress, model, optimizer, scheduler):

@@ -165,6 +165,21 @@ def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batche
     return _reduce_over_ranks(sums, group, dist.get_world_size(group) * num_micro_batches)[0]
 
 
+def evaluation_due(args, iteration: int, valid_ds) -> bool:
+    """Whether pretrain() evaluates after `iteration`: every --eval-interval and after the last iteration, when
+    there is a validation set and --eval-iters > 0."""
+    return valid_ds is not None and args.eval_iters > 0 and (
+        iteration % args.eval_interval == 0 or iteration == args.train_iters)
+
+
+def evaluate_validation(forward_step_func: Callable, valid_ds, model, args) -> Dict[str, float]:
+    """The validation losses: always the first --eval-iters global batches, so that successive evaluations
+    measure the same text."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp, getattr(args, "num_workers", 0))
+    return evaluate(forward_step_func, valid_iterator, model, args.eval_iters * args.num_micro_batches)
+
+
 def save_due(args, iteration: int) -> bool:
     """Whether --save-interval asks for a periodic checkpoint at `iteration`."""
     return bool(args.save and args.save_interval and iteration % args.save_interval == 0)
@@ -277,12 +292,8 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
             losses[iteration] = reported
             log.training(iteration, consumed, reported, optimizer.param_groups[0]["lr"],
                          optimizer.get_loss_scale().item(), grad_norm, ok)
-            if valid_ds is not None and args.eval_iters > 0 and (
-                    iteration % args.eval_interval == 0 or iteration == args.train_iters):
-                # Always the first eval_iters global batches: successive evaluations measure the same text.
-                valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp, workers)
-                valid_losses[iteration] = evaluate(forward_step_func, valid_iterator, model,
-                                                   args.eval_iters * args.num_micro_batches)
+            if evaluation_due(args, iteration, valid_ds):
+                valid_losses[iteration] = evaluate_validation(forward_step_func, valid_ds, model, args)
                 log.validation(iteration, valid_losses[iteration])
             if save_due(args, iteration):
                 save()

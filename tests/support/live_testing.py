@@ -18,8 +18,10 @@ WORKER = os.path.join(REPO, "tests", "support", "live_worker.py")
 ITERS = 8
 FLAGS = tiny_pretrain_flags(train_iters=str(ITERS), global_batch_size="16", log_interval="100",
                             use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size="2000",
-                            num_distributed_optimizer_instances="2", save_interval="4")
-"""dp=4 (R=2: 2 ranks per instance), 2 micro-batches of 2 per rank and iteration, a periodic save every 4."""
+                            num_distributed_optimizer_instances="2", save_interval="4", eval_iters="1",
+                            eval_interval="4")
+"""dp=4 (R=2: 2 ranks per instance), 2 micro-batches of 2 per rank and iteration; after iterations 4 and 8 an
+evaluation (one global batch), then a periodic save."""
 
 
 def run_live(directory, faults, supervisor_flags=(), timeout_s=100):
@@ -43,13 +45,14 @@ def run_live(directory, faults, supervisor_flags=(), timeout_s=100):
     return done.returncode, pids, logged_losses(directory), output
 
 
-def logged_losses(directory):
-    """{iteration: {every lm loss logged for it}} from the run's metrics.jsonl (a redone iteration may log twice)."""
+def logged_losses(directory, key="lm_loss"):
+    """{iteration: {every loss logged for it}} from the run's metrics.jsonl (a redone iteration may log twice);
+    key "valid_lm_loss": the validation losses."""
     losses = {}
     with open(os.path.join(directory, "metrics.jsonl")) as f:
         for record in map(json.loads, f):
-            if "lm_loss" in record:
-                losses.setdefault(record["iteration"], set()).add(record["lm_loss"])
+            if key in record:
+                losses.setdefault(record["iteration"], set()).add(record[key])
     return losses
 
 
@@ -61,9 +64,12 @@ def final_checkpoint(directory):
 
 
 def check_exact(directory, reference, losses, output):
-    """Every iteration logged, every loss and the final checkpoint bitwise the uninterrupted run's."""
-    expected_losses, expected_weights = reference
+    """Every iteration logged, every loss (validation too) and the final checkpoint bitwise the uninterrupted
+    run's."""
+    expected_losses, expected_valid, expected_weights = reference
     assert sorted(losses) == list(range(1, ITERS + 1)), output
     differing = {i: v for i, v in losses.items() if v != {expected_losses[i]}}
     assert not differing, f"losses differ from the uninterrupted run at {differing}\n{output}"
+    valid = logged_losses(directory, "valid_lm_loss")
+    assert valid == {i: {v} for i, v in expected_valid.items()}, f"validation losses {valid}\n{output}"
     assert final_checkpoint(directory) == expected_weights, "the final weights differ\n" + output

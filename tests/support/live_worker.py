@@ -7,6 +7,7 @@ generation it is assigned to: a spurious re-forming shifts the numbers) when it 
     forward_backward   the forward of the second micro-batch of the iteration (one backward done)
     update             right after the local optimizer update, before the parameter all-gather
     save               the periodic checkpoint saved after the iteration
+    evaluate           the evaluation after the iteration
     send / recv        healing: sending / receiving a shard to / from a replica (iteration ignored)
     hold               not a kill: the process waits, before it starts training, until rank 0 has logged
                        `iteration` (a replacement that comes back late, for elastic mode)
@@ -120,6 +121,8 @@ patch(DistributedOptimizer, "_copy_main_params_to_model_params",
       lambda self: fault("update") == self.steps_taken and die("update"))
 patch(live_training, "save_checkpoint",
       lambda root, iteration, *args, **kwargs: fault("save") == iteration and die("save"))
+patch(live_training, "evaluate_validation",
+      lambda *args, **kwargs: fault("evaluate") == completed["steps"] and die("evaluate"))
 patch(DistributedOptimizer, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
 patch(DistributedOptimizer, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
 pretrain_gpt.forward_step = forward_step

@@ -15,7 +15,7 @@ import re
 import sys
 
 import pytest
-from live_testing import ITERS, run_live
+from live_testing import ITERS, logged_losses, run_live
 from pretrain_testing import REPO
 
 from megatron_lite.fault_tolerance.live_training import check_elastic, generation_args
@@ -71,7 +71,7 @@ def test_shrink_then_grow(tmp_path, live_reference):
     training on other samples or another batch size (the losses would differ far beyond an ulp), a healthy
     process restarted, a rank renumbered onto another shard position, a parked rank not admitted or not healed,
     the grow losing or repeating an iteration, a periodic save during the shrink missing."""
-    reference_dir, expected_losses, _ = live_reference
+    reference_dir, expected_losses, expected_valid, _ = live_reference
     faults = "0:2:forward_backward:0;0:4:hold:new;2:5:grow:0;3:5:grow:0"
     code, pids, losses, output = run_live(tmp_path, faults, ["--spares", "0", "--min-instances", "1",
                                                              "--replacement-timeout", "1"])
@@ -84,6 +84,10 @@ def test_shrink_then_grow(tmp_path, live_reference):
     assert losses[1] == {expected_losses[1]}, output  # before the failure: bitwise
     for iteration, (loss,) in losses.items():
         assert loss == pytest.approx(expected_losses[iteration], rel=LOSS_RTOL, abs=0), (iteration, output)
+    valid = logged_losses(tmp_path, "valid_lm_loss")
+    assert sorted(valid) == [4, 8], output  # the shrunk job evaluates too (iteration 4), on the same batch
+    for iteration, values in valid.items():
+        assert all(v == pytest.approx(expected_valid[iteration], rel=LOSS_RTOL, abs=0) for v in values), output
     # The save after iteration 4 came from the shrunk job (2 ranks write), the final one from the whole job.
     assert len([f for f in os.listdir(tmp_path / "iter_0000004") if f.endswith(".distcp")]) == 2, output
     final, expected = model_weights(str(tmp_path / f"iter_{ITERS:07d}")), model_weights(
