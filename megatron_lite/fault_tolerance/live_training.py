@@ -9,7 +9,7 @@ of dp=4, R=2 dies::
     rank 3 killed   supervisor: generation 1, replaced [3]; starts a new rank 3 (only that process)
     ranks 0-2       a collective fails (gloo: at once with the dead rank; behind a survivor that left, once
                     that survivor freed its groups; a hung peer: the collective timeout)
-                    -> snapshot: the state of the last iteration this rank completed (see _snapshot)
+                    -> snapshot: the state of the last iteration this rank completed (healing.take_snapshot)
                     -> last words; this generation's groups freed
                     -> wait for generation 1; join it: a fresh gloo WORLD on the store prefix gen_1
     every rank      build the model, optimizer, scheduler anew (the same construction collectives on every
@@ -29,7 +29,6 @@ run's, bit for bit. When a shard has no holder at the target (both holders of a 
 exit with EXIT_FALLBACK after writing their last words, and the supervisor restarts the whole job (--load).
 """
 
-import copy
 import dataclasses
 import gc
 import json
@@ -38,14 +37,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
-import torch
 import torch.distributed as dist
 
 from ..checkpointing import LastWords, checkpoint_args, save_checkpoint
-from ..checkpointing.rng import get_rng_state, set_rng_state
+from ..checkpointing.rng import get_rng_state
 from ..data import micro_batch_iterator
 from ..distributed import collectives
-from ..optimizer.sharded_state import flatten, unflatten
 from ..training.initialize import initialize_megatron, shutdown
 from ..training.metrics import TrainingLog, print_rank_0
 from ..training.training import (
@@ -56,35 +53,9 @@ from ..training.training import (
     setup_model_and_optimizer,
     train_step,
 )
+from .elastic import check_elastic, generation_args
+from .healing import LiveRecoveryImpossible, Progress, Snapshot, heal, take_snapshot
 from .membership import EXIT_FALLBACK, GenerationEnded, GenerationSuperseded, JobFinished, Membership
-
-
-class LiveRecoveryImpossible(RuntimeError):
-    """No replica holds some shard at the iteration to resume from (or this rank's update was torn)."""
-
-
-@dataclass
-class Progress:
-    """Where training stands: what an iteration boundary records (and a snapshot carries)."""
-
-    iteration: int
-    consumed: int
-    rng: dict
-    scheduler: dict
-    steps_taken: int  # the optimizer's step() count matching this record
-    losses: Optional[Dict[str, float]] = None  # the iteration's reported losses, when known
-    last_saved: Optional[int] = None
-    last_evaluated: Optional[int] = None
-
-
-@dataclass
-class Snapshot:
-    """A survivor's state, taken when its iteration was interrupted: a copy, independent of the objects
-    (which hold the old process groups and are rebuilt)."""
-
-    progress: Progress
-    flat: torch.Tensor  # optimizer.sharded_state() flattened (sharded_state.flatten: the replica wire format)
-    common: dict  # optimizer.common_state_dict()
 
 
 @dataclass
@@ -107,71 +78,6 @@ def _is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, (dist.DistError, GenerationSuperseded, GenerationEnded)) or (
         isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "connection", "timed out", "timeout",
                                                                     "pair closure")))
-
-
-def _snapshot(progress: Progress, staged: Optional[Progress], optimizer, scheduler) -> Snapshot:
-    """This rank's consistent state after an interrupted iteration (see settled_progress), copied."""
-    return Snapshot(settled_progress(progress, staged, optimizer, scheduler),
-                    flatten(optimizer.sharded_state(), torch.device("cpu")).clone(), optimizer.common_state_dict())
-
-
-def settled_progress(progress: Progress, staged: Optional[Progress], optimizer, scheduler) -> Progress:
-    """The progress the optimizer's state belongs to after an interrupted iteration: the staged one if the
-    update was applied (optimizer.steps_taken says so; the update is local, so it is either done or not),
-    else the last committed one. The scheduler is brought to match: train_step steps it after a successful
-    update, and the failure may have come in between (in the parameter all-gather); an update that fp16's
-    loss scaler skipped leaves it where it was, as train_step does (the iteration still counts as done: its
-    loss scale was lowered and its samples consumed)."""
-    if optimizer.updating:
-        raise LiveRecoveryImpossible("the optimizer update was torn (it raised half-way)")
-    if staged is None or optimizer.steps_taken != staged.steps_taken:
-        return progress
-    if optimizer.last_step_successful and scheduler.num_steps < staged.scheduler["num_steps"]:
-        scheduler.step()
-    return dataclasses.replace(staged, scheduler=scheduler.state_dict())
-
-
-def _heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress:
-    """Every rank of the new generation: agree on the iteration to resume from and bring every rank's state
-    to it (see the module docstring). Returns the progress to continue from."""
-    rank = dist.get_rank()
-    topology = optimizer.data_parallel_topology
-    everyone = collectives.all_gather_object(None if snapshot is None else snapshot.progress.iteration, None)
-    target = max((s for s in everyone if s is not None), default=None)
-    if target is None:
-        raise LiveRecoveryImpossible("no rank holds any state")
-    current = [s == target for s in everyone]
-    donors = {}
-    for position in range(topology.intra_distributed_optimizer_instance_size):
-        holders = topology.holders(position)
-        up_to_date = [r for r in holders if current[r]]
-        if not up_to_date:
-            raise LiveRecoveryImpossible(
-                f"shard position {position} (held by rank(s) {list(holders)}) has no replica at iteration "
-                f"{target}: both holders were lost; falling back to the last words / the periodic checkpoint")
-        for r in holders:
-            if not current[r]:
-                donors[r] = up_to_date[0]
-    reference = current.index(True)
-    progress, common = collectives.broadcast_object((snapshot.progress, snapshot.common) if current[rank] else None,
-                                                    None, reference)
-    optimizer.load_common_state_dict(common)
-    scheduler.load_state_dict(progress.scheduler)
-    # Survivors at the target load their own copy; the others load the fresh state for now (the same
-    # parameter all-gather on every rank), then receive theirs from a replica.
-    described = optimizer.sharded_state()
-    optimizer.load_sharded_state(unflatten(snapshot.flat, described) if current[rank] else described)
-    model.finish_param_sync()
-    for dst in sorted(donors):
-        if donors[dst] == rank:
-            optimizer.send_shard_state(dst)
-        elif dst == rank:
-            optimizer.recv_shard_state(donors[dst])
-    model.start_param_sync(force_sync=True)  # the received shards reach the other ranks of their instance
-    model.finish_param_sync()
-    set_rng_state(progress.rng)
-    optimizer.steps_taken = progress.steps_taken
-    return progress
 
 
 def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -277,7 +183,7 @@ class _LiveRun:
         if self.fresh_job:
             progress = _start(self.args, self.model, self.optimizer, self.scheduler)
         else:
-            progress = _heal(self.snapshot, self.model, self.optimizer, self.scheduler)
+            progress = heal(self.snapshot, self.model, self.optimizer, self.scheduler)
             if self.timings is not None:
                 self.timings.mark("healed")
         self.fresh_job = False
@@ -320,7 +226,7 @@ class _LiveRun:
                                                  scheduler, args.num_micro_batches,
                                                  args.check_for_nan_in_loss_and_grad, stage)
         except BaseException:
-            self.snapshot = _snapshot(progress, staged, optimizer, scheduler)
+            self.snapshot = take_snapshot(progress, staged, optimizer, scheduler)
             raise
         progress = dataclasses.replace(staged, scheduler=scheduler.state_dict(), steps_taken=optimizer.steps_taken,
                                        losses=reported)
@@ -342,7 +248,7 @@ class _LiveRun:
             try:
                 _save(args, progress, self.model, optimizer, scheduler)
             except BaseException:
-                self.snapshot = _snapshot(progress, None, optimizer, scheduler)
+                self.snapshot = take_snapshot(progress, None, optimizer, scheduler)
                 raise
         return progress
 
@@ -356,7 +262,7 @@ class _LiveRun:
         """After a peer's failure interrupted this generation: keep this rank's consistent state (the
         snapshot), free the generation's process groups and wait for the supervisor's next generation."""
         if self.snapshot is None and self.progress is not None:  # a failure outside train_step (a save, the log)
-            self.snapshot = _snapshot(self.progress, None, self.optimizer, self.scheduler)
+            self.snapshot = take_snapshot(self.progress, None, self.optimizer, self.scheduler)
         self.progress = None
         # Free this generation's process groups now: gloo cannot abort an operation, but a group that is freed
         # closes its connections, so a survivor blocked in a collective with this rank fails at once instead of
@@ -387,38 +293,6 @@ class _LiveRun:
             self.timings.role = "parked"  # elastic shrink: this rank's instance is left out until it is whole
         print(f"[rank {membership.rank}] > joining generation {membership.generation} (replaced: "
               f"{membership.replaced()}, members: {membership.members()})", flush=True)
-
-
-def check_elastic(args, min_instances: int):
-    """ValueError unless the run can train on `min_instances` .. R instances (elastic mode): R >= 2, and the
-    global batch splits into whole micro-batches at every data-parallel size it may shrink to."""
-    instances, world = args.num_distributed_optimizer_instances, args.data_parallel_size
-    if instances < 2:
-        raise ValueError(f"elastic mode (--min-instances {min_instances}) needs --num-distributed-optimizer-instances "
-                         f">= 2 (got {instances}): a left-out instance's shards must live on in another")
-    if min_instances > instances:
-        raise ValueError(f"--min-instances {min_instances} exceeds --num-distributed-optimizer-instances {instances}")
-    for count in range(min_instances, instances):
-        per_step = args.micro_batch_size * world // instances * count
-        if args.global_batch_size % per_step:
-            raise ValueError(f"elastic mode: with {count} of {instances} instances the data-parallel size is "
-                             f"{per_step // args.micro_batch_size}, and --global-batch-size {args.global_batch_size} "
-                             f"is not divisible by --micro-batch-size {args.micro_batch_size} x that: choose a global "
-                             f"batch size that is, or a larger --min-instances")
-
-
-def generation_args(args, members: int):
-    """The arguments of a generation of `members` ranks: `args` itself with every rank, else a copy with the
-    data-parallel size, the instances and the micro-batches per rank of the smaller job (elastic shrink: the
-    instances are whole, so the same global batch of samples, more micro-batches per rank)."""
-    if members == args.data_parallel_size:
-        return args
-    smaller = copy.copy(args)
-    smaller.data_parallel_size = members
-    smaller.num_distributed_optimizer_instances = (args.num_distributed_optimizer_instances * members
-                                                   // args.data_parallel_size)
-    smaller.num_micro_batches = args.global_batch_size // (args.micro_batch_size * members)
-    return smaller
 
 
 def _start(args, model, optimizer, scheduler) -> Progress:

@@ -18,7 +18,7 @@ import pytest
 from live_testing import ITERS, logged_losses, run_live
 from pretrain_testing import REPO
 
-from megatron_lite.fault_tolerance.live_training import check_elastic, generation_args
+from megatron_lite.fault_tolerance.elastic import check_elastic, generation_args
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import checkpoint_convert  # noqa: E402

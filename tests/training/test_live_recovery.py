@@ -98,7 +98,7 @@ def test_settled_progress_matches_the_optimizer_state(case):
     iteration-5 state as 4 and apply iteration 5's update twice: the roll-forward), the schedule left one step
     behind the update (the failure came between optimizer.step() and scheduler.step()), the schedule stepped
     for an update fp16's loss scaler skipped (train_step does not step it then), or a torn update accepted."""
-    from megatron_lite.fault_tolerance.live_training import LiveRecoveryImpossible, Progress, settled_progress
+    from megatron_lite.fault_tolerance.healing import LiveRecoveryImpossible, Progress, settled_progress
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     optimizer = _Optimizer(steps_taken={"not_updated": 4, "torn": 4}.get(case, 5),

@@ -1,0 +1,36 @@
+"""Elastic mode's arguments: what a job may shrink to, and the arguments of a smaller generation
+(launch.py --min-instances; docs/fault_tolerance.md, "Elastic mode")."""
+
+import copy
+
+
+def check_elastic(args, min_instances: int):
+    """ValueError unless the run can train on `min_instances` .. R instances (elastic mode): R >= 2, and the
+    global batch splits into whole micro-batches at every data-parallel size it may shrink to."""
+    instances, world = args.num_distributed_optimizer_instances, args.data_parallel_size
+    if instances < 2:
+        raise ValueError(f"elastic mode (--min-instances {min_instances}) needs --num-distributed-optimizer-instances "
+                         f">= 2 (got {instances}): a left-out instance's shards must live on in another")
+    if min_instances > instances:
+        raise ValueError(f"--min-instances {min_instances} exceeds --num-distributed-optimizer-instances {instances}")
+    for count in range(min_instances, instances):
+        per_step = args.micro_batch_size * world // instances * count
+        if args.global_batch_size % per_step:
+            raise ValueError(f"elastic mode: with {count} of {instances} instances the data-parallel size is "
+                             f"{per_step // args.micro_batch_size}, and --global-batch-size {args.global_batch_size} "
+                             f"is not divisible by --micro-batch-size {args.micro_batch_size} x that: choose a global "
+                             f"batch size that is, or a larger --min-instances")
+
+
+def generation_args(args, members: int):
+    """The arguments of a generation of `members` ranks: `args` itself with every rank, else a copy with the
+    data-parallel size, the instances and the micro-batches per rank of the smaller job (elastic shrink: the
+    instances are whole, so the same global batch of samples, more micro-batches per rank)."""
+    if members == args.data_parallel_size:
+        return args
+    smaller = copy.copy(args)
+    smaller.data_parallel_size = members
+    smaller.num_distributed_optimizer_instances = (args.num_distributed_optimizer_instances * members
+                                                   // args.data_parallel_size)
+    smaller.num_micro_batches = args.global_batch_size // (args.micro_batch_size * members)
+    return smaller
