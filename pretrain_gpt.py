@@ -49,7 +49,14 @@ def model_provider(args) -> GPTModel:
             model = GPTModel(config)
     else:
         model = GPTModel(config)
-    return model.compile_layers() if args.torch_compile else model
+    if not args.torch_compile:
+        return model
+    options = {"mode": args.torch_compile_mode} if args.torch_compile_mode else {}
+    print_rank_0(f"> torch.compile: {'the whole forward' if args.torch_compile_scope == 'model' else 'per layer'}"
+                 + (f", mode {args.torch_compile_mode}" if options else ""))
+    if args.torch_compile_scope == "model":
+        return model.compile_forward(**options)
+    return model.compile_layers(**options)
 
 
 def train_valid_test_datasets_provider(args, tokenizer):

@@ -286,6 +286,17 @@ class GPTModel(nn.Module):
         self.output_head = torch.compile(self.output_head, **compile_kwargs)
         return self
 
+    def compile_forward(self, **compile_kwargs) -> "GPTModel":
+        """torch.compile the whole forward as one region (`compile_kwargs` go to torch.compile): more fusion
+        and fewer launches than compile_layers, but backward becomes one compiled node, so every parameter's
+        gradient (and DistributedDataParallel's grad hooks, hence every bucket's reduction) arrives only when
+        all of backward has run: no overlap. Hooks on the submodules run inside the compiled code, so a wrapper
+        that releases parameters between layers (ZeRO-3) breaks it: the graph keeps a released parameter's
+        storage. The parameters and the state_dict are unchanged; use it or compile_layers, not both.
+        Returns the model."""
+        self.forward = torch.compile(self.forward, **compile_kwargs)
+        return self
+
 
 def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length: int) -> float:
     """Model FLOPs of one training step (forward + backward) on batch_size x seq_length tokens.

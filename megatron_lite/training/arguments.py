@@ -40,6 +40,8 @@ DDP_FLAGS = {
     "max_reuse_distance": "--ddp-max-reuse-distance",  # DeepSpeed's stage3_max_reuse_distance
     "param_persistence_threshold": "--ddp-param-persistence-threshold",  # stage3_param_persistence_threshold
 }
+COMPILE_SCOPES = ("layers", "model")  # GPTModel.compile_layers / compile_forward
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 # Sequence-valued DDP fields: one flag taking several values (nargs='+'), added and mapped by hand.
 DDP_LIST_FLAGS = {
     "param_name_patterns_for_fp32_local_accumulation": "--ddp-param-name-patterns-for-fp32-local-accumulation",
@@ -141,10 +143,23 @@ def flag_error_message(error: ValueError) -> str:
     return rewrite_field_names(str(error), table)
 
 
+def check_compile_args(args):
+    """--torch-compile-scope and --torch-compile-mode refine --torch-compile. A whole-forward graph cannot run
+    under ZeRO-3: it keeps the storage of parameters that the wrapper releases between layers."""
+    for name in ("torch_compile_scope", "torch_compile_mode"):
+        if getattr(args, name, None) is not None and not args.torch_compile:
+            raise ValueError(f"--{name.replace('_', '-')} needs --torch-compile")
+    if getattr(args, "torch_compile_scope", None) == "model" and ddp_config_from_args(args).sharding.parameters:
+        raise ValueError("--torch-compile-scope model cannot run with --data-parallel-sharding-strategy "
+                         "optim_grads_params (ZeRO-3 releases parameters that the whole-forward graph keeps): "
+                         "use --torch-compile-scope layers")
+
+
 def check_configs(args):
     """Build every config from `args` (raises the configs' ValueError); the vocabulary is not known before
     the tokenizer is built, so the model config is checked with a placeholder vocabulary."""
     check_optimizer_matches_ddp(optimizer_config_from_args(args), ddp_config_from_args(args))
+    check_compile_args(args)
     gpt_config_from_args(args, vocab_size=1)
     check_schedule(args.lr_warmup_iters, args.lr_decay_iters, args.lr_decay_style)
 
@@ -195,8 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no biases in the attention and MLP linear layers (GPTConfig.add_bias_linear=False)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer and the output head separately (GPTModel."
-                        "compile_layers): faster on GPUs, the first iterations slower while it compiles; numerics "
-                        "close to eager, not bitwise (docs/performance.md)")
+                        "compile_layers; --torch-compile-scope model: the whole forward): faster on GPUs, the "
+                        "first iterations slower while it compiles; numerics close to eager, not bitwise "
+                        "(docs/performance.md)")
+    g.add_argument("--torch-compile-scope", choices=COMPILE_SCOPES,
+                   help="with --torch-compile: 'layers' (the default) compiles each layer and the output head on "
+                        "its own, so gradient buckets still reduce during backward; 'model' compiles the whole "
+                        "forward as one graph (GPTModel.compile_forward): more fusion, but every gradient arrives "
+                        "at the end of backward, so all buckets reduce then, with no overlap. Not with "
+                        "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3)")
+    g.add_argument("--torch-compile-mode", choices=COMPILE_MODES,
+                   help="with --torch-compile: torch.compile's mode (default: torch's 'default'); "
+                        "'max-autotune-no-cudagraphs' tries several matmul kernels per shape (compiles for "
+                        "minutes), 'reduce-overhead' and 'max-autotune' also capture CUDA graphs")
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")
     g.add_argument("--micro-batch-size", type=int, help="samples per rank per micro-batch")

@@ -1,7 +1,9 @@
 """GPTModel.compile_layers (pretrain_gpt.py --torch-compile): each layer compiled on its own, so
 DistributedDataParallel's hooks stay outside the compiled code. Trained under the wrapper on 2 gloo ranks, it
-must follow the eager run and still launch every gradient bucket during backward (overlap kept). Inductor on
-the CPU needs a C++ compiler; without one the test is skipped.
+must follow the eager run and still launch every gradient bucket during backward (overlap kept).
+GPTModel.compile_forward (--torch-compile-scope model): the whole forward in one graph; it must follow the eager
+run too, its buckets all launching once backward's compute is over, and the command line refuses it under
+ZeRO-3. Inductor on the CPU needs a C++ compiler; without one the compiling tests are skipped.
 """
 
 import shutil
@@ -11,26 +13,46 @@ import torch
 from distributed_helper import run_distributed
 
 from megatron_lite.models import GPTConfig, GPTModel
+from megatron_lite.training import parse_args
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="torch.compile on the CPU needs a C++ compiler")
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="torch.compile on the CPU needs a C++ compiler")
 
-STRATEGIES = ("no_shard", "optim_grads_params")
+LAYER_STRATEGIES = ("no_shard", "optim_grads_params")
+MODEL_STRATEGIES = ("no_shard", "optim_grads")  # optim_grads with overlap_param_gather's forward pre-hooks
 
 
-def _train(strategy, compiled, rank, steps=3):
-    """Losses and final full parameters of `steps` iterations, and per backward the number of bucket launches
-    in all and before layer 0's backward began (the first iteration learns the gradient order and launches at
-    the end)."""
+def _compute_nodes(loss):
+    """Every autograd node behind `loss` that computes (all but the parameters' AccumulateGrad)."""
+    nodes, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return [node for node in nodes if type(node).__name__ != "AccumulateGrad"]
+
+
+def _train(strategy, scope, rank, steps=3):
+    """Losses and final full parameters of `steps` iterations with `scope` None (eager), 'layers' or 'model'
+    compiled, and per backward the number of bucket launches in all, before layer 0's backward began (not
+    measured for 'model': layer 0 is inside the graph) and before backward's last compute node finished (the
+    first iteration learns the gradient order and launches at the end)."""
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
     from megatron_lite.distributed import Bucket
     from megatron_lite.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    # Dynamo reuses compiled code across models and does not guard on module hooks: without a reset, a model
+    # wrapped with hooks could run code compiled for an earlier model without them.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=16)
     model = GPTModel(config)
-    if compiled:
+    if scope == "layers":
         model.compile_layers()
+    elif scope == "model":
+        model.compile_forward()
     distopt = strategy != "no_shard"
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, use_distributed_optimizer=distopt, overlap_grad_reduce=True,
@@ -47,7 +69,8 @@ def _train(strategy, compiled, rank, steps=3):
 
     # Overlap: some bucket must launch before the backward of the first layer has even begun.
     launched_before_layer0 = []
-    model.layers[0].register_full_backward_pre_hook(lambda *_: launched_before_layer0.append(len(launches)))
+    if scope != "model":
+        model.layers[0].register_full_backward_pre_hook(lambda *_: launched_before_layer0.append(len(launches)))
 
     g = torch.Generator().manual_seed(1)
     losses, launched_in_backward = [], []
@@ -59,8 +82,14 @@ def _train(strategy, compiled, rank, steps=3):
             optimizer.zero_grad()
             loss = ddp(tokens, labels=tokens).mean()
             launches.clear()
+            # Each compute node records the launches so far when it finishes; the last record is the one
+            # taken when backward's compute was over.
+            after_compute = []
+            for node in _compute_nodes(loss):
+                node.register_hook(lambda *_: after_compute.append(len(launches)))
             loss.backward()
-            launched_in_backward.append((len(launches), launched_before_layer0.pop()))
+            before_layer0 = launched_before_layer0.pop() if launched_before_layer0 else None
+            launched_in_backward.append((len(launches), before_layer0, after_compute[-1]))
             ddp.finish_grad_sync()
             optimizer.step()
             losses.append(loss.item())
@@ -74,39 +103,108 @@ def _compile_worker():
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    return {(s, c): _train(s, c, rank) for s in STRATEGIES for c in (False, True)}
+    runs = [(s, scope) for s in LAYER_STRATEGIES for scope in (None, "layers")]
+    runs += [(s, scope) for s in MODEL_STRATEGIES for scope in (None, "model") if (s, scope) not in runs]
+    return {run: _train(*run, rank) for run in runs}
 
 
-def test_compiled_layers_train_like_eager_and_keep_the_overlap():
+@pytest.fixture(scope="module")
+def compiled_runs():
+    return run_distributed(_compile_worker, 2)
+
+
+def _assert_trains_like_eager(compiled, eager):
+    assert eager["n_buckets"] > 2, "the test needs several buckets to show the overlap"
+    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=1e-5)
+    assert compiled["params"].keys() == eager["params"].keys()
+    for name, value in eager["params"].items():
+        torch.testing.assert_close(compiled["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@needs_compiler
+def test_compiled_layers_train_like_eager_and_keep_the_overlap(compiled_runs):
     """Would catch compile_layers capturing what the wrapper does around a layer (compiling the whole model
     fails here under ZeRO-3: its graph bakes in a released parameter's storage), compiled layers' gradients
     bypassing main_grad (wrong losses after the first step), or bucket reduces no longer launched while
     backward still has layers to go."""
-    for result in run_distributed(_compile_worker, 2):
-        for strategy in STRATEGIES:
-            eager, compiled = result[(strategy, False)], result[(strategy, True)]
-            assert eager["n_buckets"] > 2, "the test needs several buckets to show the overlap"
-            torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=1e-5)
-            assert compiled["params"].keys() == eager["params"].keys()
-            for name, value in eager["params"].items():
-                torch.testing.assert_close(compiled["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for result in compiled_runs:
+        for strategy in LAYER_STRATEGIES:
+            eager, compiled = result[(strategy, None)], result[(strategy, "layers")]
+            _assert_trains_like_eager(compiled, eager)
             # Steady state: every bucket launched inside backward, some before layer 0's backward, in both modes.
             for run in (eager, compiled):
-                for in_backward, before_layer0 in run["launched_in_backward"][1:]:
+                for in_backward, before_layer0, _ in run["launched_in_backward"][1:]:
                     assert in_backward == run["n_buckets"], (strategy, run["launched_in_backward"])
                     assert 0 < before_layer0 < in_backward, (strategy, run["launched_in_backward"])
 
 
-def test_compile_layers_leaves_parameters_and_state_dict_alone():
-    """Would catch compile_layers replacing modules (state_dict keys with '_orig_mod.') or parameters."""
+@needs_compiler
+def test_compiled_forward_trains_like_eager_and_reduces_after_backward(compiled_runs):
+    """Would catch compile_forward dropping the wrapper's gradients or its parameter all-gathers (wrong losses
+    after the first step: optim_grads waits for the gathers in forward pre-hooks inside the graph), or the
+    documented cost changing unnoticed: with the whole forward one graph, backward is one compiled node and no
+    bucket can launch before it has finished (the eager run launches some before its last node)."""
+    for result in compiled_runs:
+        for strategy in MODEL_STRATEGIES:
+            eager, compiled = result[(strategy, None)], result[(strategy, "model")]
+            _assert_trains_like_eager(compiled, eager)
+            for in_backward, _, after_compute in compiled["launched_in_backward"][1:]:
+                assert in_backward == compiled["n_buckets"], (strategy, compiled["launched_in_backward"])
+            if strategy == "no_shard":  # the gathers' pre-hooks split optim_grads' forward into several graphs
+                for _, _, after_compute in compiled["launched_in_backward"][1:]:
+                    assert after_compute == 0, compiled["launched_in_backward"]
+                for _, _, after_compute in eager["launched_in_backward"][1:]:
+                    assert 0 < after_compute, eager["launched_in_backward"]
+
+
+@pytest.mark.parametrize("method", ["compile_layers", "compile_forward"])
+def test_compile_leaves_parameters_and_state_dict_alone(method):
+    """Would catch compile_layers or compile_forward replacing modules (state_dict keys with '_orig_mod.') or
+    parameters. (Compiling is lazy: nothing is compiled here, so no compiler is needed.)"""
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
                                max_position_embeddings=16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = list(model.parameters())
-    assert model.compile_layers() is model
+    assert getattr(model, method)() is model
     assert list(model.parameters()) == params
     after = model.state_dict()
     assert after.keys() == before.keys()
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+def _flag_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    return err.strip().splitlines()[-1]
+
+
+def test_compile_flags_reach_pretrain_and_whole_forward_is_refused_under_zero3(capsys, monkeypatch):
+    """Would catch --torch-compile-scope model being accepted under ZeRO-3 (its graph would keep released
+    parameters), the refinements silently ignored without --torch-compile, or a flag not reaching
+    model_provider (which compiles the scope and mode asked for)."""
+    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce"]
+    message = _flag_error(["--torch-compile", "--torch-compile-scope", "model"] + zero3, capsys)
+    assert "--torch-compile-scope model" in message and "optim_grads_params" in message, message
+    for flag, value in (("--torch-compile-scope", "model"), ("--torch-compile-mode", "max-autotune")):
+        assert f"{flag} needs --torch-compile" in _flag_error([flag, value], capsys)
+    for strategy in ("no_shard", "optim", "optim_grads"):
+        parse_args(["--torch-compile", "--torch-compile-scope", "model", "--data-parallel-sharding-strategy",
+                    strategy], world_size=2)
+    parse_args(["--torch-compile"] + zero3, world_size=2)
+
+    import pretrain_gpt
+
+    calls = []
+    for method in ("compile_layers", "compile_forward"):
+        monkeypatch.setattr(GPTModel, method, lambda self, _method=method, **options: calls.append(
+            (_method, options)) or self)
+    for argv in (["--torch-compile"], ["--torch-compile", "--torch-compile-scope", "model",
+                                       "--torch-compile-mode", "max-autotune-no-cudagraphs"]):
+        args = parse_args(argv, world_size=1)
+        args.padded_vocab_size = 64
+        pretrain_gpt.model_provider(args)
+    assert calls == [("compile_layers", {}), ("compile_forward", {"mode": "max-autotune-no-cudagraphs"})]
