@@ -37,6 +37,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..checkpointing import LastWords, checkpoint_args, save_checkpoint
@@ -171,6 +172,10 @@ class _LiveRun:
         device, tokenizer = initialize_megatron(args)
         train_ds, self.valid_ds, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args,
                                                                   tokenizer)
+        if getattr(args, "torch_compile", False):
+            # Dynamo reuses code compiled for the previous generation's model and does not guard on module
+            # hooks, which hold that generation's process groups: compile this generation's model afresh.
+            torch._dynamo.reset()
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(self.model_provider, args, device)
         self.membership.limit_group_timeouts()  # the groups the model just created, too
         topology = self.optimizer.data_parallel_topology
