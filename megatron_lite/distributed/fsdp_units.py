@@ -9,7 +9,9 @@ unit each parameter belongs to (param_units.py then gathers them).
                     end of their buffer (persistent_params_together)
 
 A name in fsdp_unit_modules that matches nothing is an error listing the model's candidate classes: silently
-gathering the whole model at once would defeat ZeRO-3. Pure functions of the module tree and the config.
+gathering the whole model at once would defeat ZeRO-3. So is a torch.compiled forward around the units (the
+model's, or a submodule's that contains a unit): its graph would run the units' gather and release hooks inside
+and keep a released parameter's storage. Pure functions of the module tree and the config.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -26,6 +28,7 @@ def units_of(module: torch.nn.Module, config: DistributedDataParallelConfig):
     if not config.sharding.parameters:
         return [], None
     units = find_units(module, config.fsdp_unit_modules)
+    refuse_compiled_forward(modules_around(module, units))
     unit_of = unit_of_params(module, units)
     persistent = len(units) + 1
     return units, {p: persistent if p.numel() < config.param_persistence_threshold else unit
@@ -76,6 +79,43 @@ def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) 
             f"gather the whole model at once (no memory saved on parameters)."
         )
     return units
+
+
+def modules_around(module: torch.nn.Module, units: List[torch.nn.Module]) -> List[Tuple[str, torch.nn.Module]]:
+    """(name, module) of `module` (named '') and every submodule that contains a unit: the modules whose forward runs
+    the units' hooks. Empty without units."""
+    unit_ids = {id(unit) for unit in units}
+    around: List[Tuple[str, torch.nn.Module]] = []
+
+    def visit(name: str, sub: torch.nn.Module) -> bool:
+        if id(sub) in unit_ids:
+            return True
+        contains = False
+        for child_name, child in sub.named_children():
+            contains |= visit(f"{name}.{child_name}" if name else child_name, child)
+        if contains:
+            around.append((name, sub))
+        return contains
+
+    visit("", module)
+    return around[::-1]  # outermost first
+
+
+def refuse_compiled_forward(modules: List[Tuple[str, torch.nn.Module]]):
+    """Raise if one of `modules` (modules_around) has a torch.compiled forward: GPTModel.compile_forward,
+    `module.forward = torch.compile(module.forward)`, or torch.compile(model) (whose forward is compiled). The
+    graph would run the units' gather and release hooks inside it and keep the storage of parameters that
+    ZeRO-3 releases and gathers again (autograd's in-place error at the first backward). Cheap: a dict lookup
+    per module, so the wrapper repeats it at every forward (a compile after wrapping)."""
+    for name, sub in modules:
+        # torch.compile's result (a function, or a method bound to one) carries its original callable.
+        if hasattr(vars(sub).get("forward"), "_torchdynamo_orig_callable"):
+            what = f"submodule '{name}'" if name else f"the model ({type(sub).__name__})"
+            raise ValueError(
+                f"{what} has a torch.compiled forward (GPTModel.compile_forward, or torch.compile of the model), "
+                f"which cannot run with data_parallel_sharding_strategy='optim_grads_params': the graph would "
+                f"keep parameters that ZeRO-3 releases and gathers between layers. Compile each layer instead "
+                f"(GPTModel.compile_layers, or torch.compile each unit's forward), or use optim_grads.")
 
 
 def _candidate_units(module: torch.nn.Module) -> str:

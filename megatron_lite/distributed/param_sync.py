@@ -49,6 +49,7 @@ def build_param_sync(module: torch.nn.Module, config: DistributedDataParallelCon
             buckets_of_unit.setdefault(unit_of[bucket.params_list[0]], []).append(bucket)
         param_units = ParamUnits(units, buckets_of_unit, group, config.prefetch_bucket_size,
                                  config.max_reuse_distance)
+        param_units.guard_compiled_forward(module)
         param_units.guard_state_dicts(module, param_to_bucket)
         return param_units
     # The distributed optimizer's all-gathers run in forward order: the reverse of launch order.

@@ -36,7 +36,14 @@ import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
-from .fsdp_units import find_units, persistent_params_together, unit_of_params, units_of
+from .fsdp_units import (
+    find_units,
+    modules_around,
+    persistent_params_together,
+    refuse_compiled_forward,
+    unit_of_params,
+    units_of,
+)
 from .full_state_dict import iter_state_dict
 from .prefetch import PrefetchSchedule
 
@@ -98,9 +105,16 @@ class ParamUnits:
         # Per sharding group, gathers issued this iteration: count and a rolling digest of their order.
         self._signature = {key: [0, 0] for key in self._gather_groups}
         self._handles = []
+        self._around_units = []  # modules whose forward runs the units' hooks (guard_compiled_forward)
         for index, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
+
+    def guard_compiled_forward(self, module: torch.nn.Module):
+        """Refuse a torch.compiled forward around the units (fsdp_units.refuse_compiled_forward), now and at
+        every forward: the model may be compiled after wrapping."""
+        self._around_units = modules_around(module, self.units)
+        refuse_compiled_forward(self._around_units)
 
     def guard_state_dicts(self, module: torch.nn.Module, param_to_bucket: Dict[torch.nn.Parameter, Bucket]):
         """Make `state_dict()` of `module` or any submodule raise while it holds released parameters (the
@@ -151,6 +165,7 @@ class ParamUnits:
 
     def begin_forward(self):
         """Start of a forward (DistributedDataParallel.forward): a new forward and backward sequence."""
+        refuse_compiled_forward(self._around_units)
         self._complete("forward")  # a forward that raised half-way
         self._complete("backward")  # the previous micro-batch's
         for schedule in self._schedules.values():

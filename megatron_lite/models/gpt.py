@@ -291,8 +291,9 @@ class GPTModel(nn.Module):
         and fewer launches than compile_layers, but backward becomes one compiled node, so every parameter's
         gradient (and DistributedDataParallel's grad hooks, hence every bucket's reduction) arrives only when
         all of backward has run: no overlap. Hooks on the submodules run inside the compiled code, so a wrapper
-        that releases parameters between layers (ZeRO-3) breaks it: the graph keeps a released parameter's
-        storage. The parameters and the state_dict are unchanged; use it or compile_layers, not both.
+        that releases parameters between layers cannot run it (the graph keeps a released parameter's storage):
+        DistributedDataParallel refuses it under ZeRO-3, before or after wrapping (use compile_layers there).
+        The parameters and the state_dict are unchanged; use it or compile_layers, not both.
         Returns the model."""
         self.forward = torch.compile(self.forward, **compile_kwargs)
         return self

@@ -174,6 +174,38 @@ def test_compile_leaves_parameters_and_state_dict_alone(method):
         assert torch.equal(after[key], value), key
 
 
+def _tiny_gpt():
+    torch.manual_seed(0)
+    return GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                              max_position_embeddings=16))
+
+
+def _wrap(model, strategy="optim_grads_params"):
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, use_distributed_optimizer=strategy != "no_shard",
+        overlap_grad_reduce=True))
+
+
+def test_library_refuses_a_whole_forward_graph_under_zero3(single_rank_group):
+    """Would catch compile_forward (or torch.compile of the model) accepted under ZeRO-3 outside the command line:
+    before wrapping or after it, the first backward failed with autograd's cryptic in-place error (the graph
+    keeps parameters the wrapper releases). Refused before anything compiles (torch.compile is lazy: no
+    compiler needed), while compile_layers and other strategies are still accepted."""
+    tokens = torch.randint(0, 64, (1, 16))
+    for build in (lambda: _tiny_gpt().compile_forward(), lambda: torch.compile(_tiny_gpt())):
+        with pytest.raises(ValueError, match="compile_forward.*optim_grads_params.*compile_layers"):
+            _wrap(build())
+    model = _tiny_gpt()
+    ddp = _wrap(model)
+    model.compile_forward()  # after wrapping: refused at the next forward
+    with pytest.raises(ValueError, match="compile_forward.*optim_grads_params.*compile_layers"):
+        ddp(tokens, labels=tokens)
+    _wrap(_tiny_gpt().compile_layers())
+    _wrap(_tiny_gpt().compile_forward(), "optim_grads")
+
+
 def _flag_error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, world_size=2)
