@@ -201,11 +201,13 @@ class LastWords:
 def scan(root: str) -> Tuple[Dict[int, Dict[int, List[str]]], Dict[int, str]]:
     """The last-words sets under `root`: ({iteration: {position: [files]}} of the complete ones,
     {iteration: what is wrong} of the others). A set is complete when every position 0 .. per_instance-1
-    has a file whose .json (size, sha256) matches it, and all its files agree on the layout and the
-    optimizer step."""
+    has a file whose .json (size, sha256) matches it, and all its files agree on the layout (the ranks per
+    instance: a rank's shards are its position's, whatever the data-parallel size, see _misfit) and the
+    optimizer step. Files of one iteration written at two data-parallel sizes (an elastic job that shrank
+    while at it) complete each other."""
     sets, problems = {}, {}
     for iteration, directory in sorted(last_words_entries(root).items()):
-        files, layouts, damaged = {}, set(), []
+        files, layouts, worlds, damaged = {}, set(), set(), []
         for fname in sorted(os.listdir(directory)):
             if _RANK_FILE.match(fname):
                 path = os.path.join(directory, fname)
@@ -213,17 +215,17 @@ def scan(root: str) -> Tuple[Dict[int, Dict[int, List[str]]], Dict[int, str]]:
                 if header is None:
                     damaged.append(fname)
                     continue
-                layouts.add((header["world"], header["per_instance"], header["step"], header["iteration"]))
+                layouts.add((header["per_instance"], header["step"], header["iteration"]))
+                worlds.add(header["world"])
                 files.setdefault(header["position"], []).append(path)
         note = f" ({', '.join(damaged)} damaged, ignored)" if damaged else ""
         if len(layouts) > 1:
-            problems[iteration] = (f"last words at iteration {iteration} are inconsistent: (ranks, ranks per "
-                                   f"instance, optimizer step, iteration) differ between files: "
-                                   f"{sorted(layouts)}{note}")
+            problems[iteration] = (f"last words at iteration {iteration} are inconsistent: (ranks per instance, "
+                                   f"optimizer step, iteration) differ between files: {sorted(layouts)}{note}")
         elif not layouts:
             problems[iteration] = f"last words at iteration {iteration} hold no usable file{note}"
         else:
-            world, per_instance, _, _ = layouts.pop()
+            (per_instance, _, _), world = layouts.pop(), max(worlds)
             missing = [p for p in range(per_instance) if p not in files]
             if missing:
                 holders = [r for p in missing for r in _holders(world, per_instance, p)]

@@ -3,6 +3,8 @@
 
 import copy
 
+from ..distributed.layout import default_bucket_size
+
 
 def check_elastic(args, min_instances: int):
     """ValueError unless the run can train on `min_instances` .. R instances (elastic mode): R >= 2, and the
@@ -25,12 +27,18 @@ def check_elastic(args, min_instances: int):
 def generation_args(args, members: int):
     """The arguments of a generation of `members` ranks: `args` itself with every rank, else a copy with the
     data-parallel size, the instances and the micro-batches per rank of the smaller job (elastic shrink: the
-    instances are whole, so the same global batch of samples, more micro-batches per rank)."""
+    instances are whole, so the same global batch of samples, more micro-batches per rank). The bucket size
+    stays the whole job's: Megatron's default grows with the data-parallel size (default_bucket_size), and
+    the buckets must be cut the same for the shards to carry over."""
     if members == args.data_parallel_size:
         return args
+    per_instance = args.data_parallel_size // args.num_distributed_optimizer_instances
+    if members % per_instance:
+        raise ValueError(f"a generation of {members} ranks is not made of whole instances of {per_instance}")
     smaller = copy.copy(args)
     smaller.data_parallel_size = members
-    smaller.num_distributed_optimizer_instances = (args.num_distributed_optimizer_instances * members
-                                                   // args.data_parallel_size)
+    smaller.num_distributed_optimizer_instances = members // per_instance
     smaller.num_micro_batches = args.global_batch_size // (args.micro_batch_size * members)
+    if args.ddp_bucket_size is None and not args.ddp_num_buckets:
+        smaller.ddp_bucket_size = default_bucket_size(args.data_parallel_size)
     return smaller

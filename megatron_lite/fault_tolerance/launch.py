@@ -36,8 +36,12 @@ import time
 
 import torch.distributed as dist
 
+from ..distributed.layout import DataParallelTopology
 from . import membership
 from .membership import EXIT_FALLBACK, LiveConfig
+
+FINISH_GRACE_S = 30.0
+"""Seconds the supervisor waits, after training finished, for the ranks that were not training to exit."""
 
 
 class Supervisor:
@@ -54,6 +58,7 @@ class Supervisor:
         self.opened_at = time.monotonic()  # when the current generation was opened
         self.workers = {}  # rank -> Popen
         self.pending = {}  # rank -> pid: replacement processes not yet ready to join (no standby/<rank>)
+        self.pending_since = {}  # rank -> when it first needed a replacement (kept across failed replacements)
         self.done = set()
         self.num_spares = spares
         self.spares = []  # [(id, Popen)] warm processes waiting for a rank, oldest first
@@ -84,6 +89,7 @@ class Supervisor:
             self.workers[rank] = subprocess.Popen([sys.executable, *self.command], env=env)
             self.say(f"rank {rank}: pid {self.workers[rank].pid} (generation {self.generation})")
         self.pending[rank] = self.workers[rank].pid
+        self.pending_since.setdefault(rank, time.monotonic())
 
     def spawn_spare(self):
         """A warm spare: the training script started (torch imported, arguments parsed) and waiting in
@@ -125,7 +131,8 @@ class Supervisor:
         """Every rank afresh, in a new generation (the first, or the whole-job restart of the fallback)."""
         self.done.clear()
         self.stop_all()
-        self.workers, self.pending = {}, {}
+        self.workers, self.pending, self.pending_since = {}, {}, {}
+        self.store.delete_key("finished")  # a restarted job trains anew
         self.open_generation(range(self.world_size), range(self.world_size))
 
     def stop_all(self):
@@ -144,30 +151,44 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
 
-    def tend_elastic(self):
-        """Elastic mode: shrink to the complete instances when a replacement is late, grow back when it is
-        ready (see the module docstring). Instances are whole: their ranks' shard positions stay the same."""
+    def note_standby(self):
+        """Replacements that are ready to join (their pid in standby/<rank>) are no longer pending."""
         for rank, pid in list(self.pending.items()):
             key = f"standby/{rank}"
             if self.store.check([key]) and self.store.get(key).decode() == str(pid):
-                del self.pending[rank]
+                del self.pending[rank], self.pending_since[rank]
+
+    def tend_elastic(self):
+        """Elastic mode: shrink to the complete instances when a replacement is late, grow back when it is
+        ready (see the module docstring). Instances are whole: their ranks' shard positions stay the same."""
         if self.config.min_instances is None or not self.store.check(["instance_size"]):
             return
-        size = int(self.store.get("instance_size"))
-        complete = [i for i in range(self.world_size // size)
-                    if all(r not in self.pending and self.workers[r].poll() is None
-                           for r in range(i * size, (i + 1) * size))]
-        wanted = [r for i in complete for r in range(i * size, (i + 1) * size)]
-        formed = self.store.check([f"gen_{self.generation}/ready"])
-        if formed and set(wanted) > set(self.members):
-            leave_at = membership.last_logged(self.store) + 2  # no member can have passed it (module docstring)
-            self.store.set(f"gen_{self.generation}/leave_at", str(leave_at))
-            self.open_generation([], wanted, f" (grow: instance(s) back; the members leave after iteration {leave_at})")
-        elif (not formed and self.pending.keys() & set(self.members) and len(complete) >= self.config.min_instances
-              and time.monotonic() - self.opened_at > self.replacement_timeout_s):
-            late = sorted(self.pending.keys() & set(self.members))
-            self.open_generation([], wanted, f" (shrink: rank(s) {late} not back within "
-                                             f"{self.replacement_timeout_s} s)")
+        topology = DataParallelTopology.from_instance_size(self.world_size, int(self.store.get("instance_size")))
+        broken = {topology.instance(r) for r in range(self.world_size)
+                  if r in self.pending or self.workers[r].poll() is not None}
+        wanted = [r for r in range(self.world_size) if topology.instance(r) not in broken]
+        complete = topology.num_distributed_optimizer_instances - len(broken)
+        if self.store.check([f"gen_{self.generation}/ready"]):  # formed (or closed: then a newer one is open)
+            if set(wanted) > set(self.members) and not self.store.check(["finished"]):
+                self.grow(wanted)
+            return
+        late = sorted(r for r in self.pending.keys() & set(self.members)
+                      if time.monotonic() - self.pending_since[r] > self.replacement_timeout_s)
+        if late and complete >= self.config.min_instances and set(wanted) < set(self.members):
+            # Close the generation unless its last member arrived meanwhile (compare_set: one of us wins).
+            if self.store.compare_set(f"gen_{self.generation}/ready", "", "closed") == b"closed":
+                self.open_generation([], wanted, f" (shrink: rank(s) {late} not back within "
+                                                 f"{self.replacement_timeout_s} s)")
+
+    def grow(self, members):
+        """Admit the ranks of the instances that are whole again: the current members leave together after an
+        iteration none of them can have completed yet. Rank 0 logs iteration L + 1 before it takes part in
+        L + 2, and no rank completes L + 2 without it, so when L is read no rank has passed L + 2; a member
+        that missed the key (the supervisor delayed between reading L and writing it) fails in its next
+        collective and recovers exactly (docs/fault_tolerance.md, "Elastic mode")."""
+        leave_at = membership.last_logged(self.store) + 2
+        self.store.set(f"gen_{self.generation}/leave_at", str(leave_at))
+        self.open_generation([], members, f" (grow: instance(s) back; the members leave after iteration {leave_at})")
 
     def finished(self) -> bool:
         """Every rank exited 0: training ended (the ranks waiting to be admitted exit once it has)."""
@@ -176,10 +197,19 @@ class Supervisor:
     def run(self) -> int:
         replacements = restarts = 0
         self.start_all()
-        trouble_since = None
+        trouble_since = finished_since = None
         while not self.finished():
             time.sleep(0.02)
             self.tend_spares()
+            self.note_standby()
+            if self.store.check(["finished"]) and set(self.members) <= self.done:
+                # Training ended: ranks waiting to be admitted exit by themselves; one that cannot (a
+                # replacement still starting, stuck) is stopped after a grace period.
+                finished_since = finished_since or time.monotonic()
+                if time.monotonic() - finished_since > FINISH_GRACE_S:
+                    self.say(f"training finished; stopping rank(s) {sorted(set(self.workers) - self.done)}")
+                    self.stop_all()
+                    return 0
             dead, fallback = [], False
             for rank, proc in self.workers.items():
                 code = proc.poll()
@@ -252,11 +282,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give the training script, e.g. pretrain_gpt.py ARGS")
-    if args.replacement_timeout <= 0:
-        parser.error(f"--replacement-timeout must be > 0 seconds, got {args.replacement_timeout}")
-    if args.min_instances is not None and args.min_instances < 1:
-        parser.error(f"--min-instances must be >= 1, got {args.min_instances}")
-    config = LiveConfig(args.collective_timeout, args.join_timeout, args.min_instances)
+    if not 0 < args.replacement_timeout < args.join_timeout:
+        parser.error(f"--replacement-timeout ({args.replacement_timeout} s) must be > 0 and shorter than "
+                     f"--join-timeout ({args.join_timeout} s): the survivors give up waiting at the join timeout")
+    try:
+        config = LiveConfig(args.collective_timeout, args.join_timeout, args.min_instances)
+    except ValueError as e:  # its message names the field: say it with the flag's name
+        parser.error(str(e).replace("min_instances", "--min-instances").replace("collective_timeout_s",
+                     "--collective-timeout").replace("join_timeout_s", "--join-timeout"))
     supervisor = Supervisor(args.command, args.nproc_per_node, config, args.max_replacements, args.max_restarts,
                             args.trouble_grace, args.spares, args.replacement_timeout)
     try:

@@ -147,7 +147,8 @@ class _LiveRun:
             self.words = LastWords(args.save, self.optimizer, self.scheduler, progress.iteration, progress.consumed,
                                    checkpoint_args(args))
         self._catch_up(progress)
-        self.iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp)
+        self.iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp,
+                                             getattr(args, "num_workers", 0))
         while progress.iteration < args.train_iters:
             progress = self._train_iteration(progress)
             if self.membership.config.elastic and progress.iteration < args.train_iters \
@@ -255,6 +256,7 @@ class _LiveRun:
             except BaseException:
                 self.snapshot = take_snapshot(progress, None, optimizer, scheduler)
                 raise
+            self.log.restart_timer()  # the save's time is not training time (as in pretrain())
         return progress
 
     def _evaluate(self, progress: Progress):
@@ -290,7 +292,7 @@ class _LiveRun:
             print(f"[rank {membership.rank}] > generation {membership.generation} failed ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:160]}); waiting for the next one", flush=True)
         try:
-            membership.wait_for_next_generation()
+            membership.wait_for_next_generation(failed=not isinstance(error, GenerationEnded))
         except TimeoutError as timeout:
             _fall_back(str(timeout))
         self.timings.mark("next_generation")

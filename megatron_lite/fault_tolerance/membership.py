@@ -9,6 +9,8 @@ rank only. Every rank forms the process group of generation g on its own key spa
     gen_<g>/members                supervisor        JSON list of the ranks ("slots") that train in generation g
     gen_<g>/replaced               supervisor        JSON list of the ranks started afresh in generation g
     gen_<g>/arrived                every member      counter; the member that makes it len(members) sets .../ready
+    gen_<g>/ready                  last member or    "1": formed; "closed": the supervisor shrank it before it
+                                   supervisor        formed (compare_set: the first writer wins)
     gen_<g>/trouble                a rank            "a collective of generation g failed" (see launch.py)
     gen_<g>/leave_at               supervisor        elastic grow: the members of g leave after this iteration
     standby/<rank>                 every process     its pid, once it is ready to join (the supervisor's
@@ -28,7 +30,13 @@ shard position (instances are whole, and a slot's position is slot % instance si
 A survivor whose collective fails (gloo raises within milliseconds when a peer process dies or frees its
 groups, at the collective timeout when a peer hangs) calls wait_for_next_generation();
 once the new generation is ready on every rank it calls join(): the old groups are dropped and a fresh
-gloo WORLD is created on the new prefix. Nothing waits without a deadline.
+gloo WORLD is created on the new prefix. Every wait has a deadline (--join-timeout) except two that the
+supervisor ends: a warm spare waiting for its rank, and (elastic) a rank waiting to be admitted, which exits
+when the store says training finished.
+
+A generation forms when its last member arrives and sets gen_<g>/ready to "1"; the supervisor, to shrink a
+generation that has not formed, first sets it to "closed". Both use compare_set, so exactly one of them
+wins: a generation is either formed (every member trains in it) or closed (every member moves on).
 """
 
 import datetime
@@ -177,21 +185,22 @@ class Membership:
         self.store.set(f"standby/{self.rank}", str(os.getpid()))
         self.generation = max(self.generation, self.current_generation())
         while self.rank not in self.members():
-            if self.store.check(["finished"]):
-                ended = self.store.get("finished").decode()
-                raise JobFinished(f"rank {self.rank}: training finished at iteration {ended} before it was admitted")
+            self._raise_if_finished("before it was admitted")
             time.sleep(0.01)
             self.generation = self.current_generation()
         prefix, members = f"gen_{self.generation}", self.members()
         if self.store.add(f"{prefix}/arrived", 1) == len(members):
-            self.store.set(f"{prefix}/ready", "1")
-        what = f"every rank of generation {self.generation}"
+            self.store.compare_set(f"{prefix}/ready", "", "1")
+        what = f"every rank of generation {self.generation} to arrive"
 
         def ready() -> bool:
             if self.store.check([f"{prefix}/ready"]):
-                return True
+                if self.store.get(f"{prefix}/ready") == b"1":
+                    return True
+                raise GenerationSuperseded(f"generation {self.generation} was closed before it formed (shrink)")
             if self.current_generation() > self.generation:
                 raise GenerationSuperseded(f"generation {self.generation} was superseded while waiting for {what}")
+            self._raise_if_finished("while waiting for the others to arrive")  # a grow the end overtook
             return False
         self._wait(ready, what)
         if dist.is_initialized():
@@ -208,6 +217,11 @@ class Membership:
         if self._leave_at is None and self.store.check([f"gen_{self.generation}/leave_at"]):
             self._leave_at = int(self.store.get(f"gen_{self.generation}/leave_at"))
         return self._leave_at is not None and iteration >= self._leave_at
+
+    def _raise_if_finished(self, when: str):
+        if self.store.check(["finished"]):
+            ended = self.store.get("finished").decode()
+            raise JobFinished(f"rank {self.rank}: training finished at iteration {ended} {when}")
 
     def note_finished(self, iteration: int):
         """Rank 0, when training ended: ranks still waiting to be admitted exit."""
@@ -237,10 +251,12 @@ class Membership:
         process died, e.g. after a spurious timeout)."""
         self.store.set(f"gen_{self.generation}/trouble", str(self.rank))
 
-    def wait_for_next_generation(self) -> int:
-        """After a failure: wait for the supervisor's next generation and adopt it. Returns it."""
-        self.report_trouble()
-        self._wait(lambda: self.current_generation() > self.generation, "the next generation")
+    def wait_for_next_generation(self, failed: bool = True) -> int:
+        """After a failure (or, `failed` False, a planned leave for an elastic grow): wait for the supervisor's
+        next generation and adopt it. Returns it."""
+        if failed:
+            self.report_trouble()
+        self._wait(lambda: self.current_generation() > self.generation, "the next generation to start")
         self.generation = self.current_generation()
         return self.generation
 
@@ -248,6 +264,6 @@ class Membership:
         deadline = time.monotonic() + self.config.join_timeout_s
         while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: no {what} within {self.config.join_timeout_s} s "
-                                   f"(MEGATRON_LITE_LIVE_JOIN_TIMEOUT)")
+                raise TimeoutError(f"rank {self.rank}: waited {self.config.join_timeout_s} s for {what} "
+                                   f"(--join-timeout)")
             time.sleep(0.01)

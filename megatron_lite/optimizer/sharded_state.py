@@ -115,6 +115,9 @@ def flat_numel(state: ShardedOptimizerState) -> int:
 
 def unflatten(flat: torch.Tensor, like: ShardedOptimizerState) -> ShardedOptimizerState:
     """The inverse of flatten: `like`'s layout with the values, steps and moments held by `flat` (views)."""
+    if flat.numel() != flat_numel(like):
+        raise ValueError(f"a flattened optimizer state of {flat.numel()} elements does not fit this layout "
+                         f"({flat_numel(like)}): the buckets were cut differently (bucket size, data-parallel size)")
     own_steps = flat[1:1 + len(like.shards)].tolist()
     offset, tensors = 1 + len(like.shards), [{} for _ in like.shards]
     for key in ("param", *like.state_keys):

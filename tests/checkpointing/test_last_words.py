@@ -44,6 +44,23 @@ def test_complete_set_needs_every_position_once(tmp_path):
     assert "incomplete" in problems[40] and "position(s) [1]" in problems[40] and "rank(s) [1, 3]" in problems[40]
 
 
+def test_files_of_two_data_parallel_sizes_complete_each_other(tmp_path):
+    """An elastic job: ranks 1-3 of dp=4 wrote iteration 70; the job shrank to ranks 2 and 3, and when rank 3
+    died too, rank 2 (rank 0 of the smaller job) wrote its position-0 shard again, as rank_00000. Would catch
+    the set refused as inconsistent because two data-parallel sizes wrote it (the restart would go back to
+    an older checkpoint), or files of another instance size mixed in."""
+    from megatron_lite.checkpointing import last_words
+
+    for rank in (1, 2, 3):
+        _fake_file(tmp_path, 70, rank)
+    _fake_file(tmp_path, 70, 0, world=2)
+    _fake_file(tmp_path, 80, 0)
+    _fake_file(tmp_path, 80, 1, world=4, per_instance=4)
+    sets, problems = last_words.scan(str(tmp_path))
+    assert sorted(sets) == [70] and sorted(sets[70]) == [0, 1] and len(sets[70][0]) == 2
+    assert "inconsistent" in problems[80]
+
+
 def test_inconsistent_or_damaged_files_are_refused(tmp_path):
     """Would catch shards at different optimizer steps combined into one state, or a damaged file used."""
     from megatron_lite.checkpointing import last_words

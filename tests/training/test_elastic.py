@@ -13,11 +13,14 @@ import argparse
 import os
 import re
 import sys
+import time
 
 import pytest
 from live_testing import ITERS, logged_losses, run_live
 from pretrain_testing import REPO
 
+from megatron_lite.distributed.layout import default_bucket_size
+from megatron_lite.fault_tolerance import launch, membership
 from megatron_lite.fault_tolerance.elastic import check_elastic, generation_args
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -28,19 +31,29 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-6, 2e-5
 
 def job_args(**overrides):
     values = dict(num_distributed_optimizer_instances=2, data_parallel_size=4, micro_batch_size=2,
-                  global_batch_size=16, num_micro_batches=2)
+                  global_batch_size=16, num_micro_batches=2, ddp_bucket_size=None, ddp_num_buckets=None)
     return argparse.Namespace(**{**values, **overrides})
 
 
 def test_generation_args_of_a_shrunk_job():
     """Would catch a shrunk generation built with the whole job's data-parallel size, instances or micro-batches
-    per rank (the global batch would no longer be the same samples), or the job's arguments modified."""
+    per rank (the global batch would no longer be the same samples), the job's arguments modified, or a bucket
+    size that follows the smaller job's data-parallel size (every shard range would move: the carried state
+    loaded into the wrong layout)."""
     args = job_args()
     assert generation_args(args, 4) is args
     smaller = generation_args(args, 2)
     assert (smaller.data_parallel_size, smaller.num_distributed_optimizer_instances, smaller.num_micro_batches) \
         == (2, 1, 4)
     assert (args.data_parallel_size, args.num_distributed_optimizer_instances, args.num_micro_batches) == (4, 2, 2)
+    # Megatron's default bucket size grows with dp (max(40M, 1M x dp)): the smaller job keeps the whole job's,
+    # so that its buckets, and so its shards, are cut the same.
+    wide = generation_args(job_args(num_distributed_optimizer_instances=2, data_parallel_size=64, global_batch_size=128,
+                                    micro_batch_size=1, num_micro_batches=2), 32)
+    assert wide.ddp_bucket_size == default_bucket_size(64) != default_bucket_size(32)
+    assert generation_args(job_args(ddp_bucket_size=1000), 2).ddp_bucket_size == 1000
+    with pytest.raises(ValueError, match="whole instances"):
+        generation_args(args, 3)
 
 
 @pytest.mark.parametrize("overrides, minimum, names", [
@@ -77,7 +90,11 @@ def test_shrink_then_grow(tmp_path, live_reference):
                                                              "--replacement-timeout", "1"])
     assert code == 0, output
     assert re.search(r"generation \d+: replaced \[\], members \[2, 3\] \(shrink: rank\(s\) \[0\]", output), output
-    assert re.search(r"generation \d+: replaced \[\] \(grow: ", output), output
+    grow = re.search(r"generation (\d+): replaced \[\] \(grow: .* after iteration (\d+)\)", output)
+    assert grow and grow.group(2) == "7", output  # rank 0 of the small job had logged 5 when it was asked
+    leaves = re.findall(r"\[rank (\d)\] > leaving generation \d+ after iteration (\d+)", output)
+    assert sorted(leaves) == [("2", "7"), ("3", "7")], output  # together, at the agreed boundary
+    assert f"generation {int(grow.group(1)) - 1} failed" not in output, output  # a planned leave, no failure
     assert [len(pids[r]) for r in range(4)] == [2, 1, 1, 1], output  # only the killed rank got a new process
     assert re.search(r'"rank": 1, "generation": \d+, "role": "parked"', output), output  # admitted and healed
     assert sorted(losses) == list(range(1, ITERS + 1)) and all(len(v) == 1 for v in losses.values()), output
@@ -98,3 +115,84 @@ def test_shrink_then_grow(tmp_path, live_reference):
     earlier = model_weights(os.path.join(reference_dir, "iter_0000004"))
     moved = max((final[k].float() - earlier[k].float()).abs().max().item() for k in final)
     assert moved > 100 * WEIGHT_ATOL, moved  # the tolerance is far below what 4 iterations change
+
+
+# ---------------------------------------------------------------------------------------- the protocol, in process
+def store_with(keys):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for key, value in keys.items():
+        store.set(key, value)
+    return store
+
+
+@pytest.mark.parametrize("case", ["left_out", "admitted_at_the_end", "closed"])
+def test_join_ends_without_waiting_out_the_deadline(case):
+    """A rank left out of the newest generation when training ends, a rank admitted by a grow that the end of
+    training overtook (its generation will never form: the members finished instead of leaving), and a rank of
+    a generation the supervisor closed to shrink it. Would catch: ranks waiting --join-timeout and then forcing
+    a whole-job restart of a finished run (exit 3, or 1 with no restart left), or training in a closed
+    generation while the supervisor has moved on."""
+    keys = {"generation": "1", "gen_1/members": "[0, 1, 2, 3]"}
+    keys.update({"left_out": {"gen_1/members": "[2, 3]", "finished": "8"}, "admitted_at_the_end": {"finished": "8"},
+                 "closed": {"gen_1/ready": "closed"}}[case])
+    rank = membership.Membership(store_with(keys), 0, 4, 1, membership.LiveConfig(3.0, 30.0, 1))
+    expected = membership.GenerationSuperseded if case == "closed" else membership.JobFinished
+    started = time.monotonic()
+    with pytest.raises(expected):
+        rank.join()
+    assert time.monotonic() - started < 5
+
+
+class _Process:
+    def __init__(self, pid, alive=True):
+        self.pid, self.alive = pid, alive
+
+    def poll(self):
+        return None if self.alive else -9
+
+
+def supervisor(timeout_s=0.0):
+    sup = launch.Supervisor(["unused.py"], 4, membership.LiveConfig(3.0, 30.0, 1), 20, 1, 2.0, spares=0,
+                            replacement_timeout_s=timeout_s)
+    sup.generation, sup.members = 1, [0, 1, 2, 3]
+    sup.workers = {r: _Process(100 + r) for r in range(4)}
+    sup.pending, sup.pending_since = {0: 100}, {0: time.monotonic() - 1}  # rank 0's replacement: not back
+    sup.store.set("instance_size", "2")
+    sup.store.set("gen_1/members", "[0, 1, 2, 3]")
+    return sup
+
+
+def test_supervisor_shrinks_only_a_generation_that_has_not_formed():
+    """Would catch a shrink decided while the late replacement arrived and formed the generation anyway (the
+    ranks would train in generation 1 with 4 ranks while the supervisor believes in [2, 3]: their later
+    failures misread), a shrink before --replacement-timeout, or one that keeps the broken instance."""
+    sup = supervisor(timeout_s=60.0)
+    sup.tend_elastic()
+    assert sup.generation == 1  # not yet: the timeout has not passed
+    sup = supervisor()
+    sup.store.set("gen_1/ready", "1")  # the last member arrived first
+    sup.tend_elastic()
+    assert sup.generation == 1
+    sup = supervisor()
+    sup.tend_elastic()
+    assert sup.generation == 2 and sup.members == [2, 3] and sup.store.get("gen_1/ready") == b"closed"
+    assert sup.store.get("gen_2/members") == b"[2, 3]"
+
+
+def test_supervisor_grows_back_but_not_after_the_end():
+    """Would catch a grow opened after training finished (its members would wait for ranks that exited), or no
+    grow when the left-out instance is whole again."""
+    for finished in (False, True):
+        sup = supervisor()
+        sup.generation, sup.members = 2, [2, 3]
+        sup.pending, sup.pending_since = {}, {}  # rank 0's replacement is ready
+        sup.store.set("gen_2/ready", "1")
+        sup.store.set("last_logged", "5")
+        if finished:
+            sup.store.set("finished", "8")
+        sup.tend_elastic()
+        assert (sup.generation, sup.members) == ((2, [2, 3]) if finished else (3, [0, 1, 2, 3]))
+        if not finished:
+            assert sup.store.get("gen_2/leave_at") == b"7"
