@@ -35,7 +35,6 @@ class Progress:
     steps_taken: int  # the optimizer's step() count matching this record
     losses: Optional[Dict[str, float]] = None  # the iteration's reported losses, when known
     last_saved: Optional[int] = None
-    last_evaluated: Optional[int] = None
 
 
 @dataclass

@@ -155,6 +155,9 @@ class _LiveRun:
                     and self.membership.leave_due(progress.iteration):
                 raise GenerationEnded(f"leaving generation {self.membership.generation} after iteration "
                                       f"{progress.iteration} to admit the ranks that are back")
+            if args.exit_interval and progress.iteration % args.exit_interval == 0:
+                print_rank_0(f"> exiting at iteration {progress.iteration} (--exit-interval {args.exit_interval})")
+                break
         if args.save and progress.last_saved != progress.iteration:
             _save(args, progress, self.model, self.optimizer, self.scheduler)
         self.log.close()
@@ -170,6 +173,11 @@ class _LiveRun:
         if self.timings is not None:
             self.timings.mark("joined")
         self.args = args = generation_args(self.job_args, len(self.membership.members()))
+        if args is not self.job_args:
+            print_rank_0(f"> generation {self.membership.generation}: ranks {self.membership.members()} of "
+                         f"{self.job_args.data_parallel_size} (elastic): dp={args.data_parallel_size}, "
+                         f"{args.num_distributed_optimizer_instances} instance(s), {args.num_micro_batches} "
+                         f"micro-batches of {args.micro_batch_size} per rank")
         device, tokenizer = initialize_megatron(args)
         train_ds, self.valid_ds, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args,
                                                                   tokenizer)
@@ -206,8 +214,8 @@ class _LiveRun:
                               self.optimizer.param_groups[0]["lr"], self.optimizer.get_loss_scale().item(), None, True)
             if dist.get_rank() == 0:
                 self.membership.note_logged(progress.iteration)
-        if evaluation_due(args, progress.iteration, self.valid_ds) and progress.last_evaluated != progress.iteration \
-                and progress.iteration > 0:
+        if progress.losses is not None and evaluation_due(args, progress.iteration, self.valid_ds) \
+                and progress.iteration > self.membership.last_evaluated():  # healed, its evaluation not logged
             self._evaluate(progress)
         if save_due(args, progress.iteration) and progress.last_saved != progress.iteration and progress.iteration > 0:
             _save(args, progress, self.model, self.optimizer, self.scheduler)  # interrupted by the failure: again
@@ -223,8 +231,7 @@ class _LiveRun:
             nonlocal staged
             scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
             staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size, get_rng_state(),
-                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved,
-                              progress.last_evaluated)
+                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved)
             if words is not None:
                 words.stage(staged.iteration, staged.consumed)
         try:
@@ -263,7 +270,8 @@ class _LiveRun:
         self.valid_losses[progress.iteration] = evaluate_validation(self.forward_step_func, self.valid_ds, self.model,
                                                                     self.args)
         self.log.validation(progress.iteration, self.valid_losses[progress.iteration])
-        progress.last_evaluated = progress.iteration
+        if dist.get_rank() == 0:
+            self.membership.note_evaluated(progress.iteration)
 
     def leave_generation(self, error: BaseException):
         """After a peer's failure interrupted this generation: keep this rank's consistent state (the
@@ -306,7 +314,7 @@ def _start(args, model, optimizer, scheduler) -> Progress:
     """The first generation: from scratch or --load with its options, as pretrain() starts."""
     iteration, consumed, loaded = resume(args, model, optimizer, scheduler)
     return Progress(iteration, consumed, get_rng_state(), scheduler.state_dict(), optimizer.steps_taken,
-                    last_saved=iteration if loaded else None, last_evaluated=iteration)
+                    last_saved=iteration if loaded else None)
 
 
 def _save(args, progress: Progress, model, optimizer, scheduler):

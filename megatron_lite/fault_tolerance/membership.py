@@ -19,6 +19,7 @@ rank only. Every rank forms the process group of generation g on its own key spa
     instance_size                  every rank        ranks per distributed-optimizer instance (elastic: the
                                                      supervisor shrinks and grows by whole instances)
     last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
+    last_evaluated                 rank 0            the last evaluation logged (an interrupted one is redone)
     finished                       rank 0            training ended at this iteration: ranks waiting to be
                                                      admitted (elastic) exit
     gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
@@ -245,6 +246,15 @@ class Membership:
 
     def last_logged(self) -> int:
         return last_logged(self.store)
+
+    def note_evaluated(self, iteration: int):
+        """Rank 0, after logging an evaluation: whether an interrupted evaluation is redone is decided by what
+        the log has, the same on every rank (they read it before the evaluation's collectives, rank 0 writes
+        it after them)."""
+        self.store.set("last_evaluated", str(iteration))
+
+    def last_evaluated(self) -> int:
+        return int(self.store.get("last_evaluated")) if self.store.check(["last_evaluated"]) else 0
 
     def report_trouble(self):
         """Tell the supervisor a collective of this generation failed (it starts a new generation even if no
