@@ -12,6 +12,7 @@ wraps this module from the outside (DistributedDataParallel), so it imports torc
 """
 
 import math
+import types
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -282,8 +283,8 @@ class GPTModel(nn.Module):
         parameters and the state_dict are unchanged. Numerics follow the compiled kernels' fusion (close to
         eager, not bitwise). Returns the model."""
         for layer in self.layers:
-            layer.forward = torch.compile(layer.forward, **compile_kwargs)
-        self.output_head = torch.compile(self.output_head, **compile_kwargs)
+            layer.forward = _compiled_method(layer, "forward", compile_kwargs)
+        self.output_head = _compiled_method(self, "output_head", compile_kwargs)
         return self
 
     def compile_forward(self, **compile_kwargs) -> "GPTModel":
@@ -295,8 +296,15 @@ class GPTModel(nn.Module):
         DistributedDataParallel refuses it under ZeRO-3, before or after wrapping (use compile_layers there).
         The parameters and the state_dict are unchanged; use it or compile_layers, not both.
         Returns the model."""
-        self.forward = torch.compile(self.forward, **compile_kwargs)
+        self.forward = _compiled_method(self, "forward", compile_kwargs)
         return self
+
+
+def _compiled_method(obj: nn.Module, name: str, compile_kwargs: dict) -> types.MethodType:
+    """The class's method `name`, compiled, bound to `obj`: stored on the instance, a method object is rebound
+    to the copy by copy.deepcopy (a compiled bound method would be shared, and the copy would run the
+    original's parameters)."""
+    return types.MethodType(torch.compile(getattr(type(obj), name), **compile_kwargs), obj)
 
 
 def num_floating_point_operations(config: GPTConfig, batch_size: int, seq_length: int) -> float:

@@ -180,6 +180,29 @@ def _tiny_gpt():
                               max_position_embeddings=16))
 
 
+@pytest.mark.parametrize("method", ["compile_layers", "compile_forward"])
+def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters(method):
+    """Would catch compile_layers or compile_forward storing compiled methods bound to the original: a
+    copy.deepcopy of the compiled model (e.g. an EMA or reference copy) kept them and silently computed with
+    the original's parameters. (The 'eager' backend: dynamo runs, no compiler needed.)"""
+    import copy
+
+    torch._dynamo.reset()
+    model = getattr(_tiny_gpt(), method)(backend="eager")
+    tokens = torch.randint(0, 64, (1, 16))
+    expected = model(tokens).detach()
+    duplicate = copy.deepcopy(model)
+    # New values everywhere (zeros would not do: the initial biases are zero, so a copy running the original's
+    # layers on zero embeddings would still return zeros).
+    with torch.no_grad():
+        for param in duplicate.parameters():
+            param.copy_(torch.randn_like(param))
+    reference = _tiny_gpt()  # eager, with the copy's new values
+    reference.load_state_dict(duplicate.state_dict())
+    torch.testing.assert_close(duplicate(tokens), reference(tokens), msg="the copy ran the original's parameters")
+    torch.testing.assert_close(model(tokens), expected, rtol=0, atol=0)
+
+
 def _wrap(model, strategy="optim_grads_params"):
     from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 
