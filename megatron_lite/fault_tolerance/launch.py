@@ -20,6 +20,9 @@ the generation keys of membership.py:
                                 (shrink; its instance partners wait, alive, to be admitted); once every rank
                                 of a left-out instance is ready: gen_<g>/leave_at = an iteration all members
                                 have yet to pass, generation += 1 with them all (grow)
+    a left-out rank dies        (elastic) only a new process for it, waiting to be admitted like the others
+    training finished           ranks not training exit by themselves ('finished'); any left after 30 s are
+                                stopped
     a worker exits 3            live recovery is impossible (both holders of a shard lost), or a worker
     (EXIT_FALLBACK) or 1        raised an error of its own (a bug, a NaN: a new process would meet it again):
                                 every worker is stopped (SIGTERM: last words) and the whole job restarted,
