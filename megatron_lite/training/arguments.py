@@ -42,6 +42,7 @@ DDP_FLAGS = {
 }
 COMPILE_SCOPES = ("layers", "model")  # GPTModel.compile_layers / compile_forward
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs
 # Sequence-valued DDP fields: one flag taking several values (nargs='+'), added and mapped by hand.
 DDP_LIST_FLAGS = {
     "param_name_patterns_for_fp32_local_accumulation": "--ddp-param-name-patterns-for-fp32-local-accumulation",
@@ -145,14 +146,22 @@ def flag_error_message(error: ValueError) -> str:
 
 def check_compile_args(args):
     """--torch-compile-scope and --torch-compile-mode refine --torch-compile. A whole-forward graph cannot run
-    under ZeRO-3: it keeps the storage of parameters that the wrapper releases between layers."""
+    under ZeRO-3: it keeps the storage of parameters that the wrapper releases between layers (the wrapper
+    refuses it too; here the message names the flags). Nor can CUDA graphs: they replay captured addresses,
+    and ZeRO-3 frees and regrows the parameters' storage."""
     for name in ("torch_compile_scope", "torch_compile_mode"):
         if getattr(args, name, None) is not None and not args.torch_compile:
             raise ValueError(f"--{name.replace('_', '-')} needs --torch-compile")
-    if getattr(args, "torch_compile_scope", None) == "model" and ddp_config_from_args(args).sharding.parameters:
+    zero3 = ddp_config_from_args(args).sharding.parameters
+    if getattr(args, "torch_compile_scope", None) == "model" and zero3:
         raise ValueError("--torch-compile-scope model cannot run with --data-parallel-sharding-strategy "
                          "optim_grads_params (ZeRO-3 releases parameters that the whole-forward graph keeps): "
                          "use --torch-compile-scope layers")
+    if getattr(args, "torch_compile_mode", None) in CUDA_GRAPH_MODES and zero3:
+        raise ValueError(f"--torch-compile-mode {args.torch_compile_mode} (CUDA graphs) cannot run with "
+                         "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 frees and regrows each "
+                         "layer's parameter storage, so the addresses a graph captured change; use "
+                         "--torch-compile-mode default or max-autotune-no-cudagraphs")
 
 
 def check_configs(args):
@@ -222,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-compile-mode", choices=COMPILE_MODES,
                    help="with --torch-compile: torch.compile's mode (default: torch's 'default'); "
                         "'max-autotune-no-cudagraphs' tries several matmul kernels per shape (compiles for "
-                        "minutes), 'reduce-overhead' and 'max-autotune' also capture CUDA graphs")
+                        "minutes), 'reduce-overhead' and 'max-autotune' also capture CUDA graphs (not with "
+                        "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 moves parameter storage)")
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")
     g.add_argument("--micro-batch-size", type=int, help="samples per rank per micro-batch")

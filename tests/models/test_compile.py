@@ -250,6 +250,8 @@ def test_compile_flags_reach_pretrain_and_whole_forward_is_refused_under_zero3(c
         parse_args(["--torch-compile", "--torch-compile-scope", "model", "--data-parallel-sharding-strategy",
                     strategy], world_size=2)
     parse_args(["--torch-compile"] + zero3, world_size=2)
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        parse_args(["--torch-compile", "--torch-compile-mode", mode] + zero3, world_size=2)
 
     import pretrain_gpt
 
@@ -263,3 +265,16 @@ def test_compile_flags_reach_pretrain_and_whole_forward_is_refused_under_zero3(c
         args.padded_vocab_size = 64
         pretrain_gpt.model_provider(args)
     assert calls == [("compile_layers", {}), ("compile_forward", {"mode": "max-autotune-no-cudagraphs"})]
+
+
+def test_cuda_graph_modes_are_refused_under_zero3(capsys):
+    """Would catch --torch-compile-mode reduce-overhead or max-autotune (CUDA graphs) accepted with ZeRO-3's
+    per-layer compile: the graphs replay the parameter addresses they captured, and ZeRO-3 frees and regrows
+    that storage every iteration (wrong values or a crash on the GPU, nothing visible on the CPU)."""
+    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce"]
+    for mode in ("reduce-overhead", "max-autotune"):
+        message = _flag_error(["--torch-compile", "--torch-compile-mode", mode] + zero3, capsys)
+        assert f"--torch-compile-mode {mode}" in message, message
+        assert "--data-parallel-sharding-strategy optim_grads_params" in message, message
+        parse_args(["--torch-compile", "--torch-compile-mode", mode, "--data-parallel-sharding-strategy",
+                    "optim_grads", "--use-distributed-optimizer"], world_size=2)
