@@ -144,15 +144,16 @@ def flag_error_message(error: ValueError) -> str:
     return rewrite_field_names(str(error), table)
 
 
-def check_compile_args(args):
-    """--torch-compile-scope and --torch-compile-mode refine --torch-compile. A whole-forward graph cannot run
-    under ZeRO-3: it keeps the storage of parameters that the wrapper releases between layers (the wrapper
-    refuses it too; here the message names the flags). Nor can CUDA graphs: they replay captured addresses,
-    and ZeRO-3 frees and regrows the parameters' storage."""
+def check_compile_args(args, ddp_config):
+    """--torch-compile-scope and --torch-compile-mode refine --torch-compile (`ddp_config`: the one check_configs
+    built from `args`). A whole-forward graph cannot run under ZeRO-3: it keeps the storage of parameters that
+    the wrapper releases between layers (the wrapper refuses it too; here the message names the flags). Nor can
+    CUDA graphs: they replay captured addresses, and ZeRO-3 frees and regrows the parameters' storage."""
     for name in ("torch_compile_scope", "torch_compile_mode"):
         if getattr(args, name, None) is not None and not args.torch_compile:
-            raise ValueError(f"--{name.replace('_', '-')} needs --torch-compile")
-    zero3 = ddp_config_from_args(args).sharding.parameters
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} needs --torch-compile: add --torch-compile, or drop {flag}")
+    zero3 = ddp_config.sharding.parameters
     if getattr(args, "torch_compile_scope", None) == "model" and zero3:
         raise ValueError("--torch-compile-scope model cannot run with --data-parallel-sharding-strategy "
                          "optim_grads_params (ZeRO-3 releases parameters that the whole-forward graph keeps): "
@@ -167,8 +168,9 @@ def check_compile_args(args):
 def check_configs(args):
     """Build every config from `args` (raises the configs' ValueError); the vocabulary is not known before
     the tokenizer is built, so the model config is checked with a placeholder vocabulary."""
-    check_optimizer_matches_ddp(optimizer_config_from_args(args), ddp_config_from_args(args))
-    check_compile_args(args)
+    ddp_config = ddp_config_from_args(args)
+    check_optimizer_matches_ddp(optimizer_config_from_args(args), ddp_config)
+    check_compile_args(args, ddp_config)
     gpt_config_from_args(args, vocab_size=1)
     check_schedule(args.lr_warmup_iters, args.lr_decay_iters, args.lr_decay_style)
 

@@ -245,7 +245,8 @@ def test_compile_flags_reach_pretrain_and_whole_forward_is_refused_under_zero3(c
     message = _flag_error(["--torch-compile", "--torch-compile-scope", "model"] + zero3, capsys)
     assert "--torch-compile-scope model" in message and "optim_grads_params" in message, message
     for flag, value in (("--torch-compile-scope", "model"), ("--torch-compile-mode", "max-autotune")):
-        assert f"{flag} needs --torch-compile" in _flag_error([flag, value], capsys)
+        message = _flag_error([flag, value], capsys)
+        assert f"{flag} needs --torch-compile: add --torch-compile, or drop {flag}" in message, message
     for strategy in ("no_shard", "optim", "optim_grads"):
         parse_args(["--torch-compile", "--torch-compile-scope", "model", "--data-parallel-sharding-strategy",
                     strategy], world_size=2)
