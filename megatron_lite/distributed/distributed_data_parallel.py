@@ -18,10 +18,10 @@ is grad_hooks.py, a mixin of the wrapper. Buckets are launched in one fixed orde
 are expected in backward), never in the order they happen to complete: every rank then issues the same
 sequence of collectives even when autograd visits parameters in a rank-dependent order (grad_sync.py).
 
-A model built on the meta device (materialize.py: `meta_device_init()`, or modules with `reset_parameters()`)
-is materialized here: every tensor gets storage on `init_device` (ZeRO-3: only this rank's shards, in the
-buckets), and its initial values are computed one tensor at a time and kept where this rank holds them,
-bit-identical to wrapping the same model built normally.
+A model built on the meta device (meta_init.py: `meta_device_init()`, or modules with `reset_parameters()`)
+is materialized here (materialize.py): every tensor gets storage on `init_device` (ZeRO-3: only this rank's
+shards, in the buckets), and its initial values are computed one tensor at a time and kept where this rank
+holds them, bit-identical to wrapping the same model built normally.
 
 The sharding strategy is decided once (config.sharding): it shapes the buffers and buckets (what a rank
 keeps) and picks the parameter synchronization object (param_sync.py) that every parameter-side call

@@ -1,14 +1,16 @@
-"""Models built on the meta device (materialize.py), materialized by DistributedDataParallel: bit-identical to
-the normal build under every sharding strategy (GPTModel's own init, torch's reset_parameters, recorded or by
-the reset_parameters() contract), the default generator left where the normal build leaves it, one tensor
-alive at a time while materializing, and a clear error naming a module without a usable initializer."""
+"""Models built on the meta device (meta_init.py), materialized by DistributedDataParallel (materialize.py):
+bit-identical to the normal build under every sharding strategy (GPTModel's own init, torch's reset_parameters,
+recorded or by the reset_parameters() contract), the default generator left where the normal build leaves it,
+one tensor alive at a time while materializing, and a clear error naming a module without a usable
+initializer."""
 
 import pytest
 import torch
 import torch.nn as nn
 from distributed_helper import run_distributed
 
-from megatron_lite.distributed.materialize import MetaMaterializer, meta_device_init
+from megatron_lite.distributed.materialize import MetaMaterializer
+from megatron_lite.distributed.meta_init import meta_device_init
 from megatron_lite.models import GPTConfig, GPTModel
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
