@@ -114,7 +114,10 @@ def _safetensors():
 
 
 def check_hf_output(output: str):
-    """--to hf writes a new transformers directory: refuse a non-empty `output` before any work is done."""
+    """--to hf writes a new transformers directory: refuse a non-empty `output`, or a file, before any work is
+    done."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(f"--output {output} is a file, not a directory: choose a new directory")
     if os.path.exists(output) and os.listdir(output):
         raise ValueError(f"--output {output} is not empty: choose a new directory")
 
@@ -238,6 +241,8 @@ def main(argv=None):
             p.error("--from hf takes --input DIR --output SAVE_DIR [--to torch|torch_dist]")
     if bool(args.output) != bool(args.to) or not (args.output or args.export_weights):
         p.error("give --output with --to, and/or --export-weights")
+    if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
+        p.error(f"--output {args.output} is a file, not a directory: choose a new directory")
     if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
     if args.to == "hf":

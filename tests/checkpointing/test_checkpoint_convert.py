@@ -76,3 +76,19 @@ def test_hf_export_refuses_a_non_empty_output_before_any_work(tmp_path, monkeypa
         checkpoint_convert.main(["--input", str(tmp_path / "save"), "--to", "hf", "--output", str(out)])
     assert f"--output {out} is not empty" in capsys.readouterr().err
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+def test_an_output_that_is_a_file_is_a_flag_error(tmp_path, capsys):
+    """Would catch --output naming an existing file ending in a traceback (os.listdir's NotADirectoryError for
+    --to hf, os.makedirs' FileExistsError for --from hf) instead of the tool's flag error, or the file
+    overwritten."""
+    out = tmp_path / "weights.bin"
+    out.write_text("mine")
+    with pytest.raises(ValueError, match=f"--output {out} is a file"):
+        checkpoint_convert.export_hf({"model": {}, "iteration": 0, "args": {}}, str(out))
+    for argv in (["--to", "hf"], ["--to", "torch_dist"], ["--from", "hf"]):
+        with pytest.raises(SystemExit) as exc:
+            checkpoint_convert.main(["--input", str(tmp_path / "save"), "--output", str(out)] + argv)
+        assert exc.value.code == 2, argv
+        assert f"--output {out} is a file, not a directory" in capsys.readouterr().err, argv
+    assert out.read_text() == "mine"
