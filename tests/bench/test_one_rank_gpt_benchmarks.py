@@ -1,5 +1,5 @@
-"""Smoke tests of the one-rank GPT benchmarks that tools/gpu_check.sh runs on the GPU (ddp_overhead_gpt.py,
-optimizer_offload.py), here at --quick sizes on the CPU: they run end to end and report every variant (no
+"""Smoke tests of the one-rank GPT benchmarks that the GPU runs use (ddp_overhead_gpt.py, optimizer_offload.py,
+step_profile.py), here at --quick sizes on the CPU: they run end to end and report every variant (no
 timing checks)."""
 
 import json
@@ -9,10 +9,10 @@ import sys
 from pretrain_testing import REPO
 
 
-def _run(tmp_path, module):
+def _run(tmp_path, module, *flags):
     out = tmp_path / f"{module}.json"
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--device", "cpu",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+                           "--out", str(out), *flags], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f)
@@ -33,3 +33,11 @@ def test_optimizer_offload_reports_every_fraction(tmp_path):
     assert set(result["median_ms"]) == {"on the device", "offload 1.0", "offload 0.5"}
     assert all(ms > 0 for ms in result["median_ms"].values())
     assert all(mb > 0 for mb in result["state_host_mb"].values())
+
+
+def test_step_profile_reports_every_phase_and_the_operators(tmp_path):
+    """Catches a phase left out of the split (the optimizer step, the grad sync) or a missing profile table."""
+    result = _run(tmp_path, "step_profile", "--eager")
+    assert list(result["medians_ms"]) == ["zero grads", "forward + backward", "finish_grad_sync", "optimizer.step"]
+    assert all(ms >= 0 for ms in result["medians_ms"].values()) and result["medians_ms"]["forward + backward"] > 0
+    assert "aten::mm" in result["profile"]
