@@ -1,5 +1,5 @@
 """Smoke tests of the one-rank GPT benchmarks that the GPU runs use (ddp_overhead_gpt.py, optimizer_offload.py,
-step_profile.py), here at --quick sizes on the CPU: they run end to end and report every variant (no
+step_phases.py), here at --quick sizes on the CPU: they run end to end and report every variant (no
 timing checks)."""
 
 import json
@@ -35,9 +35,9 @@ def test_optimizer_offload_reports_every_fraction(tmp_path):
     assert all(mb > 0 for mb in result["state_host_mb"].values())
 
 
-def test_step_profile_reports_every_phase_and_the_operators(tmp_path):
+def test_step_phases_reports_every_phase_and_the_operators(tmp_path):
     """Catches a phase left out of the split (the optimizer step, the grad sync) or a missing profile table."""
-    result = _run(tmp_path, "step_profile", "--eager")
+    result = _run(tmp_path, "step_phases", "--eager")
     assert list(result["medians_ms"]) == ["zero grads", "forward + backward", "finish_grad_sync", "optimizer.step"]
     assert all(ms >= 0 for ms in result["medians_ms"].values()) and result["medians_ms"]["forward + backward"] > 0
     assert "aten::mm" in result["profile"]

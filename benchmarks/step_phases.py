@@ -2,8 +2,8 @@
 operators of torch.profiler, one rank (issue 24: ~10 ms of a 75 ms GPT-2 125M iteration on an H100 were
 outside forward and backward, docs/performance.md).
 
-    python -m benchmarks.step_profile                       # GPT-2 125M, bf16, per-layer compile, CUDA
-    python -m benchmarks.step_profile --device cpu --quick  # a few seconds on a CPU
+    python -m benchmarks.step_phases                       # GPT-2 125M, bf16, per-layer compile, CUDA
+    python -m benchmarks.step_phases --device cpu --quick  # a few seconds on a CPU
 
 The step is train_step's, without the data loader: zero_grad_buffer + optimizer.zero_grad, forward and
 backward of each micro-batch (the last one launching the grad reduction), finish_grad_sync, optimizer.step
