@@ -69,15 +69,15 @@ def settled_progress(progress: Progress, staged: Optional[Progress], optimizer, 
     return dataclasses.replace(staged, scheduler=scheduler.state_dict())
 
 
-def heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Progress:
+def heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Optional[Progress]:
     """Every rank of the new generation: agree on the iteration to resume from and bring every rank's state
-    to it (see the module docstring). Returns the progress to continue from."""
-    rank = dist.get_rank()
-    topology = optimizer.data_parallel_topology
+    to it (see the module docstring). Returns the progress to continue from, or None on every rank when no
+    rank holds any state (nothing to heal: the caller starts as a fresh job does)."""
     everyone = collectives.all_gather_object(None if snapshot is None else snapshot.progress.iteration, None)
     target = max((s for s in everyone if s is not None), default=None)
     if target is None:
-        raise LiveRecoveryImpossible("no rank holds any state")
+        return None
+    rank, topology = dist.get_rank(), optimizer.data_parallel_topology
     current = [s == target for s in everyone]
     donors = {}
     for position in range(topology.intra_distributed_optimizer_instance_size):

@@ -137,6 +137,8 @@ class Supervisor:
         self.workers, self.pending, self.pending_since = {}, {}, {}
         self.store.delete_key("finished")  # a restarted job trains anew
         self.open_generation(range(self.world_size), range(self.world_size))
+        # A starting job waits for every rank (--join-timeout): only a rank lost while training can be late.
+        self.pending_since.clear()
 
     def stop_all(self):
         for _, proc in self.spares:
@@ -159,7 +161,8 @@ class Supervisor:
         for rank, pid in list(self.pending.items()):
             key = f"standby/{rank}"
             if self.store.check([key]) and self.store.get(key).decode() == str(pid):
-                del self.pending[rank], self.pending_since[rank]
+                del self.pending[rank]
+                self.pending_since.pop(rank, None)
 
     def tend_elastic(self):
         """Elastic mode: shrink to the complete instances when a replacement is late, grow back when it is
@@ -175,7 +178,7 @@ class Supervisor:
             if set(wanted) > set(self.members) and not self.store.check(["finished"]):
                 self.grow(wanted)
             return
-        late = sorted(r for r in self.pending.keys() & set(self.members)
+        late = sorted(r for r in self.pending.keys() & set(self.members) & set(self.pending_since)
                       if time.monotonic() - self.pending_since[r] > self.replacement_timeout_s)
         if late and complete >= self.config.min_instances and set(wanted) < set(self.members):
             # Close the generation unless its last member arrived meanwhile (compare_set: one of us wins).

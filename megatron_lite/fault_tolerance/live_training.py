@@ -123,16 +123,17 @@ class _LiveRun:
         self.membership = Membership.from_env()
         if self.membership.config.elastic:
             check_elastic(args, self.membership.config.min_instances)
-        # Every rank started afresh (generation 0, or the supervisor restarting the whole job): start as
-        # pretrain() does; else this process is a replacement, healed from the survivors.
-        self.fresh_job = set(self.membership.replaced()) == set(range(self.membership.world_size))
+            # Before joining: the supervisor can then shrink a job whose rank is late from the start.
+            self.membership.publish_instance_size(args.data_parallel_size // args.num_distributed_optimizer_instances)
         self.snapshot: Optional[Snapshot] = None
         self.model = self.optimizer = self.scheduler = self.iterator = self.words = self.log = None
         self.progress: Optional[Progress] = None  # where this generation's objects stand, once consistent
         self.losses, self.valid_losses, self.recoveries = {}, {}, []
         self.valid_ds = None
-        # A replacement times its own start (process start -> first iteration) as a recovery of its own.
-        self.timings: Optional[Timings] = None if self.fresh_job else Timings(time.time(), role="replacement")
+        # A replacement (a process started for a generation after a fresh start of every rank) times its own
+        # start (process start -> first iteration) as a recovery of its own.
+        fresh_job = set(self.membership.replaced()) == set(range(self.membership.world_size))
+        self.timings: Optional[Timings] = None if fresh_job else Timings(time.time(), role="replacement")
 
     def train_generation(self) -> dict:
         """Join the current generation and train in it to the end. Returns pretrain_live's summary; raises
@@ -187,20 +188,18 @@ class _LiveRun:
             torch._dynamo.reset()
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(self.model_provider, args, device)
         self.membership.limit_group_timeouts()  # the groups the model just created, too
-        topology = self.optimizer.data_parallel_topology
-        self.membership.publish_instance_size(topology.intra_distributed_optimizer_instance_size)
         return device, train_ds
 
     def _resume(self) -> Progress:
-        """Bring the new objects to where training stands: from scratch or --load in a fresh job, else healed
-        from the survivors' snapshots and the replicas. Returns the progress every rank continues from."""
-        if self.fresh_job:
+        """Bring the new objects to where training stands: healed from the survivors' snapshots and the
+        replicas, or, when no rank of the generation holds any state (the job starting, or restarted whole,
+        also if a rank died or the job shrank while it started), from scratch or --load as pretrain() starts.
+        All ranks decide together (heal's first collective). Returns the progress every rank continues from."""
+        progress = heal(self.snapshot, self.model, self.optimizer, self.scheduler)
+        if progress is None:
             progress = _start(self.args, self.model, self.optimizer, self.scheduler)
-        else:
-            progress = heal(self.snapshot, self.model, self.optimizer, self.scheduler)
-            if self.timings is not None:
-                self.timings.mark("healed")
-        self.fresh_job = False
+        elif self.timings is not None:
+            self.timings.mark("healed")
         self.snapshot, self.progress = None, progress
         return progress
 

@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from distributed_helper import run_distributed
 from live_testing import ITERS, logged_losses, run_live
 from pretrain_testing import REPO
 
@@ -117,6 +118,7 @@ def test_shrink_then_grow(tmp_path, live_reference):
     assert moved > 100 * WEIGHT_ATOL, moved  # the tolerance is far below what 4 iterations change
 
 
+
 # ---------------------------------------------------------------------------------------- the protocol, in process
 def store_with(keys):
     import torch.distributed as dist
@@ -152,6 +154,12 @@ class _Process:
     def poll(self):
         return None if self.alive else -9
 
+    def send_signal(self, signum):  # stop_all's SIGTERM and wait: the process is gone
+        self.alive = False
+
+    def wait(self, timeout=None):
+        return -9
+
 
 def supervisor(timeout_s=0.0):
     sup = launch.Supervisor(["unused.py"], 4, membership.LiveConfig(3.0, 30.0, 1), 20, 1, 2.0, spares=0,
@@ -179,6 +187,39 @@ def test_supervisor_shrinks_only_a_generation_that_has_not_formed():
     sup.tend_elastic()
     assert sup.generation == 2 and sup.members == [2, 3] and sup.store.get("gen_1/ready") == b"closed"
     assert sup.store.get("gen_2/members") == b"[2, 3]"
+
+
+def test_supervisor_does_not_shrink_a_starting_job():
+    """Every rank of a starting job (the first generation, or a whole-job restart) is new and slow to start:
+    would catch a shrink because one started more slowly than --replacement-timeout (on loaded cores every
+    start would shrink, then grow)."""
+    sup = supervisor()
+
+    def spawn(rank):  # as Supervisor.spawn, without a process: started long ago, never ready
+        sup.workers[rank] = _Process(200 + rank)
+        sup.pending[rank] = 200 + rank
+        sup.pending_since.setdefault(rank, time.monotonic() - 60)
+    sup.spawn = spawn
+    sup.start_all()
+    for rank in (0, 1, 2):  # ready (as note_standby finds them); rank 3 still starting
+        del sup.pending[rank]
+        sup.pending_since.pop(rank, None)
+    sup.tend_elastic()
+    assert sup.generation == 2 and sup.members == [0, 1, 2, 3]  # the restart's generation, not shrunk
+
+
+def _heal_without_state():
+    from megatron_lite.fault_tolerance.healing import heal
+
+    return heal(None, None, None, None)
+
+
+def test_heal_without_any_state_says_start_afresh():
+    """No rank of the generation holds any state (every process new: a start, a restart, or a death before
+    any rank finished building): every rank gets None and starts as pretrain() does. Would catch a fallback
+    to a whole-job restart there, or ranks deciding differently (a fresh rank loading --load while another
+    heals: mismatched collectives)."""
+    assert run_distributed(_heal_without_state, 2) == [None, None]
 
 
 def test_supervisor_grows_back_but_not_after_the_end():
