@@ -230,7 +230,7 @@ def test_model_imports_torch_only():
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, "relative import"
             imported.add(node.module)
-    assert {m.split(".")[0] for m in imported} <= {"torch", "math", "dataclasses", "typing"}, imported
+    assert {m.split(".")[0] for m in imported} <= {"torch", "math", "dataclasses", "typing", "types"}, imported
     assert not any(m.startswith("torch.distributed") for m in imported)
 
 
