@@ -282,8 +282,9 @@ def main(argv=None) -> int:
                              "missing one at an iteration boundary once it is back (default: not elastic, wait for "
                              "the replacement)")
     parser.add_argument("--replacement-timeout", type=float, default=10.0,
-                        help="elastic mode: seconds a generation waits for a replacement before it shrinks "
-                             "(torchft Lighthouse's join_timeout)")
+                        help="elastic mode: seconds after a rank's death (while training) before the job shrinks "
+                             "without its instance, unless the replacement is ready to join; shorter than "
+                             "--join-timeout (torchft Lighthouse's join_timeout)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
     args = parser.parse_args(argv)
     if not args.command:
