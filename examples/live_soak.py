@@ -63,15 +63,12 @@ def processes(log: str) -> dict:
 
 
 def recoveries(log: str) -> dict:
-    """generation -> the ranks' recovery records (live_training._report)."""
+    """generation -> the ranks' recovery records (live_training._report). Found anywhere in the log, not
+    line by line: the ranks share one output file, and two records can end up on one line."""
     out = {}
-    for line in log.splitlines():
-        if "> recovered into generation" in line:
-            try:
-                record = json.loads(line.split(": ", 1)[1])
-            except ValueError:  # the line is being written
-                continue
-            out.setdefault(record["generation"], []).append(record)
+    for text in re.findall(r"> recovered into generation \d+: (\{[^{}]*\})", log):
+        record = json.loads(text)
+        out.setdefault(record["generation"], []).append(record)
     return out
 
 
