@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks.gpt_step import sync
 from benchmarks.launch import launch
 from benchmarks.sized_args import parse_sized, sized_parser, write_json
 from megatron_lite import (
@@ -47,16 +48,12 @@ def benchmark(args, rank, world, device):
     tokens = tokens.to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def step(times=None):
         marks = [time.perf_counter()]
 
         def mark():
             if times is not None:
-                sync()
+                sync(device)
                 marks.append(time.perf_counter())
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -75,7 +72,7 @@ def benchmark(args, rank, world, device):
 
     for _ in range(args.warmup):
         step()
-    sync()
+    sync(device)
     times = {}
     for _ in range(args.steps):
         step(times)
@@ -84,7 +81,7 @@ def benchmark(args, rank, world, device):
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         step()
-        sync()
+        sync(device)
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=args.top, max_name_column_width=60)
     total = sum(medians.values())

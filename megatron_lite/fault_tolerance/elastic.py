@@ -6,17 +6,22 @@ import copy
 from ..distributed.layout import default_bucket_size
 
 
+def instance_size(args) -> int:
+    """Ranks per distributed-optimizer instance: what stays the same when the job shrinks or grows."""
+    return args.data_parallel_size // args.num_distributed_optimizer_instances
+
+
 def check_elastic(args, min_instances: int):
     """ValueError unless the run can train on `min_instances` .. R instances (elastic mode): R >= 2, and the
     global batch splits into whole micro-batches at every data-parallel size it may shrink to."""
-    instances, world = args.num_distributed_optimizer_instances, args.data_parallel_size
+    instances = args.num_distributed_optimizer_instances
     if instances < 2:
         raise ValueError(f"elastic mode (--min-instances {min_instances}) needs --num-distributed-optimizer-instances "
                          f">= 2 (got {instances}): a left-out instance's shards must live on in another")
     if min_instances > instances:
         raise ValueError(f"--min-instances {min_instances} exceeds --num-distributed-optimizer-instances {instances}")
     for count in range(min_instances, instances):
-        per_step = args.micro_batch_size * world // instances * count
+        per_step = args.micro_batch_size * instance_size(args) * count
         if args.global_batch_size % per_step:
             raise ValueError(f"elastic mode: with {count} of {instances} instances the data-parallel size is "
                              f"{per_step // args.micro_batch_size}, and --global-batch-size {args.global_batch_size} "
@@ -32,7 +37,7 @@ def generation_args(args, members: int):
     the buckets must be cut the same for the shards to carry over."""
     if members == args.data_parallel_size:
         return args
-    per_instance = args.data_parallel_size // args.num_distributed_optimizer_instances
+    per_instance = instance_size(args)
     if members % per_instance:
         raise ValueError(f"a generation of {members} ranks is not made of whole instances of {per_instance}")
     smaller = copy.copy(args)

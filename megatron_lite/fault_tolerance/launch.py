@@ -58,7 +58,6 @@ class Supervisor:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = -1  # the first is 0
         self.members = list(range(world_size))  # the ranks training in the current generation
-        self.opened_at = time.monotonic()  # when the current generation was opened
         self.workers = {}  # rank -> Popen
         self.pending = {}  # rank -> pid: replacement processes not yet ready to join (no standby/<rank>)
         self.pending_since = {}  # rank -> when it first needed a replacement (kept across failed replacements)
@@ -126,7 +125,6 @@ class Supervisor:
         for rank in replaced:
             self.spawn(rank)
         self.store.set("generation", str(self.generation))
-        self.opened_at = time.monotonic()
         self.say(f"generation {self.generation}: replaced {sorted(replaced)}"
                  + (f", members {self.members}" if len(self.members) < self.world_size else "") + why)
 
@@ -134,11 +132,11 @@ class Supervisor:
         """Every rank afresh, in a new generation (the first, or the whole-job restart of the fallback)."""
         self.done.clear()
         self.stop_all()
-        self.workers, self.pending, self.pending_since = {}, {}, {}
+        self.workers, self.pending = {}, {}
         self.store.delete_key("finished")  # a restarted job trains anew
         self.open_generation(range(self.world_size), range(self.world_size))
         # A starting job waits for every rank (--join-timeout): only a rank lost while training can be late.
-        self.pending_since.clear()
+        self.pending_since = {}
 
     def stop_all(self):
         for _, proc in self.spares:

@@ -54,7 +54,7 @@ from ..training.training import (
     setup_model_and_optimizer,
     train_step,
 )
-from .elastic import check_elastic, generation_args
+from .elastic import check_elastic, generation_args, instance_size
 from .healing import LiveRecoveryImpossible, Progress, Snapshot, heal, take_snapshot
 from .membership import EXIT_FALLBACK, GenerationEnded, GenerationSuperseded, JobFinished, Membership
 
@@ -124,7 +124,7 @@ class _LiveRun:
         if self.membership.config.elastic:
             check_elastic(args, self.membership.config.min_instances)
             # Before joining: the supervisor can then shrink a job whose rank is late from the start.
-            self.membership.publish_instance_size(args.data_parallel_size // args.num_distributed_optimizer_instances)
+            self.membership.publish_instance_size(instance_size(args))
         self.snapshot: Optional[Snapshot] = None
         self.model = self.optimizer = self.scheduler = self.iterator = self.words = self.log = None
         self.progress: Optional[Progress] = None  # where this generation's objects stand, once consistent
@@ -208,11 +208,7 @@ class _LiveRun:
         completed it but it was never logged), its evaluation and its periodic save."""
         args = self.args
         if progress.losses is not None and progress.iteration > self.membership.last_logged():
-            self.losses[progress.iteration] = progress.losses  # completed by the survivors, never logged
-            self.log.training(progress.iteration, progress.consumed, progress.losses,
-                              self.optimizer.param_groups[0]["lr"], self.optimizer.get_loss_scale().item(), None, True)
-            if dist.get_rank() == 0:
-                self.membership.note_logged(progress.iteration)
+            self._log(progress, None, True)  # completed by the survivors, never logged
         if progress.losses is not None and evaluation_due(args, progress.iteration, self.valid_ds) \
                 and progress.iteration > self.membership.last_evaluated():  # healed, its evaluation not logged
             self._evaluate(progress)
@@ -245,11 +241,7 @@ class _LiveRun:
         self.progress = progress
         if words is not None:
             words.commit()
-        self.losses[progress.iteration] = reported
-        self.log.training(progress.iteration, progress.consumed, reported, optimizer.param_groups[0]["lr"],
-                          optimizer.get_loss_scale().item(), grad_norm, ok)
-        if dist.get_rank() == 0:
-            self.membership.note_logged(progress.iteration)
+        self._log(progress, grad_norm, ok)
         if self.timings is not None:
             self.timings.mark("redone")
             self.recoveries.append(_report(self.timings, self.membership.generation))
@@ -264,6 +256,14 @@ class _LiveRun:
                 raise
             self.log.restart_timer()  # the save's time is not training time (as in pretrain())
         return progress
+
+    def _log(self, progress: Progress, grad_norm: Optional[float], ok: bool):
+        """The iteration's log line; rank 0 then notes it in the store (a replacement rank 0 logs from there)."""
+        self.losses[progress.iteration] = progress.losses
+        self.log.training(progress.iteration, progress.consumed, progress.losses, self.optimizer.param_groups[0]["lr"],
+                          self.optimizer.get_loss_scale().item(), grad_norm, ok)
+        if dist.get_rank() == 0:
+            self.membership.note_logged(progress.iteration)
 
     def _evaluate(self, progress: Progress):
         self.valid_losses[progress.iteration] = evaluate_validation(self.forward_step_func, self.valid_ds, self.model,

@@ -114,9 +114,14 @@ def live_recovery_enabled() -> bool:
     return ENV_STORE in os.environ
 
 
+def _int_key(store: dist.Store, key: str) -> int:
+    """An integer the store holds under `key`, 0 before it is first written."""
+    return int(store.get(key)) if store.check([key]) else 0
+
+
 def last_logged(store: dist.Store) -> int:
     """The last iteration rank 0 logged (Membership.note_logged), 0 before the first."""
-    return int(store.get("last_logged")) if store.check(["last_logged"]) else 0
+    return _int_key(store, "last_logged")
 
 
 def members(store: dist.Store, generation: int, world_size: int) -> List[int]:
@@ -165,7 +170,7 @@ class Membership:
                    int(os.environ.get(ENV_GENERATION, "0")), config)
 
     def current_generation(self) -> int:
-        return int(self.store.get("generation")) if self.store.check(["generation"]) else 0
+        return _int_key(self.store, "generation")
 
     def replaced(self, generation: Optional[int] = None) -> List[int]:
         """The ranks started afresh in `generation` (default: this one)."""
@@ -254,7 +259,7 @@ class Membership:
         self.store.set("last_evaluated", str(iteration))
 
     def last_evaluated(self) -> int:
-        return int(self.store.get("last_evaluated")) if self.store.check(["last_evaluated"]) else 0
+        return _int_key(self.store, "last_evaluated")
 
     def report_trouble(self):
         """Tell the supervisor a collective of this generation failed (it starts a new generation even if no
