@@ -92,10 +92,13 @@ class TrainingLog:
         self.device, self.dp, self.flops = device, dp, flops_per_iteration
         self.metrics = MetricsWriter(args.metrics_file, args.tensorboard_dir)
         self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
+        self._trained = 0.0  # seconds of training in this log interval (what the line divides by its iterations)
         self.restart_timer()
 
     def restart_timer(self):
-        """Leave what happened since the last call (evaluation, checkpointing) out of the iteration time."""
+        """Leave the time since the last recorded iteration (an evaluation, a checkpoint) out of the iteration
+        time. Like Megatron's paused 'interval-time' timer: the interval's iterations and training time so far
+        are kept, so a save in the middle of a log interval does not shrink ms/iteration."""
         self._start = time.perf_counter()
 
     def training(self, iteration: int, consumed: int, losses: Dict[str, float], lr: float, loss_scale: float,
@@ -106,6 +109,8 @@ class TrainingLog:
         self.metrics.write({"iteration": iteration, "consumed_samples": consumed,
                             **{_record_key(k): v for k, v in losses.items()}, "lr": lr, "loss_scale": loss_scale,
                             "grad_norm": grad_norm, "skipped": not update_successful})
+        now = time.perf_counter()
+        self._trained, self._start = self._trained + now - self._start, now
         self._iterations += 1
         if not update_successful:
             self._skipped += 1
@@ -115,7 +120,7 @@ class TrainingLog:
             self._losses.append(losses)
         if iteration % self.log_interval and iteration != self.train_iters:
             return
-        elapsed = (time.perf_counter() - self._start) / self._iterations
+        elapsed = self._trained / self._iterations
         utilization = mfu(self.flops, elapsed, self.device, self.dp)
         line = (f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
                 f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: {consumed:12d} | "
@@ -135,6 +140,7 @@ class TrainingLog:
                             "tokens_per_s": self.tokens_per_iteration / elapsed,
                             **({"mfu": utilization} if utilization else {})})
         self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
+        self._trained = 0.0
         self.restart_timer()
 
     def validation(self, iteration: int, losses: Dict[str, float]):

@@ -94,3 +94,28 @@ def test_log_line_has_megatrons_bookkeeping(single_rank_group, capsys):
     assert re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        4/       4 \|", line), line
     assert "lm loss: 4.000000E+00 |" in line
     assert "number of skipped iterations:   1 | number of nan iterations:   1 |" in line
+
+
+def test_time_outside_training_is_left_out_of_ms_per_iteration(single_rank_group, capsys, monkeypatch):
+    """A save or evaluation in the middle of a log interval pauses the interval's clock, as Megatron's
+    'interval-time' timer does: the line divides the training time of all the interval's iterations by their
+    number. Would catch the restart forgetting the iterations before the save (ms/iteration halved here), or
+    counting the save."""
+    import argparse
+    import re
+
+    from megatron_lite.training import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    args = argparse.Namespace(train_iters=8, log_interval=4, global_batch_size=2, seq_length=8, metrics_file=None,
+                              tensorboard_dir=None)
+    log = metrics.TrainingLog(args, torch.device("cpu"), 1, None)
+    for iteration in range(1, 9):
+        clock[0] += 0.010  # each iteration trains 10 ms
+        log.training(iteration, 2 * iteration, {"lm loss": 1.0}, 1e-3, 1.0, 0.5, True)
+        if iteration in (2, 5):
+            clock[0] += 5.0  # a checkpoint save: not training time
+            log.restart_timer()
+    times = re.findall(r"elapsed time per iteration \(ms\): ([\d.]+) \|", capsys.readouterr().out)
+    assert times == ["10.0", "10.0"], times
