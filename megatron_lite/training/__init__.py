@@ -1,6 +1,7 @@
 """Pre-training (mirrors megatron.training): the generic loop that pretrain_gpt.py hands its providers to.
 
-    arguments.py      the command line and the one mapping from flags to the configs
+    arguments.py      the command line and the one mapping from flags to the configs (the data,
+                      torch.compile and checkpoint flags: data_, compile_, checkpoint_arguments.py)
     initialize.py     process group and device (initialize_distributed), seed, tokenizer
     training.py       pretrain(), setup_model_and_optimizer, train_step, evaluate
     metrics.py        the log line, JSONL / TensorBoard records, MFU

@@ -4,7 +4,9 @@ Flags that set a config field are generated from the config dataclass: the table
 flag for each field, the flag's help text is the field's docstring, and the rules live in the config's
 `__post_init__`. `parse_args` builds every config once to validate it, and turns a config's `ValueError`
 into argparse's flag error (exit code 2), with field names rewritten as flags. What is not a config field
-(batch sizes, intervals, data paths) is checked in `validate_args`.
+(batch sizes, intervals, data paths) is checked in `validate_args`. The data, torch.compile and checkpoint
+flags have modules of their own (data_arguments.py, compile_arguments.py, checkpoint_arguments.py: an add_*
+function for the parser and a check_* function that validate_args or check_configs calls).
 """
 
 import argparse
@@ -18,6 +20,8 @@ from ..distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from ..distributed.layout import DataParallelTopology
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
+from .checkpoint_arguments import add_checkpoint_arguments, check_checkpoint_args
+from .compile_arguments import add_compile_arguments, check_compile_args
 from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
 from .data_arguments import add_data_arguments, check_data_args
 from .scheduler import check_schedule
@@ -40,9 +44,6 @@ DDP_FLAGS = {
     "max_reuse_distance": "--ddp-max-reuse-distance",  # DeepSpeed's stage3_max_reuse_distance
     "param_persistence_threshold": "--ddp-param-persistence-threshold",  # stage3_param_persistence_threshold
 }
-COMPILE_SCOPES = ("layers", "model")  # GPTModel.compile_layers / compile_forward
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that capture CUDA graphs
 # Sequence-valued DDP fields: one flag taking several values (nargs='+'), added and mapped by hand.
 DDP_LIST_FLAGS = {
     "param_name_patterns_for_fp32_local_accumulation": "--ddp-param-name-patterns-for-fp32-local-accumulation",
@@ -144,27 +145,6 @@ def flag_error_message(error: ValueError) -> str:
     return rewrite_field_names(str(error), table)
 
 
-def check_compile_args(args, ddp_config):
-    """--torch-compile-scope and --torch-compile-mode refine --torch-compile (`ddp_config`: the one check_configs
-    built from `args`). A whole-forward graph cannot run under ZeRO-3: it keeps the storage of parameters that
-    the wrapper releases between layers (the wrapper refuses it too; here the message names the flags). Nor can
-    CUDA graphs: they replay captured addresses, and ZeRO-3 frees and regrows the parameters' storage."""
-    for name in ("torch_compile_scope", "torch_compile_mode"):
-        if getattr(args, name, None) is not None and not args.torch_compile:
-            flag = f"--{name.replace('_', '-')}"
-            raise ValueError(f"{flag} needs --torch-compile: add --torch-compile, or drop {flag}")
-    zero3 = ddp_config.sharding.parameters
-    if getattr(args, "torch_compile_scope", None) == "model" and zero3:
-        raise ValueError("--torch-compile-scope model cannot run with --data-parallel-sharding-strategy "
-                         "optim_grads_params (ZeRO-3 releases parameters that the whole-forward graph keeps): "
-                         "use --torch-compile-scope layers")
-    if getattr(args, "torch_compile_mode", None) in CUDA_GRAPH_MODES and zero3:
-        raise ValueError(f"--torch-compile-mode {args.torch_compile_mode} (CUDA graphs) cannot run with "
-                         "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 frees and regrows each "
-                         "layer's parameter storage, so the addresses a graph captured change; use "
-                         "--torch-compile-mode default or max-autotune-no-cudagraphs")
-
-
 def check_configs(args):
     """Build every config from `args` (raises the configs' ValueError); the vocabulary is not known before
     the tokenizer is built, so the model config is checked with a placeholder vocabulary."""
@@ -219,22 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="no biases in the attention and MLP linear layers (GPTConfig.add_bias_linear=False)")
-    g.add_argument("--torch-compile", action="store_true",
-                   help="torch.compile each transformer layer and the output head separately (GPTModel."
-                        "compile_layers; --torch-compile-scope model: the whole forward): faster on GPUs, the "
-                        "first iterations slower while it compiles; numerics close to eager, not bitwise "
-                        "(docs/performance.md)")
-    g.add_argument("--torch-compile-scope", choices=COMPILE_SCOPES,
-                   help="with --torch-compile: 'layers' (the default) compiles each layer and the output head on "
-                        "its own, so gradient buckets still reduce during backward; 'model' compiles the whole "
-                        "forward as one graph (GPTModel.compile_forward): more fusion, but every gradient arrives "
-                        "at the end of backward, so all buckets reduce then, with no overlap. Not with "
-                        "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3)")
-    g.add_argument("--torch-compile-mode", choices=COMPILE_MODES,
-                   help="with --torch-compile: torch.compile's mode (default: torch's 'default'); "
-                        "'max-autotune-no-cudagraphs' tries several matmul kernels per shape (compiles for "
-                        "minutes), 'reduce-overhead' and 'max-autotune' also capture CUDA graphs (not with "
-                        "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 moves parameter storage)")
+    add_compile_arguments(g)  # compile_arguments.py: the --torch-compile flags refine the model
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")
     g.add_argument("--micro-batch-size", type=int, help="samples per rank per micro-batch")
@@ -294,44 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, help="global batches of validation data per evaluation")
     g.add_argument("--tensorboard-dir", help="TensorBoard event files (when tensorboard is installed)")
     g.add_argument("--metrics-file", help="JSONL metrics (default: TENSORBOARD_DIR or SAVE /metrics.jsonl)")
-    g.add_argument("--save", help="checkpoint directory")
-    g.add_argument("--save-interval", type=int, help="iterations between checkpoints (and one at the end)")
-    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
-                   help="torch_dist: every rank writes only what it owns through torch.distributed.checkpoint; "
-                        "torch: the optimizer state gathered and one file written by rank 0 (small runs). Both "
-                        "reshard across DP sizes and strategies; loading reads either")
-    g.add_argument("--async-save", action="store_true",
-                   help="with --ckpt-format torch_dist: write checkpoints in the background while training goes "
-                        "on (the next save and the end of training wait for it; a checkpoint exists only once "
-                        "complete)")
-    g.add_argument("--last-words", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --save: when a rank dies (an error, a lost peer, torchrun's SIGTERM), every survivor "
-                        "writes its part of the last completed iteration to SAVE/last_words/ without any collective; "
-                        "--load takes that set when it is complete (with --num-distributed-optimizer-instances > 1 "
-                        "every shard survives a single failure) and newer than the periodic checkpoints "
-                        "(docs/fault_tolerance.md)")
-    g.add_argument("--load", help="resume from the newest complete checkpoint in this directory (if any)")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: stop with an error when the directory holds no checkpoint, instead of "
-                        "training from scratch")
-    g.add_argument("--finetune", action="store_true",
-                   help="with --load: load the model weights only (not the optimizer state, the learning-rate "
-                        "schedule or the RNG state) and start a new run at iteration 0, with the data from the "
-                        "beginning (Megatron's --finetune); save into another directory than the checkpoint's")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="with --load: do not load the optimizer state (moments, step counts, loss scale) nor, as "
-                        "in Megatron, the learning-rate schedule's position: both start fresh (its warmup "
-                        "included) while the iteration count and the data position continue")
-    g.add_argument("--no-load-rng", action="store_true",
-                   help="with --load: do not restore the RNG state (dropout and other random draws go on as in a "
-                        "fresh start from --seed)")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
-                   help="on resume, use this run's learning-rate schedule and optimizer hyperparameters where "
-                        "the checkpoint's differ (default: a difference is an error)")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   help="on resume, take the learning-rate schedule and optimizer hyperparameters from the "
-                        "checkpoint where they differ from this run's")
-    g.add_argument("--exit-interval", type=int, help="stop (after saving) once iteration %% N == 0")
+    add_checkpoint_arguments(g)  # checkpoint_arguments.py: --save, --load and what they do on resume
     # Flags a preset may set: no argparse default (None = not given), Megatron's default in the help.
     for action in p._actions:
         if action.dest in MEGATRON_DEFAULTS:
@@ -409,23 +337,7 @@ def validate_args(args, world_size: int):
     args.num_micro_batches = args.global_batch_size // per_step
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if args.save_interval is not None and (args.save_interval <= 0 or not args.save):
-        raise ValueError("--save-interval must be > 0 and needs --save")
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
-                         "exclusive")
-    if args.async_save and args.ckpt_format != "torch_dist":
-        raise ValueError("--async-save needs --ckpt-format torch_dist")
-    if args.exit_on_missing_checkpoint and not args.load:
-        raise ValueError("--exit-on-missing-checkpoint needs --load")
-    for flag in ("finetune", "no_load_optim", "no_load_rng"):
-        if getattr(args, flag) and not args.load:
-            raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint directory to load from)")
-    if args.use_checkpoint_opt_param_scheduler and (args.finetune or args.no_load_optim):
-        raise ValueError("--use-checkpoint-opt_param-scheduler takes the schedule from the checkpoint, which "
-                         f"--{'finetune' if args.finetune else 'no-load-optim'} does not load: drop one of them")
-    if args.exit_interval is not None and args.exit_interval <= 0:
-        raise ValueError("--exit-interval must be > 0")
+    check_checkpoint_args(args)
     check_data_args(args)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
