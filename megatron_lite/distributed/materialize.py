@@ -49,9 +49,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .meta_init import ALLOCATES, SIDECAR, MetaInitRecord, Ref, meta_device_init, storage_key
+from .meta_init import ALLOCATES, SIDECAR, MetaInitRecord, Ref, storage_key
 
-__all__ = ["meta_device_init", "MetaInitRecord", "has_meta_tensors", "meta_tensors", "MetaMaterializer"]
+__all__ = ["has_meta_tensors", "meta_tensors", "MetaMaterializer"]
 
 REPLAY_DEVICE = torch.device("cpu")
 """Where the initialization program runs: the device a normal build initializes on."""

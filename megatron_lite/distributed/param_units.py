@@ -36,19 +36,11 @@ import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
-from .fsdp_units import (
-    find_units,
-    modules_around,
-    persistent_params_together,
-    refuse_compiled_forward,
-    unit_of_params,
-    units_of,
-)
+from .fsdp_units import modules_around, refuse_compiled_forward
 from .full_state_dict import iter_state_dict
 from .prefetch import PrefetchSchedule
 
-# The units themselves are found in fsdp_units.py; its functions are also importable from here.
-__all__ = ["ParamUnits", "units_of", "persistent_params_together", "find_units", "unit_of_params"]
+__all__ = ["ParamUnits"]  # the units themselves are found in fsdp_units.py
 
 
 class ParamUnits:

@@ -17,16 +17,10 @@ import torch
 from ..distributed import collectives
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .cpu_offload import GradStaging
-from .grad_scaler import make_grad_scaler
-from .main_params import copy_main_to_model, copy_model_to_main, main_param, main_params
 from .optimizer_config import OptimizerConfig
-from .optimizer_state import HYPERPARAMETER_KEYS, OptimizerStateMixin, pick_hyperparameter
+from .optimizer_state import OptimizerStateMixin
 
-# Also importable from here, as before the state and the main params had modules of their own.
-__all__ = [
-    "MegatronOptimizer", "qualified_param_names", "HYPERPARAMETER_KEYS", "pick_hyperparameter", "make_grad_scaler",
-    "main_param", "main_params", "copy_main_to_model", "copy_model_to_main",
-]
+__all__ = ["MegatronOptimizer", "qualified_param_names"]
 
 
 class MegatronOptimizer(OptimizerStateMixin):
