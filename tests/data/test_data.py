@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from pretrain_testing import REPO
 
 from megatron_lite.data import (
     GPTDataset,
@@ -29,7 +30,6 @@ from megatron_lite.data import (
     split_documents,
     write_builtin_dataset,
 )
-from pretrain_testing import REPO
 
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")
 EOD = 256  # ByteLevelTokenizer
