@@ -146,15 +146,23 @@ def soak():
     return fault_tolerance_soak
 
 
+ITERS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(soak, tmp_path_factory):
+    """The uninterrupted run's losses, shared by the torchrun tests below (one job start fewer)."""
+    return soak.reference_losses(str(tmp_path_factory.mktemp("last_words_reference")), ITERS, 2)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks to kill through /proc")
-def test_killed_rank_restarts_and_continues_bit_identically(soak, tmp_path):
+def test_killed_rank_restarts_and_continues_bit_identically(soak, reference, tmp_path):
     """torchrun --max-restarts 1, dp=4, R=2: rank 2 is killed with SIGKILL; the job restarts by itself, resumes
     from the survivors' last words at the iteration it had completed, and logs the uninterrupted run's
     losses. Then both holders of shard 1 die: the last words are incomplete, the job says so and falls back
     to the periodic checkpoint. Would catch a survivor that hangs or writes nothing, a restart that cannot
     rendezvous (stale store keys), lost iterations, or a resumed state that differs in any bit."""
-    iters, interval = 40, 10
-    reference = soak.reference_losses(str(tmp_path), iters, 2)
+    iters, interval = ITERS, 10
     row = soak.trial(str(tmp_path), "single", iters, 2, interval, 17, [2], reference)
     assert row["from"] == "last words" and row["lost"] == 0 and row["identical"], row
     row = soak.trial(str(tmp_path), "double", iters, 2, interval, 15, [1, 3], reference)
@@ -162,12 +170,11 @@ def test_killed_rank_restarts_and_continues_bit_identically(soak, tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun job")
-def test_rank_raising_an_exception_restarts_and_continues(soak, tmp_path):
+def test_rank_raising_an_exception_restarts_and_continues(soak, reference, tmp_path):
     """A rank dies of an exception in iteration 13's forward (tests/support/pretrain_failing.py): it writes its
     own last words, the others theirs when their collectives fail, and the restarted job resumes at 12 with the
     uninterrupted run's losses. Would catch an except path that writes nothing or a stale record."""
-    iters = 30
-    reference = soak.reference_losses(str(tmp_path), iters, 2)
+    iters = ITERS
     job = soak.launch(str(tmp_path / "job"), iters, 2, 10, str(tmp_path / "log.txt"),
                       script=os.path.join(REPO, "tests", "support", "pretrain_failing.py"),
                       env={"FAIL_RANK": "1", "FAIL_AT": "13"})

@@ -94,14 +94,16 @@ class Pool:
             )
         return [outputs[r] for r in range(self.world_size)]
 
-    def close(self):
+    def close(self, wait_s=10):
+        """Ask the ranks to stop; kill those still alive after `wait_s` (0 after a failure: a rank stuck in a
+        collective would only run out the wait)."""
         for q in self.tasks:
             try:
                 q.put(None)
             except Exception:
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=wait_s)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -121,7 +123,7 @@ def run_distributed(fn, world_size=2, *args, timeout=DEFAULT_TIMEOUT_S, **kwargs
     except BaseException:
         # A failed or hung rank may have left its peers inside a collective: start afresh next time.
         _pools.pop(world_size, None)
-        pool.close()
+        pool.close(wait_s=0)
         raise
 
 
