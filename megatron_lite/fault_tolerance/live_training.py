@@ -116,6 +116,11 @@ class _LiveRun:
 
     def __init__(self, args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
                  forward_step_func: Callable, flops_per_iteration: Optional[Callable]):
+        if args.async_save:
+            # pretrain()'s background save runs DCP's collectives on a process group of its own; a peer's
+            # death during it would leave that thread inside a group the failed generation has torn down.
+            raise ValueError("--async-save is not supported under live recovery (fault_tolerance.launch): drop "
+                             "it (the live loop saves synchronously), or run under torchrun")
         self.job_args = self.args = args  # the job's arguments; self.args: the current generation's (elastic)
         self.train_valid_test_datasets_provider = train_valid_test_datasets_provider
         self.model_provider, self.forward_step_func = model_provider, forward_step_func

@@ -121,3 +121,15 @@ def test_settled_progress_matches_the_optimizer_state(case):
     assert settled.steps_taken == (4 if case == "not_updated" else 5)
     assert scheduler.num_steps == settled.scheduler["num_steps"] == expected_steps  # ... but no scheduler step
     assert settled.last_saved == 4
+
+
+def test_async_save_is_refused_under_the_supervisor():
+    """Would catch --async-save silently ignored by the live loop (it saves synchronously: the flag would
+    promise a background save that never happens)."""
+    import argparse
+
+    from megatron_lite.fault_tolerance.live_training import pretrain_live
+
+    args = argparse.Namespace(async_save=True)
+    with pytest.raises(ValueError, match="--async-save is not supported under live recovery"):
+        pretrain_live(args, None, None, None)
