@@ -41,6 +41,7 @@ from .grad_hooks import GradHooksMixin
 from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT
 from .layout import DataParallelTopology, default_bucket_size
 from .materialize import MetaMaterializer, has_meta_tensors
+from .model_checks import raise_if_unsupported_model
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumulation_params
 from .param_sync import ParamSync, build_param_sync
 from .replica_check import check_replicas_agree
@@ -83,6 +84,7 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() "
                 "(e.g. launch with torchrun) before wrapping the model"
             )
+        raise_if_unsupported_model(module)  # sparse gradients, Parameters aliasing each other's memory
         # A meta model: checked for initializers (before anything is allocated), then given storage on the
         # device (ZeRO-3: placeholders for what the buckets shard); values come after the buffers exist.
         materializer = None

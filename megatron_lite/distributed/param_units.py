@@ -29,6 +29,7 @@ Which modules are units, and which unit each parameter belongs to, is decided on
 """
 
 import contextlib
+import dataclasses
 from typing import Dict, List, Optional
 
 import torch
@@ -350,10 +351,15 @@ def _refuse_released(units: ParamUnits, buckets: List[Bucket]):
 
 
 def _tensors(output) -> List[torch.Tensor]:
+    """The tensors in a unit's output: in tensors, lists, tuples (named too), dicts and dataclasses (a block
+    returning `BlockOutput(hidden=...)`): a tensor hidden anywhere else gets no re-gather hook, and its unit's
+    backward would read released parameters."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (list, tuple)):
         return [t for item in output for t in _tensors(item)]
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [t for field in dataclasses.fields(output) for t in _tensors(getattr(output, field.name))]
     return []

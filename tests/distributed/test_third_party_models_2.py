@@ -1,0 +1,411 @@
+"""More models nobody here wrote, in the idioms test_third_party_models.py does not cover, trained by megatron_lite
+on 2 gloo ranks against torch.nn.parallel.DistributedDataParallel + torch.optim.AdamW (that file's loops, data
+and parameter groups), compared after every step -- or refused with a clear error on every rank.
+
+  * activation checkpointing (torch.utils.checkpoint, reentrant and not): reentrant recomputation runs the
+    blocks' forward inside backward, with autograd off in the first forward;
+  * one block applied several times per forward (ALBERT's weight sharing), plain and checkpointed;
+  * nn.MultiheadAttention (parameters read by F.multi_head_attention_forward, not by submodules), an
+    nn.Embedding with padding_idx and a custom autograd.Function;
+  * parametrizations (weight_norm: two parameters computing one weight; spectral_norm: buffers updated in
+    every training forward);
+  * the user's own hooks: a tensor hook on a parameter, full backward hooks and pre-hooks on blocks;
+  * ZeRO-3 blocks returning a dataclass instead of a tensor (the output the unit is gathered again from);
+  * two backward passes per micro-batch (retain_graph), against a single-process reference.
+
+Tolerance: none -- bit-exact, for test_third_party_models.py's reasons. The reference is built again from the
+same seed rather than deep-copied: deepcopy drops the hooks registered on parameters.
+"""
+
+import contextlib
+import dataclasses
+
+import pytest
+import test_third_party_models as t3
+import third_party_models as tpm
+import torch
+import torch.nn as nn
+from distributed_helper import run_distributed
+from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import checkpoint
+
+
+# ------------------------------------------------------------------------------ the models
+class CheckpointedStack(nn.Module):
+    """Residual blocks each run through torch.utils.checkpoint."""
+
+    def __init__(self, reentrant, dim_in=6, dim=10, depth=3, out=2):
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = nn.Linear(dim_in, dim)
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(dim, 2 * dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+class SharedBlockNet(nn.Module):
+    """ALBERT-style: one block applied `repeats` times (its gradient sums every application's)."""
+
+    def __init__(self, reentrant=None, dim_in=6, dim=10, repeats=3, out=2):
+        super().__init__()
+        self.reentrant = reentrant  # None: no checkpointing
+        self.stem = nn.Linear(dim_in, dim)
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(dim, 2 * dim)])
+        self.repeats = repeats
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for _ in range(self.repeats):
+            h = self.blocks[0](h) if self.reentrant is None else checkpoint(self.blocks[0], h,
+                                                                             use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+class Gate(torch.autograd.Function):
+    """x * w with a hand-written backward, as custom kernels' Python wrappers are."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
+
+
+class AttentionLM(nn.Module):
+    def __init__(self, vocab=t3.VOCAB, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.blocks = nn.ModuleList([nn.MultiheadAttention(dim, 4, batch_first=True) for _ in range(2)])
+        self.gate = nn.Parameter(torch.ones(dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for attention in self.blocks:
+            h = h + attention(h, h, h, need_weights=False)[0]
+        return self.head(Gate.apply(h.reshape(-1, h.shape[-1]), self.gate).reshape(h.shape))
+
+
+def parametrized_stack():
+    """weight_norm on every block's up projection, spectral_norm (power-iteration buffers) on its down one."""
+    model = tpm.StackedMLP()
+    for block in model.body:
+        parametrizations.weight_norm(block.up)
+        parametrizations.spectral_norm(block.down)
+    return model
+
+
+def _clamp(grad):
+    return grad.clamp(-0.01, 0.01)
+
+
+def _halve_inputs(module, grad_input, grad_output):
+    return tuple(None if g is None else g * 0.5 for g in grad_input)
+
+
+def _triple_outputs(module, grad_output):
+    return tuple(None if g is None else g * 3.0 for g in grad_output)
+
+
+class HookedStack(nn.Module):
+    """The user's own hooks, registered before wrapping: a tensor hook clamping a parameter's gradient, a full
+    backward hook and a full backward pre-hook rescaling blocks' gradients."""
+
+    def __init__(self, dim_in=6, dim=10, depth=3, out=2):
+        super().__init__()
+        self.stem = nn.Linear(dim_in, dim)
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(dim, 2 * dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, out)
+        self.head.weight.register_hook(_clamp)
+        self.blocks[1].register_full_backward_hook(_halve_inputs)
+        self.blocks[2].register_full_backward_pre_hook(_triple_outputs)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@dataclasses.dataclass
+class BlockOutput:
+    hidden: torch.Tensor
+    note: str = ""
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.mlp = tpm.ResidualMLP(dim, 2 * dim)
+
+    def forward(self, h):
+        return BlockOutput(self.mlp(h))
+
+
+class DataclassStack(nn.Module):
+    """Blocks that return a dataclass (transformers' ModelOutput is a dict; many codebases use dataclasses)."""
+
+    def __init__(self, dim_in=6, dim=10, depth=3, out=2):
+        super().__init__()
+        self.stem = nn.Linear(dim_in, dim)
+        self.blocks = nn.ModuleList([DataclassBlock(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h).hidden
+        return self.head(h)
+
+
+def _checkpointed(reentrant):
+    return lambda: CheckpointedStack(reentrant)
+
+
+def _shared(reentrant):
+    return lambda: SharedBlockNet(reentrant)
+
+
+CASES = {
+    "checkpoint_reentrant": t3.Case(_checkpointed(True), t3.regression_batch, t3.mse),
+    "checkpoint_non_reentrant": t3.Case(_checkpointed(False), t3.regression_batch, t3.mse),
+    "shared_block": t3.Case(_shared(None), t3.regression_batch, t3.mse),
+    "shared_block_checkpointed": t3.Case(_shared(False), t3.regression_batch, t3.mse),
+    "attention_custom_function": t3.Case(AttentionLM, t3.lm_batch, t3.lm_loss, units=("MultiheadAttention",)),
+    "parametrizations": t3.Case(parametrized_stack, t3.regression_batch, t3.mse, units=("ResidualMLP",)),
+    "user_hooks": t3.Case(HookedStack, t3.regression_batch, t3.mse),
+    "dataclass_outputs": t3.Case(DataclassStack, t3.regression_batch, t3.mse),
+}
+
+# (case, t3.CONFIGS name): ZeRO-1 with overlapped small buckets and ZeRO-3 for every case, plus the strategies
+# where a case's trap lies (reentrant recomputation firing hooks late: no_shard and ZeRO-2 with overlap).
+MATRIX = [(case, config) for case in CASES for config in ("optim-overlap", "optim_grads_params")] + [
+    ("checkpoint_reentrant", "no_shard-overlap"), ("checkpoint_reentrant", "optim_grads-overlap")]
+
+
+def build_pair(case, strategy, overlap):
+    """t3.build_pair's four objects, with the torch reference built again from the same seed: deepcopy would drop
+    the hooks registered on parameters."""
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    torch.manual_seed(0)
+    model = case.build()
+    torch.manual_seed(0)
+    reference = nn.parallel.DistributedDataParallel(case.build(), find_unused_parameters=case.find_unused)
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
+        bucket_size=t3.SMALL_BUCKET if overlap else None,
+        fsdp_unit_modules=case.units if strategy == "optim_grads_params" else None)
+    ddp = DistributedDataParallel(model, config)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=t3.LR, weight_decay=t3.WD, clip_grad=0.0,
+                                                 use_distributed_optimizer=strategy != "no_shard"), ddp)
+    torch_opt = torch.optim.AdamW(t3.torch_param_groups(reference.module), lr=t3.LR, foreach=True)
+    return ddp, opt, reference, torch_opt
+
+
+def _compare_worker(case_name, config_name):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    case = CASES[case_name]
+    ddp, opt, reference, torch_opt = build_pair(case, *t3.CONFIGS[config_name])
+    gen = torch.Generator().manual_seed(1000 + rank)
+    per_step = []
+    for step in range(t3.STEPS):
+        micro_batches = [case.batch(gen, rank, step) for _ in range(t3.MICRO_BATCHES)]
+        t3.megatron_step(ddp, opt, case.loss, micro_batches)
+        t3.torch_step(reference, torch_opt, case.loss, micro_batches)
+        per_step.append(t3.differences(ddp, reference))
+    return per_step
+
+
+@pytest.mark.parametrize("case,config", MATRIX)
+def test_matches_torch_ddp_and_adamw(case, config):
+    """Would catch, per model: reentrant checkpointing's recomputed forward re-gathering, releasing or counting a
+    ZeRO-3 unit wrongly, or its late gradient hooks missing a launched bucket (checkpoint_*); a block applied
+    several times getting one application's gradient, reduced before the last application's backward, or released
+    by ZeRO-3 between applications (shared_block*); nn.MultiheadAttention's directly-read parameters, the padding
+    row or a custom Function's gradient lost (attention_custom_function); a parametrization's original tensors or
+    spectral_norm's buffers mishandled (parametrizations); the user's parameter and module hooks skipped or applied
+    twice (user_hooks); a ZeRO-3 unit whose dataclass output hid its tensors from the re-gather hook, its backward
+    then reading released parameters (dataclass_outputs, a storage error before the fix)."""
+    for rank, per_step in enumerate(run_distributed(_compare_worker, 2, case, config)):
+        t3.assert_matches(rank, per_step)
+
+
+# ------------------------------------------------------------------------------ two backward passes per micro-batch
+def _two_losses(model, args, target):
+    out = model(*args)
+    return t3.mse(out, target), (out ** 2).mean()
+
+
+def _two_backward_worker(config_name):
+    """Each micro-batch runs loss_a.backward(retain_graph=True) then loss_b.backward(); torch DDP refuses the
+    second ("mark a variable ready only once"), so the reference is one process fed every rank's batches."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse)
+    ddp, opt, reference, _ = build_pair(case, *t3.CONFIGS[config_name])
+    ref = reference.module
+    torch_opt = torch.optim.AdamW(t3.torch_param_groups(ref), lr=t3.LR, foreach=True)
+    gens = [torch.Generator().manual_seed(1000 + r) for r in range(world)]
+    per_step = []
+    for step in range(t3.STEPS):
+        batches = [[case.batch(gens[r], r, step) for _ in range(t3.MICRO_BATCHES)] for r in range(world)]
+        ddp.zero_grad_buffer()
+        try:
+            for i, (args, target) in enumerate(batches[rank]):
+                with ddp.no_sync() if i < len(batches[rank]) - 1 else contextlib.nullcontext():
+                    loss_a, loss_b = _two_losses(ddp, args, target)
+                    loss_a.backward(retain_graph=True)
+                    loss_b.backward()
+            ddp.finish_grad_sync()
+        except RuntimeError as e:
+            return str(e)
+        opt.step()
+        grads = []
+        for r in range(world):  # each rank's accumulated gradient, then the mean as the buckets form it
+            torch_opt.zero_grad()
+            for args, target in batches[r]:
+                loss_a, loss_b = _two_losses(ref, args, target)
+                loss_a.backward(retain_graph=True)
+                loss_b.backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, *per_rank in zip(ref.parameters(), *grads):
+            p.grad = sum(g * (1.0 / world) for g in per_rank)
+        torch_opt.step()
+        with ddp.full_parameters():
+            per_step.append({n: (p - q).abs().max().item() for (n, p), q in
+                             zip(ddp.module.named_parameters(), ref.parameters()) if not torch.equal(p, q)})
+    return per_step
+
+
+@pytest.mark.parametrize("config", ["no_shard", "no_shard-overlap", "optim-overlap", "optim_grads",
+                                    "optim_grads-overlap"])
+def test_two_backward_passes_per_micro_batch(config):
+    """Would catch the second backward pass of a micro-batch (retain_graph) dropped, or launched in a second
+    collective, when overlap learns each parameter's arrivals per backward (2 here) in the first iteration; under
+    ZeRO-2 with overlap (one arrival per parameter expected from the first iteration) a clear error on every
+    rank instead of a hang or a half-reduced gradient. Bit-exact against one process (0 + a/2 + b/2 = a/2 + b/2)."""
+    for rank, result in enumerate(run_distributed(_two_backward_worker, 2, config)):
+        if config == "optim_grads-overlap":
+            assert isinstance(result, str) and "second gradient" in result, (rank, result)
+        else:
+            assert result == [{}] * t3.STEPS, (rank, result)
+
+
+# ------------------------------------------------------------------------------ refused at wrap time
+class SparseEmbeddingLM(nn.Module):
+    def __init__(self, vocab=t3.VOCAB, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, sparse=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+class DataTiedLM(nn.Module):
+    """Tied by aliasing the data of two Parameters, not by sharing one Parameter."""
+
+    def __init__(self, vocab=t3.VOCAB, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight.data = self.embed.weight.data
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+
+class SparseGradLookup(torch.autograd.Function):
+    """An embedding lookup whose hand-written backward returns a sparse gradient (no module announces it)."""
+
+    @staticmethod
+    def forward(ctx, weight, tokens):
+        ctx.save_for_backward(tokens)
+        ctx.shape = weight.shape
+        return weight[tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tokens,) = ctx.saved_tensors
+        dense = torch.zeros(ctx.shape).index_add_(0, tokens.reshape(-1), grad.reshape(-1, ctx.shape[1]))
+        return dense.to_sparse(), None
+
+
+class SparseFunctionLM(SparseEmbeddingLM):
+    def __init__(self):
+        super().__init__()
+        self.embed.sparse = False  # the module is dense; the Function's gradient is not
+
+    def forward(self, tokens):
+        return self.head(SparseGradLookup.apply(self.embed.weight, tokens))
+
+
+def _refused_worker(strategy):
+    errors = []
+    for build in (SparseEmbeddingLM, DataTiedLM):
+        try:
+            t3.build_pair(t3.Case(build, t3.lm_batch, t3.lm_loss, units=()), strategy, True)
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append((type(e).__name__, str(e)))
+    ddp, _, _, _ = t3.build_pair(t3.Case(SparseFunctionLM, t3.lm_batch, t3.lm_loss, units=()), strategy, True)
+    (tokens,), targets = t3.lm_batch(torch.Generator().manual_seed(0), 0, 0)
+    try:
+        t3.lm_loss(ddp(tokens), targets).backward()
+        errors.append(None)
+    except TypeError as e:
+        errors.append(str(e))
+    return errors
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_unsupported_models_are_refused_on_every_rank(strategy):
+    """Would catch nn.Embedding(sparse=True) failing at the first backward with "Cannot access data pointer of
+    Tensor that doesn't have storage", and two Parameters tied through `.data` silently untied by the distributed
+    optimizer's buffer (ZeRO-1/3: embed and head train apart) while no_shard kept them tied -- instead of one
+    error at wrap time, on every rank, naming the module or parameters and the fix; and a custom Function's sparse
+    gradient reaching the buffers (the same storage error) instead of a TypeError naming the parameter."""
+    for errors in run_distributed(_refused_worker, 2, strategy):
+        (sparse_type, sparse), (tied_type, tied), from_function = errors
+        assert from_function is not None and "embed.weight received a torch.sparse_coo gradient" in from_function
+        assert sparse_type == "TypeError" and "embed" in sparse and "sparse=False" in sparse, sparse
+        assert tied_type == "ValueError" and "embed.weight and head.weight" in tied, tied
+        assert "head.weight = embed.weight" in tied, tied
+
+
+def test_overlapping_parameters_found_without_processes():
+    """Would catch the aliasing check refusing parameters that are disjoint slices of one storage, a frozen
+    pair, or a Parameter shared by two modules (one object: legitimate tying), or missing a partial overlap."""
+    from megatron_lite.distributed.model_checks import _overlapping_params
+
+    flat = torch.zeros(20)
+    a, b = nn.Parameter(flat[:10]), nn.Parameter(flat[10:])
+    assert _overlapping_params([("a", a), ("b", b)]) == []
+    c = nn.Parameter(flat[5:15])
+    assert _overlapping_params([("a", a), ("b", b), ("c", c)]) == [("a", "c"), ("c", "b")]
+    frozen = [nn.Parameter(flat[:10], requires_grad=False), nn.Parameter(flat[:10], requires_grad=False)]
+    assert _overlapping_params([("f0", frozen[0]), ("f1", frozen[1])]) == []
+    assert _overlapping_params(list(tpm.TiedLM().named_parameters())) == []
+    transposed = nn.Parameter(torch.zeros(4, 3).t())  # non-contiguous: its extent still covers 12 elements
+    tail = nn.Parameter(transposed.data.t().reshape(-1)[11:])
+    assert _overlapping_params([("t", transposed), ("tail", tail)]) == [("t", "tail")]
