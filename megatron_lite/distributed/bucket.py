@@ -153,10 +153,11 @@ class Bucket:
         """The parameters whose gradient has arrived (on the last micro-batch) in this iteration."""
         return {p for p, count in zip(self.params_list, self._counts) if count}
 
-    def params_short_of_gradients(self) -> List[torch.nn.Parameter]:
-        """Parameters with fewer arrivals than expected (at least one) on this iteration's last micro-batch."""
-        expected = self.expected_counts or [1] * len(self._counts)
-        return [p for p, c, e in zip(self.params_list, self._counts, expected) if c < max(1, e)]
+    def params_without_gradients(self) -> List[torch.nn.Parameter]:
+        """Parameters with no arrival on this iteration's last micro-batch. (Fewer arrivals than the first
+        iteration's, but some, only keep the bucket from launching early: finish_grad_sync launches it with
+        every gradient already in main_grad.)"""
+        return [p for p, c in zip(self.params_list, self._counts) if c == 0]
 
     def name(self, param) -> str:
         return self.param_to_name.get(param, f"<unnamed parameter of shape {tuple(param.shape)}>")

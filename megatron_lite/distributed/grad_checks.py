@@ -18,7 +18,7 @@ def unused_parameters_message(launch_order: List[Bucket], pending: List[Bucket],
     if not any(b.params_with_grad for b in launch_order):
         return ("finish_grad_sync() found no gradient registered for communication: the last micro-batch's "
                 "backward must run outside no_sync()")
-    missing = [param_to_name[p] for b in pending for p in b.params_short_of_gradients()]
+    missing = [param_to_name[p] for b in pending for p in b.params_without_gradients()]
     if not missing:
         return None
     shown = ", ".join(missing[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")

@@ -249,14 +249,15 @@ def test_matches_torch_ddp_and_adamw(case, config):
 
 
 # ------------------------------------------------------------------------------ two backward passes per micro-batch
-def _two_losses(model, args, target):
+def _losses(model, args, target):
     out = model(*args)
     return t3.mse(out, target), (out ** 2).mean()
 
 
-def _two_backward_worker(config_name):
-    """Each micro-batch runs loss_a.backward(retain_graph=True) then loss_b.backward(); torch DDP refuses the
-    second ("mark a variable ready only once"), so the reference is one process fed every rank's batches."""
+def _backward_passes_worker(config_name, passes):
+    """In step i each micro-batch runs passes[i] backward passes: loss_a.backward(retain_graph=True), then
+    loss_b.backward(). torch DDP refuses a second pass ("mark a variable ready only once"), so the reference
+    is one process fed every rank's batches, the mean formed as the buckets form it."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -265,27 +266,29 @@ def _two_backward_worker(config_name):
     ref = reference.module
     torch_opt = torch.optim.AdamW(t3.torch_param_groups(ref), lr=t3.LR, foreach=True)
     gens = [torch.Generator().manual_seed(1000 + r) for r in range(world)]
+
+    def backward(model, args, target, n):
+        losses = _losses(model, args, target)[:n]
+        for i, loss in enumerate(losses):
+            loss.backward(retain_graph=i < len(losses) - 1)
+
     per_step = []
-    for step in range(t3.STEPS):
+    for step, n in enumerate(passes):
         batches = [[case.batch(gens[r], r, step) for _ in range(t3.MICRO_BATCHES)] for r in range(world)]
         ddp.zero_grad_buffer()
         try:
             for i, (args, target) in enumerate(batches[rank]):
                 with ddp.no_sync() if i < len(batches[rank]) - 1 else contextlib.nullcontext():
-                    loss_a, loss_b = _two_losses(ddp, args, target)
-                    loss_a.backward(retain_graph=True)
-                    loss_b.backward()
+                    backward(ddp, args, target, n)
             ddp.finish_grad_sync()
-        except RuntimeError as e:
-            return str(e)
+        except (RuntimeError, ValueError) as e:
+            return per_step + [str(e)]
         opt.step()
         grads = []
-        for r in range(world):  # each rank's accumulated gradient, then the mean as the buckets form it
+        for r in range(world):
             torch_opt.zero_grad()
             for args, target in batches[r]:
-                loss_a, loss_b = _two_losses(ref, args, target)
-                loss_a.backward(retain_graph=True)
-                loss_b.backward()
+                backward(ref, args, target, n)
             grads.append([p.grad.clone() for p in ref.parameters()])
         for p, *per_rank in zip(ref.parameters(), *grads):
             p.grad = sum(g * (1.0 / world) for g in per_rank)
@@ -303,11 +306,24 @@ def test_two_backward_passes_per_micro_batch(config):
     collective, when overlap learns each parameter's arrivals per backward (2 here) in the first iteration; under
     ZeRO-2 with overlap (one arrival per parameter expected from the first iteration) a clear error on every
     rank instead of a hang or a half-reduced gradient. Bit-exact against one process (0 + a/2 + b/2 = a/2 + b/2)."""
-    for rank, result in enumerate(run_distributed(_two_backward_worker, 2, config)):
+    for rank, result in enumerate(run_distributed(_backward_passes_worker, 2, config, (2, 2, 2))):
         if config == "optim_grads-overlap":
-            assert isinstance(result, str) and "second gradient" in result, (rank, result)
+            assert len(result) == 1 and "second gradient" in result[0], (rank, result)
         else:
-            assert result == [{}] * t3.STEPS, (rank, result)
+            assert result == [{}] * 3, (rank, result)
+
+
+@pytest.mark.parametrize("config", ["no_shard-overlap", "optim-overlap"])
+def test_fewer_backward_passes_than_the_first_iteration(config):
+    """Would catch an iteration with fewer backward passes than the first one (an auxiliary loss back-propagated
+    on its own, in the first step and every k-th) refused as "22 parameter(s) received no gradient", naming every
+    parameter although each got its gradient: overlap learned 2 arrivals per parameter, the buckets wait for a
+    second one, and finish_grad_sync must launch them, as it does for the first iteration. More passes than
+    learned stay an error on every rank (a launched bucket would miss the extra gradient)."""
+    for rank, result in enumerate(run_distributed(_backward_passes_worker, 2, config, (2, 1, 2))):
+        assert result == [{}] * 3, (rank, result)
+    for rank, result in enumerate(run_distributed(_backward_passes_worker, 2, config, (1, 2))):
+        assert len(result) == 2 and result[0] == {} and "second gradient after its bucket" in result[1], result
 
 
 # ------------------------------------------------------------------------------ refused at wrap time
