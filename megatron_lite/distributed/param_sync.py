@@ -51,6 +51,7 @@ def build_param_sync(module: torch.nn.Module, config: DistributedDataParallelCon
                                  config.max_reuse_distance)
         param_units.guard_compiled_forward(module)
         param_units.guard_state_dicts(module, param_to_bucket)
+        param_units.guard_inner_forward(module)
         return param_units
     # The distributed optimizer's all-gathers run in forward order: the reverse of launch order.
     gather_order = launch_order[::-1] if config.use_distributed_optimizer else []

@@ -119,6 +119,20 @@ class ParamUnits:
             if own:
                 self._handles.append(sub.register_state_dict_pre_hook(_refuse_released(self, own)))
 
+    def guard_inner_forward(self, module: torch.nn.Module):
+        """Make a forward of the wrapped `module` itself (`model.module(x)`: evaluation code or Hugging Face's
+        generate holding the inner model) raise while the root's parameters are released: it would compute
+        with the NaN placeholders. The wrapper's forward gathers the root first, and so does full_parameters()."""
+        def hook(_module, _args):
+            if not all(b.params_gathered for b in self.root):
+                raise RuntimeError(
+                    f"forward of the wrapped {type(module).__name__} itself (model.module(...)) under ZeRO-3: its "
+                    f"parameters are sharded and this rank holds only placeholders between iterations. Call the "
+                    f"wrapper, model(...), which gathers them, or on every rank `with model.full_parameters(): "
+                    f"model.module(...)` (e.g. for generate)."
+                )
+        self._handles.append(module.register_forward_pre_hook(hook))
+
     # ---------------------------------------------------------------- gathering in a fixed order
     def _gather(self, bucket: Bucket, async_op: bool = True):
         """Gather a released bucket (no-op when gathered or in flight), remembering the collective."""

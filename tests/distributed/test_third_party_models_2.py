@@ -425,3 +425,32 @@ def test_overlapping_parameters_found_without_processes():
     transposed = nn.Parameter(torch.zeros(4, 3).t())  # non-contiguous: its extent still covers 12 elements
     tail = nn.Parameter(transposed.data.t().reshape(-1)[11:])
     assert _overlapping_params([("t", transposed), ("tail", tail)]) == [("t", "tail")]
+
+
+# ------------------------------------------------------------------------------ ZeRO-3: model.module called
+def _inner_forward_worker():
+    case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse, units=("ResidualMLP",))
+    ddp, opt, _, _ = build_pair(case, "optim_grads_params", True)
+    gen = torch.Generator().manual_seed(0)
+    t3.megatron_step(ddp, opt, case.loss, [case.batch(gen, 0, 0)])
+    (x,), _ = case.batch(gen, 0, 1)
+    with torch.no_grad():
+        through_wrapper = ddp(x)
+        with ddp.full_parameters():
+            gathered = ddp.module(x)
+        try:
+            ddp.module(x)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    return torch.equal(through_wrapper, gathered), error
+
+
+def test_zero3_inner_module_forward_refuses_placeholders():
+    """Would catch `model.module(x)` (evaluation or Hugging Face's generate on the inner model) under ZeRO-3
+    silently computing with the released NaN placeholders of the root's parameters (the stem and head here),
+    instead of an error on every rank naming the wrapper's forward and full_parameters(); inside
+    full_parameters() the inner module must give the wrapper's output bit for bit."""
+    for equal, error in run_distributed(_inner_forward_worker, 2):
+        assert equal
+        assert error is not None and "full_parameters()" in error and "model(...)" in error, error
