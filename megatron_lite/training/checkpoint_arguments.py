@@ -13,6 +13,9 @@ themselves are megatron_lite.checkpointing's.
 """
 
 import argparse
+import os
+
+from ..checkpointing.files import MANIFEST_FILENAME
 
 
 def add_checkpoint_arguments(g: argparse._ArgumentGroup) -> None:
@@ -77,3 +80,18 @@ def check_checkpoint_args(args):
                          f"--{'finetune' if args.finetune else 'no-load-optim'} does not load: drop one of them")
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ValueError("--exit-interval must be > 0")
+    check_checkpoint_paths(args)
+
+
+def check_checkpoint_paths(args):
+    """--save and --load name directories that hold checkpoints (they need not exist yet: a first run with
+    --save DIR --load DIR starts from scratch). A file, or one checkpoint's own directory, would otherwise be
+    read as an empty directory (a resume silently training from scratch) or fail on rank 0 only."""
+    for flag, path in (("--save", args.save), ("--load", args.load)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is not a directory: give the directory that holds (or will hold) the "
+                             "iter_* checkpoints")
+    if args.load and os.path.isfile(os.path.join(args.load, MANIFEST_FILENAME)):
+        parent = os.path.dirname(os.path.normpath(args.load)) or "."
+        raise ValueError(f"--load {args.load} is one checkpoint, not the directory that holds them: give "
+                         f"--load {parent} (the newest complete checkpoint there is loaded)")

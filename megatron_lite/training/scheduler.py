@@ -6,9 +6,12 @@ from ..optimizer.optimizer_state import pick_hyperparameter
 
 
 def check_schedule(lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str):
-    """Raise ValueError unless 0 <= lr_warmup_steps <= lr_decay_steps and the decay style is known."""
+    """Raise ValueError unless 0 <= lr_warmup_steps <= lr_decay_steps, lr_decay_steps > 0 and the decay style
+    is known."""
     if lr_decay_style not in ("constant", "linear", "cosine"):
         raise ValueError(f"lr_decay_style must be constant, linear or cosine, got {lr_decay_style!r}")
+    if lr_decay_steps <= 0:  # the decay would be over before the first step: every step at min_lr (Megatron asserts)
+        raise ValueError(f"lr_decay_steps must be > 0, got {lr_decay_steps}")
     if not 0 <= lr_warmup_steps <= lr_decay_steps:
         raise ValueError(f"lr_warmup_steps ({lr_warmup_steps}) must be in [0, lr_decay_steps ({lr_decay_steps})]")
 

@@ -185,6 +185,15 @@ def save_due(args, iteration: int) -> bool:
     return bool(args.save and args.save_interval and iteration % args.save_interval == 0)
 
 
+def _training_log(args, device, dp: int, flops: Optional[float]) -> TrainingLog:
+    """The TrainingLog; a metrics file rank 0 (its writer) cannot open is a ValueError naming the flag."""
+    try:
+        return TrainingLog(args, device, dp, flops)
+    except OSError as e:
+        raise ValueError(f"--metrics-file {args.metrics_file} (default: metrics.jsonl in --tensorboard-dir or "
+                         f"--save) cannot be written: {type(e).__name__}: {e}") from e
+
+
 def resume(args, model, optimizer, scheduler):
     """--load and its options (--finetune, --no-load-optim, --no-load-rng, --override-opt_param-scheduler,
     --use-checkpoint-opt-param-scheduler, --exit-on-missing-checkpoint), then the --save directory checked
@@ -203,14 +212,20 @@ def resume(args, model, optimizer, scheduler):
                                               not args.no_load_rng)
         if loaded is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
+        if loaded is None and args.finetune:  # every rank found the same (load_checkpoint agrees): all raise
+            raise ValueError(f"--finetune: no checkpoint in --load {args.load} to fine-tune from (it would train "
+                             "randomly initialised weights): give the directory of the pretrained checkpoints")
         if loaded is None:
-            print_rank_0(f"> no checkpoint found in {args.load}: training from scratch"
-                         + (" (--finetune: nothing to fine-tune)" if args.finetune else ""))
+            print_rank_0(f"> no checkpoint found in {args.load}: training from scratch")
         elif args.finetune:
             print_rank_0(f"> --finetune: model weights from {loaded['path']} (iteration "
                          f"{loaded['checkpoint_iteration']}); fresh optimizer, schedule and RNG, from iteration 0")
         else:
             iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
+            if iteration > args.train_iters:  # nothing to train: the run would exit 0 without a word
+                raise ValueError(f"--train-iters {args.train_iters} is below the checkpoint's iteration {iteration} "
+                                 f"({loaded['path']}): --train-iters counts from the start of training; give a "
+                                 f"larger one to continue (or --finetune to start a new run from its weights)")
             fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
                                              ("RNG", args.no_load_rng)) if flag]
             print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
@@ -272,7 +287,8 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
 
     workers = getattr(args, "num_workers", 0)  # DataLoader worker processes (--num-workers)
     train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp, workers)
-    log = TrainingLog(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
+    log = collectives.run_collectively(_training_log, args, device, dp,
+                                       flops_per_iteration(args) if flops_per_iteration else None)
     losses, valid_losses, skipped = {}, {}, 0
     # If this job dies, each survivor writes its part of the last completed iteration (checkpointing/last_words.py).
     words = LastWords(args.save, optimizer, scheduler, iteration, consumed, checkpoint_args(args)) \

@@ -1,0 +1,116 @@
+"""pretrain_gpt.py misused, second round: contradictory schedule and checkpoint-path flags refused at parse time, and
+resumes that would silently do nothing or train something else than asked stopped on every rank with a message.
+
+The parse-time tests need no process; the others run 2 gloo ranks of the tiny GPT for a few iterations."""
+
+import os
+import sys
+
+import pytest
+from distributed_helper import run_distributed
+from pretrain_testing import REPO, tiny_pretrain_flags
+
+from megatron_lite.training import parse_args
+
+TINY = tiny_pretrain_flags(num_layers="1", global_batch_size="4", train_iters="4", log_interval="2")
+
+
+def flag_error(argv, capsys) -> str:
+    """parse_args(argv)'s usage error (it must exit 2); returns its message."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def _main(argv):
+    """pretrain_gpt.main on this rank; returns ('ok', {iteration: lm loss}) or ('error', message)."""
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    try:
+        result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
+    except (ValueError, RuntimeError, SystemExit) as e:
+        return "error", f"{type(e).__name__}: {e}"
+    return "ok", {i: r["lm loss"] for i, r in result["losses"].items()}
+
+
+# ------------------------------------------------------------------------------------------ parse time
+def test_lr_decay_iters_of_zero_is_a_flag_error(capsys):
+    """Would catch --lr-decay-iters 0 accepted: the decay is then over before the first iteration and every
+    iteration trains at --min-lr, silently (Megatron asserts lr_decay_steps > 0)."""
+    message = flag_error(["--lr-decay-iters", "0"], capsys)
+    assert "--lr-decay-iters" in message and "> 0" in message
+    assert parse_args(["--lr-decay-iters", "1", "--lr-warmup-iters", "0"], world_size=2).lr_decay_iters == 1
+
+
+@pytest.mark.parametrize("flag", ["--load", "--save"])
+def test_load_or_save_naming_a_file_is_a_flag_error(tmp_path, flag, capsys):
+    """Would catch --load FILE treated as an empty directory (a run that meant to resume trains from scratch,
+    exit 0), and --save FILE failing only on rank 0 after start-up while the other ranks wait for it."""
+    path = tmp_path / "not_a_directory"
+    path.write_text("x")
+    message = flag_error([flag, str(path)], capsys)
+    assert f"{flag} {path}" in message and "not a directory" in message
+
+
+def test_load_naming_one_checkpoint_is_a_flag_error(tmp_path, capsys):
+    """--load SAVE/iter_0000004 (one checkpoint, not the directory that holds them). Would catch it read as a
+    directory without checkpoints: the run trains from scratch with exit code 0 instead of resuming."""
+    checkpoint = tmp_path / "ck" / "iter_0000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text("{}")
+    message = flag_error(["--load", str(checkpoint)], capsys)
+    assert f"--load {tmp_path / 'ck'}" in message and "one checkpoint" in message
+
+
+def test_metrics_file_naming_a_directory_is_a_flag_error(tmp_path, capsys):
+    """Would catch --metrics-file DIR failing only on rank 0 (the writer) once training starts."""
+    message = flag_error(["--metrics-file", str(tmp_path)], capsys)
+    assert f"--metrics-file {tmp_path}" in message and "is a directory" in message
+
+
+def test_checkpoint_and_metrics_paths_that_do_not_exist_yet_are_accepted(tmp_path):
+    """Would catch the path checks refusing the usual first run: --save DIR --load DIR before DIR exists, an
+    empty --load directory, a metrics file still to be created."""
+    new, empty = str(tmp_path / "new"), str(tmp_path)
+    args = parse_args(["--save", new, "--load", new, "--metrics-file", str(tmp_path / "m" / "m.jsonl")], world_size=2)
+    assert args.load == new and parse_args(["--load", empty], world_size=2).load == empty
+
+
+# ------------------------------------------------------------------------------------------ resumes
+def test_train_iters_below_the_checkpoint_is_an_error_on_every_rank(tmp_path):
+    """A checkpoint at iteration 4 resumed with --train-iters 2 (the schedule kept by --lr-decay-iters 4). Would
+    catch the run loading it, training nothing and exiting 0 without a word (a user who took --train-iters for
+    the iterations still to do). --train-iters equal to the checkpoint's iteration (a finished job started
+    again) stays a quiet no-op."""
+    save = str(tmp_path / "ck")
+    assert all(status == "ok" for status, _ in run_distributed(_main, 2, TINY + ["--save", save]))
+    resume = TINY + ["--load", save, "--save", save, "--lr-decay-iters", "4"]
+    for status, message in run_distributed(_main, 2, resume + ["--train-iters", "2"]):
+        assert status == "error" and "--train-iters 2" in message and "iteration 4" in message, message
+    assert run_distributed(_main, 2, resume) == [("ok", {}), ("ok", {})]
+
+
+def test_finetune_with_no_checkpoint_is_an_error_on_every_rank(tmp_path):
+    """--finetune --load DIR where DIR holds no checkpoint (a typo, the wrong mount). Would catch the run
+    fine-tuning randomly initialised weights to the end with exit code 0."""
+    argv = TINY + ["--finetune", "--load", str(tmp_path / "pretrained"), "--save", str(tmp_path / "ft")]
+    for status, message in run_distributed(_main, 2, argv):
+        assert status == "error" and "--finetune" in message and "no checkpoint" in message, message
+    assert not os.path.exists(tmp_path / "ft" / "iter_0000004")
+
+
+def test_metrics_file_that_rank_0_cannot_open_stops_every_rank(tmp_path):
+    """The metrics file's directory cannot be made (a file is in the way). Would catch rank 0 (the only
+    writer) failing alone while the other ranks go on into the first iteration's collectives."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    argv = TINY + ["--metrics-file", str(blocker / "metrics.jsonl")]
+    for status, message in run_distributed(_main, 2, argv):
+        assert status == "error" and "--metrics-file" in message and str(blocker) in message, message
