@@ -82,6 +82,8 @@ def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int, 
                                          data_parallel_size)
     if num_workers == 0:
         return (collate([dataset[i] for i in indices]) for indices in sampler)
+    # A generator of its own: by default each iterator draws its workers' base seed from the process's torch
+    # generator, shifting dropout after a resume (the iterator is made after the RNG state is restored).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate)
+                                         collate_fn=collate, generator=torch.Generator())
     return iter(loader)

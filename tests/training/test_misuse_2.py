@@ -114,3 +114,20 @@ def test_metrics_file_that_rank_0_cannot_open_stops_every_rank(tmp_path):
     argv = TINY + ["--metrics-file", str(blocker / "metrics.jsonl")]
     for status, message in run_distributed(_main, 2, argv):
         assert status == "error" and "--metrics-file" in message and str(blocker) in message, message
+
+
+def test_data_loader_workers_leave_the_random_stream_alone():
+    """--num-workers N: starting the DataLoader (at the start of training, after --load restored the RNG, and
+    at every evaluation) must not draw from the process's torch generator. Would catch a resumed run with
+    --num-workers and dropout whose dropout masks are shifted by one draw from the uninterrupted run's (the
+    iterator is made after the RNG state is restored), so that the resume is not bit-exact."""
+    import torch
+
+    from megatron_lite.data.data_samplers import micro_batch_iterator
+
+    dataset = [{"tokens": torch.full((4,), i)} for i in range(8)]
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    batches = micro_batch_iterator(dataset, 2, 2, 0, 1, num_workers=1)
+    assert next(batches)["tokens"][:, 0].tolist() == [2, 3]
+    assert torch.equal(torch.get_rng_state(), before)
