@@ -76,3 +76,25 @@ def raise_if_requires_grad_changed(named_params: List[Tuple[str, torch.nn.Parame
             f"DistributedDataParallel lays out its gradient buffers once, at construction: set requires_grad "
             f"before wrapping (or wrap the model again, with a new optimizer)."
         )
+
+
+def raise_if_params_replaced(module: torch.nn.Module, named_params: List[Tuple[str, torch.nn.Parameter, bool]]):
+    """`named_params`: the model's parameters at wrap time. A module assigned after wrapping (a new task head,
+    adapters injected into the wrapped model) has parameters in no buffer, hook or optimizer: they would never
+    be reduced nor trained, while the ones it replaced are stepped on zeros. An error naming both sides.
+    One pass over module.parameters() (identity only), once per iteration."""
+    wrapped = [p for _, p, _ in named_params]
+    current = list(module.parameters())
+    if len(current) == len(wrapped) and all(a is b for a, b in zip(current, wrapped)):
+        return
+    known, now = set(wrapped), set(current)
+    new = [n for n, p in module.named_parameters() if p not in known]
+    gone = [n for n, p, _ in named_params if p not in now]
+    if not new and not gone:
+        return  # the same parameters, registered in another order: the buffers do not depend on it
+    raise ValueError(
+        f"the model's parameters changed since the model was wrapped: new {new or 'none'} (in no gradient buffer "
+        f"or optimizer: never reduced nor trained), gone {gone or 'none'} (still stepped). Assign or inject "
+        f"modules (a new head, adapters) before wrapping, then build the optimizer (or wrap the model again, "
+        f"with a new optimizer)."
+    )

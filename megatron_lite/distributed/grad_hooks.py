@@ -22,6 +22,7 @@ from .distributed_data_parallel_config import UNSHARDED_GRADIENT_STRATEGIES
 from .grad_checks import (
     globally_unused_params,
     raise_if_any_rank_found_nonfinite,
+    raise_if_params_replaced,
     raise_if_requires_grad_changed,
     unused_parameters_message,
 )
@@ -166,6 +167,7 @@ class GradHooksMixin:
             self._grads.aliased = False
         self.param_sync.end_iteration()  # ZeRO-3: release what the first iteration (or an unused param) kept
         if unused_error:
+            raise_if_params_replaced(self.module, self._all_named_params)  # the reason, if it is one
             raise ValueError(unused_error)
         if self._overlap:
             self.grad_sync.learn_expected_counts()  # the first complete iteration sets what to expect
@@ -176,6 +178,7 @@ class GradHooksMixin:
 
     def zero_grad_buffer(self):
         """Zero all main_grads and reset bucket state; call at the start of every iteration."""
+        raise_if_params_replaced(self.module, self._all_named_params)
         raise_if_requires_grad_changed(self._all_named_params)
         self._raise_if_params_moved()
         for param in self.param_to_name:

@@ -454,3 +454,28 @@ def test_zero3_inner_module_forward_refuses_placeholders():
     for equal, error in run_distributed(_inner_forward_worker, 2):
         assert equal
         assert error is not None and "full_parameters()" in error and "model(...)" in error, error
+
+
+# ------------------------------------------------------------------------------ modules replaced after wrapping
+def _replaced_worker(config_name):
+    """A new task head assigned after wrapping (fine-tuning code that swaps the classifier)."""
+    case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse, units=("ResidualMLP",))
+    ddp, opt, _, _ = build_pair(case, *t3.CONFIGS[config_name])
+    ddp.module.head = nn.Linear(ddp.module.head.in_features, 2)
+    before = ddp.module.head.weight.detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        t3.megatron_step(ddp, opt, case.loss, [case.batch(gen, 0, 0)])
+    except ValueError as e:
+        return str(e)
+    return f"no error; the new head {'did not train' if torch.equal(before, ddp.module.head.weight) else 'trained'}"
+
+
+@pytest.mark.parametrize("config", ["no_shard", "optim-overlap", "optim_grads_params"])
+def test_module_replaced_after_wrapping_is_an_error(config):
+    """Would catch a module assigned after wrapping (a new classifier head) silently never trained (no_shard: its
+    parameters are in no buffer and no optimizer, .grad piles up, the old head's zeros are stepped), or refused
+    with overlap as "received no gradient" naming the old head and suggesting to freeze it -- instead of one
+    error on every rank naming the new and the gone parameters and saying to replace modules before wrapping."""
+    for error in run_distributed(_replaced_worker, 2, config):
+        assert "head.weight" in error and "before wrapping" in error and "since the model was wrapped" in error, error
