@@ -212,9 +212,16 @@ class ParamUnits:
             if not (index in self.kept_for_backward and torch.is_grad_enabled()):
                 self.release_unit(index)
             if torch.is_grad_enabled():  # gather again just before this unit's backward (unless kept)
-                for tensor in _tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(lambda grad: self._need("backward", index))
+                opaque = []
+                tensors = [t for t in _tensors(output, opaque) if t.requires_grad]
+                if opaque and not tensors and index not in self.kept_for_backward and self.buckets.get(index):
+                    raise TypeError(
+                        f"ZeRO-3 unit {type(module).__name__} returned a {type(opaque[0]).__name__}: the wrapper "
+                        f"gathers a unit again before its backward from a hook on the tensors of its output, found "
+                        f"in tensors, lists, tuples, dicts and dataclasses only. Return one of those (e.g. make "
+                        f"{type(opaque[0]).__name__} a dataclass)")
+                for tensor in tensors:
+                    tensor.register_hook(lambda grad: self._need("backward", index))
             return output
         return hook
 
@@ -364,16 +371,18 @@ def _refuse_released(units: ParamUnits, buckets: List[Bucket]):
     return hook
 
 
-def _tensors(output) -> List[torch.Tensor]:
+def _tensors(output, opaque: List[object]) -> List[torch.Tensor]:
     """The tensors in a unit's output: in tensors, lists, tuples (named too), dicts and dataclasses (a block
     returning `BlockOutput(hidden=...)`): a tensor hidden anywhere else gets no re-gather hook, and its unit's
-    backward would read released parameters."""
+    backward would read released parameters. Other objects found (not None, numbers, strings) go to `opaque`."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
+        return [t for item in output for t in _tensors(item, opaque)]
     if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
+        return [t for item in output.values() for t in _tensors(item, opaque)]
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        return [t for field in dataclasses.fields(output) for t in _tensors(getattr(output, field.name))]
+        return [t for field in dataclasses.fields(output) for t in _tensors(getattr(output, field.name), opaque)]
+    if output is not None and not isinstance(output, (bool, int, float, str)):
+        opaque.append(output)
     return []

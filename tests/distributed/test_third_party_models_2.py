@@ -456,6 +456,42 @@ def test_zero3_inner_module_forward_refuses_placeholders():
         assert error is not None and "full_parameters()" in error and "model(...)" in error, error
 
 
+class Carrier:
+    """A plain object holding a block's output (neither a tensor, a container nor a dataclass)."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+class CarrierBlock(DataclassBlock):
+    def forward(self, h):
+        return Carrier(self.mlp(h))
+
+
+class CarrierStack(DataclassStack):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([CarrierBlock(10) for _ in range(3)])
+
+
+def _opaque_output_worker():
+    case = t3.Case(CarrierStack, t3.regression_batch, t3.mse)
+    ddp, opt, _, _ = build_pair(case, "optim_grads_params", True)
+    try:
+        t3.megatron_step(ddp, opt, case.loss, [case.batch(torch.Generator().manual_seed(0), 0, 0)])
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_zero3_unit_output_it_cannot_look_into_is_an_error():
+    """Would catch a ZeRO-3 unit returning an object the wrapper cannot find tensors in (no re-gather hook, so its
+    backward reads released parameters: "setStorage ... out of bounds for storage of size 0" at the first
+    backward) instead of a TypeError at its forward, on every rank, naming the unit, the type and what works."""
+    for error in run_distributed(_opaque_output_worker, 2):
+        assert error is not None and "CarrierBlock" in error and "Carrier" in error and "dataclass" in error, error
+
+
 # ------------------------------------------------------------------------------ modules replaced after wrapping
 def _replaced_worker(config_name):
     """A new task head assigned after wrapping (fine-tuning code that swaps the classifier)."""
