@@ -168,10 +168,11 @@ class Bucket:
             if self.expected_counts is None:  # ZeRO-2/3's first iteration: one arrival expected
                 raise RuntimeError(
                     f"parameter {self.name(self.params_list[index])} received a second gradient in one backward "
-                    f"(e.g. a weight shared by reentrant activation-checkpointed segments): ZeRO-2/3 (sharded "
-                    f"gradients) reduce each bucket once all its parameters got one gradient, from the first "
-                    f"iteration on. Use non-reentrant checkpointing (use_reentrant=False) or data_parallel_sharding_"
-                    f"strategy 'optim'")
+                    f"(e.g. a weight shared by reentrant activation-checkpointed segments, two backward passes, or "
+                    f"an earlier micro-batch's backward run outside no_sync(): torch DDP reads no_sync() at the "
+                    f"forward, megatron_lite at the backward, so put both inside): ZeRO-2/3 (sharded gradients) "
+                    f"reduce each bucket once all its parameters got one gradient, from the first iteration on. Use "
+                    f"non-reentrant checkpointing (use_reentrant=False) or data_parallel_sharding_strategy 'optim'")
             expected = "?" if self.expected_counts is None else self.expected_counts[index]
             raise RuntimeError(
                 f"parameter {self.name(self.params_list[index])} received a second gradient after its bucket "

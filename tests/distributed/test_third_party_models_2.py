@@ -326,6 +326,45 @@ def test_fewer_backward_passes_than_the_first_iteration(config):
         assert len(result) == 2 and result[0] == {} and "second gradient after its bucket" in result[1], result
 
 
+def _forward_only_no_sync_worker(config_name):
+    """torch DDP's reading of no_sync(): only each earlier micro-batch's forward inside it, the backward after."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse)
+    ddp, opt, reference, torch_opt = build_pair(case, *t3.CONFIGS[config_name])
+    gen = torch.Generator().manual_seed(1000 + rank)
+    per_step = []
+    for step in range(t3.STEPS):
+        micro_batches = [case.batch(gen, rank, step) for _ in range(t3.MICRO_BATCHES)]
+        ddp.zero_grad_buffer()
+        try:
+            for i, (args, target) in enumerate(micro_batches):
+                with ddp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss = t3.mse(ddp(*args), target) / len(micro_batches)
+                loss.backward()
+            ddp.finish_grad_sync()
+        except RuntimeError as e:
+            return per_step + [str(e)]
+        opt.step()
+        t3.torch_step(reference, torch_opt, case.loss, micro_batches)
+        per_step.append(t3.differences(ddp, reference))
+    return per_step
+
+
+@pytest.mark.parametrize("config", ["no_shard", "optim-overlap", "optim_grads-overlap"])
+def test_no_sync_around_the_forward_only(config):
+    """Would catch torch DDP's way of accumulating (no_sync() around the forward, backward after it) giving other
+    numbers than torch: with overlap the first iteration learns one arrival per micro-batch and launches after
+    the last; or, under ZeRO-2 with overlap (one arrival expected), an error that does not say to put the
+    backward inside no_sync() (it blamed reentrant checkpointing only)."""
+    for rank, result in enumerate(run_distributed(_forward_only_no_sync_worker, 2, config)):
+        if config == "optim_grads-overlap":
+            assert len(result) == 1 and "outside no_sync()" in result[0], result
+        else:
+            t3.assert_matches(rank, result)
+
+
 # ------------------------------------------------------------------------------ refused at wrap time
 class SparseEmbeddingLM(nn.Module):
     def __init__(self, vocab=t3.VOCAB, dim=16):
