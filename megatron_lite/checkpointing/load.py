@@ -16,6 +16,7 @@ leaves the others waiting in the next collective. Files are loaded with `torch.l
 no pickled code is executed (torch_dist's index: dcp_metadata.py).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -75,6 +76,11 @@ def _load(root, model, optimizer, scheduler, group, check_args, hyperparameters,
             return {**loaded, "unreadable_last_words": unreadable}
         unreadable.append(newest)
     if iteration is None:
+        # A tracker says a checkpoint was saved here: the checkpoints were moved or deleted (Megatron fails
+        # loading the iteration it names); training from scratch would overwrite the tracker without a word.
+        if os.path.exists(os.path.join(root, files.TRACKER_FILENAME)):
+            raise ValueError(f"{root} holds {files.TRACKER_FILENAME} but no complete checkpoint (were they moved or "
+                             f"deleted?): restore them, or remove the tracker to train from scratch")
         return None
     try:
         tracker = files.read_tracker(root)

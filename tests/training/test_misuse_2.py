@@ -131,3 +131,17 @@ def test_data_loader_workers_leave_the_random_stream_alone():
     batches = micro_batch_iterator(dataset, 2, 2, 0, 1, num_workers=1)
     assert next(batches)["tokens"][:, 0].tolist() == [2, 3]
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_load_of_a_tracker_without_its_checkpoints_is_an_error_on_every_rank(tmp_path):
+    """--load DIR where DIR's latest_checkpointed_iteration.txt says 40 but the iter_* directories are gone
+    (moved, deleted, a partial copy). Would catch the run training from scratch with exit code 0 and then
+    overwriting the tracker with its own iteration (Megatron fails loading the iteration the tracker names)."""
+    save = tmp_path / "ck"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("40\n")
+    for status, message in run_distributed(_main, 2, TINY + ["--load", str(save), "--save", str(save)]):
+        assert status == "error" and "latest_checkpointed_iteration.txt" in message, message
+        assert "no complete checkpoint" in message
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "40\n"
+    assert not any(name.startswith("iter_") for name in os.listdir(save))
