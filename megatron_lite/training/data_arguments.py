@@ -93,6 +93,10 @@ def check_data_args(args):
             raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; "
                              f"{args.tokenizer_type} defines its own: drop --vocab-size or add --tokenizer-type "
                              "NullTokenizer")
+    if args.tokenizer_model and args.tokenizer_type != "HuggingFaceTokenizer":  # ignored, the data read with another
+        raise ValueError(f"--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only, not by "
+                         f"{args.tokenizer_type}: add --tokenizer-type HuggingFaceTokenizer (as for "
+                         "tools/preprocess_data.py) or drop --tokenizer-model")
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")

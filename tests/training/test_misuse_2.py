@@ -145,3 +145,26 @@ def test_load_of_a_tracker_without_its_checkpoints_is_an_error_on_every_rank(tmp
         assert "no complete checkpoint" in message
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "40\n"
     assert not any(name.startswith("iter_") for name in os.listdir(save))
+
+
+def test_tokenizer_model_without_its_tokenizer_type_is_a_flag_error(tmp_path, capsys):
+    """--tokenizer-model tokenizer.json without --tokenizer-type HuggingFaceTokenizer, in either command. Would
+    catch the file silently ignored: tools/preprocess_data.py writing byte-level ids that a run with the HF
+    tokenizer then trains on without any error (every id fits its larger vocabulary), or pretrain_gpt.py
+    training a byte-level model on the HF ids."""
+    import importlib.util
+
+    model = str(tmp_path / "tokenizer.json")
+    message = flag_error(["--tokenizer-model", model, "--mock-data"], capsys)
+    assert "--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only" in message
+    spec = importlib.util.spec_from_file_location("preprocess_data_misuse", os.path.join(REPO, "tools",
+                                                                                        "preprocess_data.py"))
+    preprocess = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(preprocess)
+    text = tmp_path / "text.txt"
+    text.write_text("a document\n")
+    with pytest.raises(SystemExit) as exc:
+        preprocess.main(["--input", str(text), "--output-prefix", str(tmp_path / "out"), "--tokenizer-model", model])
+    assert exc.value.code == 2
+    assert "--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out.bin")
