@@ -365,6 +365,36 @@ def test_no_sync_around_the_forward_only(config):
             t3.assert_matches(rank, result)
 
 
+def _unused_without_overlap_worker(strategy):
+    """test_third_party_models.py's branch that no rank uses in some steps, without overlap_grad_reduce."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    case = t3.CASES["rank_branches"]
+    ddp, opt, reference, torch_opt = t3.build_pair(case, strategy, False)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    per_step = []
+    for step, task_of in enumerate(t3.ALL_RANKS_TASKS):
+        micro_batches = []
+        for _ in range(t3.MICRO_BATCHES):
+            (x, _), y = t3.task_batch(gen, rank, step)
+            micro_batches.append(((x, task_of(rank)), y))
+        t3.megatron_step(ddp, opt, case.loss, micro_batches)
+        t3.torch_step(reference, torch_opt, case.loss, micro_batches)
+        per_step.append((t3.differences(ddp, reference), sorted(ddp.param_to_name[p] for p in ddp.unused_params)))
+    return per_step
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads"])
+def test_parameters_no_rank_uses_are_skipped_without_overlap(strategy):
+    """Would catch find_unused_parameters=True skipping a branch no rank ran only with overlap_grad_reduce (the
+    docs said unused parameters were always stepped on zeros without overlap): Adam moments and weight decay
+    moving a branch torch leaves alone."""
+    for rank, per_step in enumerate(run_distributed(_unused_without_overlap_worker, 2, strategy)):
+        t3.assert_matches(rank, [result for result, _ in per_step])
+        assert [bool(unused) for _, unused in per_step] == [False, True, False, True], per_step
+
+
 # ------------------------------------------------------------------------------ refused at wrap time
 class SparseEmbeddingLM(nn.Module):
     def __init__(self, vocab=t3.VOCAB, dim=16):
