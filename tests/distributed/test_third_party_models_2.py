@@ -395,6 +395,65 @@ def test_parameters_no_rank_uses_are_skipped_without_overlap(strategy):
         assert [bool(unused) for _, unused in per_step] == [False, True, False, True], per_step
 
 
+class MixedDtypeNet(nn.Module):
+    """A bf16 body between an fp32 stem and head: the user cast part of the model (fp32 for the sensitive ends)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 10)
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(10, 20) for _ in range(2)]).to(torch.bfloat16)
+        self.head = nn.Linear(10, 2)
+
+    def forward(self, x):
+        h = self.stem(x).to(torch.bfloat16)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.float())
+
+
+def _mixed_dtype_worker(config_name):
+    """megatron_lite vs torch DDP whose AdamW steps fp32 masters of the bf16 parameters (megatron's rule: fp32 main
+    params, the bf16 gradient reduced in bf16, cast up, the update cast down); OptimizerConfig.bf16 left False."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    case = t3.Case(MixedDtypeNet, t3.regression_batch, t3.mse)
+    ddp, opt, reference, _ = build_pair(case, *t3.CONFIGS[config_name])
+    masters = {p: p.detach().float().requires_grad_() if p.dtype != torch.float32 else p
+               for p in reference.module.parameters()}
+    torch_opt = torch.optim.AdamW([{**g, "params": [masters[p] for p in g["params"]]}
+                                   for g in t3.torch_param_groups(reference.module)], lr=t3.LR, foreach=True)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    per_step = []
+    for step in range(t3.STEPS):
+        micro_batches = [case.batch(gen, rank, step) for _ in range(t3.MICRO_BATCHES)]
+        t3.megatron_step(ddp, opt, case.loss, micro_batches)
+        for p in reference.module.parameters():
+            p.grad = None
+        for i, (args, target) in enumerate(micro_batches):
+            with reference.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                (case.loss(reference(*args), target) / len(micro_batches)).backward()
+        for p, master in masters.items():
+            if master is not p:
+                master.grad = p.grad.float()
+        torch_opt.step()
+        with torch.no_grad():
+            for p, master in masters.items():
+                if master is not p:
+                    p.copy_(master)
+        per_step.append(t3.differences(ddp, reference))
+    return per_step
+
+
+@pytest.mark.parametrize("config", ["no_shard", "optim-overlap", "optim_grads_params"])
+def test_fp32_and_bf16_parameters_in_one_model(config):
+    """Would catch a model mixing fp32 and bf16 parameters (one buffer per dtype) reducing a buffer in the other's
+    dtype, pairing a bf16 parameter with an fp32 slot, stepping bf16 weights without fp32 main params when
+    OptimizerConfig.bf16 is False, or a ZeRO shard of one dtype's buffer applied to the other's."""
+    for rank, per_step in enumerate(run_distributed(_mixed_dtype_worker, 2, config)):
+        t3.assert_matches(rank, per_step)
+
+
 # ------------------------------------------------------------------------------ refused at wrap time
 class SparseEmbeddingLM(nn.Module):
     def __init__(self, vocab=t3.VOCAB, dim=16):
