@@ -168,3 +168,28 @@ def test_tokenizer_model_without_its_tokenizer_type_is_a_flag_error(tmp_path, ca
     assert exc.value.code == 2
     assert "--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out.bin")
+
+
+def test_resume_with_a_smaller_global_batch_that_runs_out_of_data_is_an_error_on_every_rank(tmp_path):
+    """A run of 6 iterations of 16 samples saved at 5, resumed for 12 iterations of 8: the data holds whole
+    epochs of the 96 samples asked for (120), but 80 + 7 x 8 = 136 are needed. Would catch the run training
+    iterations 6..10 and then dying in the middle of an iteration with a bare StopIteration."""
+    import numpy as np
+
+    from megatron_lite.data import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, 257) as builder:
+        for _ in range(40):
+            builder.add_document(rng.integers(0, 256, 50).tolist() + [256])
+    save = str(tmp_path / "ck")
+    flags = tiny_pretrain_flags(mock_data=None, data_path=prefix, split="1,0,0", global_batch_size="16",
+                                data_cache_path=str(tmp_path / "cache"), save=save)
+    assert all(status == "ok" for status, _ in run_distributed(_main, 2, flags + ["--exit-interval", "5"]))
+    resumed = tiny_pretrain_flags(mock_data=None, data_path=prefix, split="1,0,0", global_batch_size="8",
+                                  train_iters="12", data_cache_path=str(tmp_path / "cache"),
+                                  load=save) + ["--override-opt_param-scheduler"]
+    for status, message in run_distributed(_main, 2, resumed):
+        assert status == "error" and "resuming at 80 consumed samples" in message, message
+        assert "--global-batch-size (16" in message
