@@ -77,6 +77,9 @@ def train_valid_test_datasets_provider(args, tokenizer):
             if name == "train":
                 raise ValueError("the train split holds no documents: give --split a larger train weight or "
                                  "--train-data-path a dataset")
+            if name == "valid" and args.eval_iters > 0:  # asked for, so say why it does not happen
+                print_rank_0(f"> valid: none (no documents in the split, or too few tokens for one sample of "
+                             f"{args.seq_length}): no evaluation despite --eval-iters {args.eval_iters}")
             continue
         print_rank_0(f"> {name}: {len(dataset)} samples ({type(dataset).__name__}, index "
                      f"{'loaded from' if dataset.cache_hit else 'built into'} {args.data_cache_path})")

@@ -40,6 +40,20 @@ def _main(argv):
     return "ok", {i: r["lm loss"] for i, r in result["losses"].items()}
 
 
+def _corpus(tmp_path) -> str:
+    """A dataset of 40 byte-level documents of 51 tokens (eod last) under tmp_path; returns its prefix."""
+    import numpy as np
+
+    from megatron_lite.data import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, 257) as builder:
+        for _ in range(40):
+            builder.add_document(rng.integers(0, 256, 50).tolist() + [256])
+    return prefix
+
+
 # ------------------------------------------------------------------------------------------ parse time
 def test_lr_decay_iters_of_zero_is_a_flag_error(capsys):
     """Would catch --lr-decay-iters 0 accepted: the decay is then over before the first iteration and every
@@ -174,15 +188,7 @@ def test_resume_with_a_smaller_global_batch_that_runs_out_of_data_is_an_error_on
     """A run of 6 iterations of 16 samples saved at 5, resumed for 12 iterations of 8: the data holds whole
     epochs of the 96 samples asked for (120), but 80 + 7 x 8 = 136 are needed. Would catch the run training
     iterations 6..10 and then dying in the middle of an iteration with a bare StopIteration."""
-    import numpy as np
-
-    from megatron_lite.data import IndexedDatasetBuilder
-
-    prefix = str(tmp_path / "corpus")
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, 257) as builder:
-        for _ in range(40):
-            builder.add_document(rng.integers(0, 256, 50).tolist() + [256])
+    prefix = _corpus(tmp_path)
     save = str(tmp_path / "ck")
     flags = tiny_pretrain_flags(mock_data=None, data_path=prefix, split="1,0,0", global_batch_size="16",
                                 data_cache_path=str(tmp_path / "cache"), save=save)
@@ -193,3 +199,25 @@ def test_resume_with_a_smaller_global_batch_that_runs_out_of_data_is_an_error_on
     for status, message in run_distributed(_main, 2, resumed):
         assert status == "error" and "resuming at 80 consumed samples" in message, message
         assert "--global-batch-size (16" in message
+
+
+def _stdout_of_main(argv):
+    """pretrain_gpt.main on this rank; returns what it printed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _main(argv)
+    return out.getvalue()
+
+
+def test_evaluation_asked_for_without_validation_data_is_announced(tmp_path):
+    """--eval-iters 2 --eval-interval 2 with --split 1,0,0 (no validation documents). Would catch the
+    evaluations being left out without a word: the run ends with exit code 0 and no validation loss, and the
+    user does not learn why."""
+    flags = tiny_pretrain_flags(mock_data=None, split="1,0,0", eval_iters="2", eval_interval="2", train_iters="2",
+                                data_cache_path=str(tmp_path / "cache"), data_path=_corpus(tmp_path))
+    printed = run_distributed(_stdout_of_main, 2, flags)[0]
+    assert "> valid: none" in printed and "no evaluation despite --eval-iters 2" in printed, printed
+    assert "validation loss" not in printed
