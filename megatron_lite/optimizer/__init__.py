@@ -104,6 +104,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
         for param, name in chunk.param_to_name.items():
             # Any mix of dtypes works (fp32 params are stepped in place, others through fp32 main copies),
             # but fp16 gradients underflow without loss scaling.
+            if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"parameter {name} is {param.dtype}: the optimizers step fp32 main params (as "
+                                f"megatron-core's), which would update it at fp32 precision; convert the model to "
+                                f"float32, bfloat16 or float16 before wrapping")
             if param.dtype == torch.float16 and not config.fp16:
                 raise ValueError(f"parameter {name} is float16 but OptimizerConfig.fp16 is False: fp16 training "
                                  f"needs loss scaling (set fp16=True)")

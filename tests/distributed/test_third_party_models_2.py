@@ -512,6 +512,12 @@ def _refused_worker(strategy):
             errors.append(None)
         except (TypeError, ValueError) as e:
             errors.append((type(e).__name__, str(e)))
+    try:  # a double-precision model: its optimizer would step it through fp32 main params
+        t3.build_pair(t3.Case(lambda: tpm.StackedMLP().double(), t3.regression_batch, t3.mse, units=()), strategy,
+                      True)
+        errors.append(None)
+    except TypeError as e:
+        errors.append(str(e))
     ddp, _, _, _ = t3.build_pair(t3.Case(SparseFunctionLM, t3.lm_batch, t3.lm_loss, units=()), strategy, True)
     (tokens,), targets = t3.lm_batch(torch.Generator().manual_seed(0), 0, 0)
     try:
@@ -528,9 +534,12 @@ def test_unsupported_models_are_refused_on_every_rank(strategy):
     Tensor that doesn't have storage", and two Parameters tied through `.data` silently untied by the distributed
     optimizer's buffer (ZeRO-1/3: embed and head train apart) while no_shard kept them tied -- instead of one
     error at wrap time, on every rank, naming the module or parameters and the fix; and a custom Function's sparse
-    gradient reaching the buffers (the same storage error) instead of a TypeError naming the parameter."""
+    gradient reaching the buffers (the same storage error) instead of a TypeError naming the parameter; and a
+    float64 model silently stepped at fp32 precision (its main params are fp32 copies: probed, 5e-8 off torch's
+    float64 AdamW after one step) instead of megatron-core's TypeError at get_megatron_optimizer."""
     for errors in run_distributed(_refused_worker, 2, strategy):
-        (sparse_type, sparse), (tied_type, tied), from_function = errors
+        (sparse_type, sparse), (tied_type, tied), float64, from_function = errors
+        assert float64 is not None and "stem.weight is torch.float64" in float64 and "fp32" in float64, float64
         assert from_function is not None and "embed.weight received a torch.sparse_coo gradient" in from_function
         assert sparse_type == "TypeError" and "embed" in sparse and "sparse=False" in sparse, sparse
         assert tied_type == "ValueError" and "embed.weight and head.weight" in tied, tied
