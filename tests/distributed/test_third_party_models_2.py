@@ -67,6 +67,53 @@ class SharedBlockNet(nn.Module):
         return self.head(h)
 
 
+class CheckpointedStages(nn.Module):
+    """One checkpoint around several blocks (a stage), so a recomputation runs several ZeRO-3 units."""
+
+    def __init__(self, reentrant, dim_in=6, dim=10, depth=4, out=2):
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = nn.Linear(dim_in, dim)
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(dim, 2 * dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, out)
+
+    def stage(self, h, first, last):
+        for block in self.blocks[first:last]:
+            h = block(h)
+        return h
+
+    def forward(self, x):
+        h = self.stem(x)
+        half = len(self.blocks) // 2
+        h = checkpoint(self.stage, h, 0, half, use_reentrant=self.reentrant)
+        h = checkpoint(self.stage, h, half, len(self.blocks), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+class CrossLayerTied(SharedBlockNet):
+    """ALBERT's sharing done by tying: distinct blocks whose up projections are one Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(10, 20) for _ in range(3)])
+        for block in self.blocks[1:]:
+            block.up.weight = self.blocks[0].up.weight
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class RepeatedModuleList(CrossLayerTied):
+    """nn.ModuleList([block] * 3): one block object registered three times."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([tpm.ResidualMLP(10, 20)] * 3)
+
+
 class Gate(torch.autograd.Function):
     """x * w with a hand-written backward, as custom kernels' Python wrappers are."""
 
@@ -181,6 +228,9 @@ CASES = {
     "checkpoint_non_reentrant": t3.Case(_checkpointed(False), t3.regression_batch, t3.mse),
     "shared_block": t3.Case(_shared(None), t3.regression_batch, t3.mse),
     "shared_block_checkpointed": t3.Case(_shared(False), t3.regression_batch, t3.mse),
+    "checkpoint_around_units": t3.Case(lambda: CheckpointedStages(True), t3.regression_batch, t3.mse),
+    "cross_layer_tied": t3.Case(CrossLayerTied, t3.regression_batch, t3.mse),
+    "repeated_module_list": t3.Case(RepeatedModuleList, t3.regression_batch, t3.mse),
     "attention_custom_function": t3.Case(AttentionLM, t3.lm_batch, t3.lm_loss, units=("MultiheadAttention",)),
     "parametrizations": t3.Case(parametrized_stack, t3.regression_batch, t3.mse, units=("ResidualMLP",)),
     "user_hooks": t3.Case(HookedStack, t3.regression_batch, t3.mse),
@@ -239,11 +289,13 @@ def test_matches_torch_ddp_and_adamw(case, config):
     """Would catch, per model: reentrant checkpointing's recomputed forward re-gathering, releasing or counting a
     ZeRO-3 unit wrongly, or its late gradient hooks missing a launched bucket (checkpoint_*); a block applied
     several times getting one application's gradient, reduced before the last application's backward, or released
-    by ZeRO-3 between applications (shared_block*); nn.MultiheadAttention's directly-read parameters, the padding
-    row or a custom Function's gradient lost (attention_custom_function); a parametrization's original tensors or
-    spectral_norm's buffers mishandled (parametrizations); the user's parameter and module hooks skipped or applied
-    twice (user_hooks); a ZeRO-3 unit whose dataclass output hid its tensors from the re-gather hook, its backward
-    then reading released parameters (dataclass_outputs, a storage error before the fix)."""
+    by ZeRO-3 between applications (shared_block*, cross_layer_tied, repeated_module_list); a reentrant
+    recomputation running several ZeRO-3 units at once (checkpoint_around_units); nn.MultiheadAttention's
+    directly-read parameters, the padding row or a custom Function's gradient lost (attention_custom_function); a
+    parametrization's original tensors or spectral_norm's buffers mishandled (parametrizations); the user's
+    parameter and module hooks skipped or applied twice (user_hooks); a ZeRO-3 unit whose dataclass output hid its
+    tensors from the re-gather hook, its backward then reading released parameters (dataclass_outputs, a storage
+    error before the fix)."""
     for rank, per_step in enumerate(run_distributed(_compare_worker, 2, case, config)):
         t3.assert_matches(rank, per_step)
 
