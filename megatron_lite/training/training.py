@@ -229,7 +229,8 @@ def resume(args, model, optimizer, scheduler):
             fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
                                              ("RNG", args.no_load_rng)) if flag]
             print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
-                         + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else ""))
+                         + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else "")
+                         + ("; nothing left to train (--train-iters)" if iteration == args.train_iters else ""))
     if args.save:  # every rank stops, also where only rank 0 (the writer) can see the directory
         collectives.run_collectively(refuse_to_shadow, args.save, loaded)
     return iteration, consumed, loaded
