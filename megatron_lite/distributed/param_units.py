@@ -95,6 +95,7 @@ class ParamUnits:
         for schedule in self._schedules.values():
             schedule.restart()
         self._open = set()  # phases begun and not yet completed (see _complete)
+        self._full_depth = 0  # nesting depth of full_parameters() (see holding_all)
         # Per sharding group, gathers issued this iteration: count and a rolling digest of their order.
         self._signature = {key: [0, 0] for key in self._gather_groups}
         self._handles = []
@@ -204,11 +205,14 @@ class ParamUnits:
 
     def _pre_forward_hook(self, index):
         def hook(module, args):
-            self._need("forward", index)
+            if not self.holding_all:
+                self._need("forward", index)
         return hook
 
     def _post_forward_hook(self, index):
         def hook(module, args, output):
+            if self.holding_all:  # inside full_parameters(): nothing to gather, release or gather again
+                return output
             if not (index in self.kept_for_backward and torch.is_grad_enabled()):
                 self.release_unit(index)
             if torch.is_grad_enabled():  # gather again just before this unit's backward (unless kept)
@@ -233,7 +237,7 @@ class ParamUnits:
             if id(bucket) in self._root_ids:
                 bucket.count_backward_arrival(index)  # reset when end_iteration releases the root
             return
-        if bucket.count_backward_arrival(index):
+        if bucket.count_backward_arrival(index) and not self.holding_all:
             bucket.release_params()
 
     # ---------------------------------------------------------------- releasing
@@ -241,7 +245,9 @@ class ParamUnits:
         return [b for buckets in self.buckets.values() for b in buckets]
 
     def release_all(self):
-        """Release every bucket but the persistent ones."""
+        """Release every bucket but the persistent ones (inside full_parameters(): none, until it ends)."""
+        if self.holding_all:
+            return
         for bucket in self.all_buckets():
             if id(bucket) not in self._persistent_ids:
                 bucket.release_params()
@@ -289,8 +295,9 @@ class ParamUnits:
             bucket.finish_param_sync()  # a persistent bucket's refresh in flight
 
     def release_unit(self, index: Optional[int]):
-        """Release unit `index`'s buckets (None: nothing; the persistent ones are never released)."""
-        if index is not None and index != len(self.units) + 1:
+        """Release unit `index`'s buckets (None: nothing; the persistent ones are never released; inside
+        full_parameters() nothing is released until it ends)."""
+        if index is not None and index != len(self.units) + 1 and not self.holding_all:
             for bucket in self.buckets.get(index, []):
                 bucket.release_params()
 
@@ -332,6 +339,11 @@ class ParamUnits:
             state[key] = value.clone() if isinstance(value, torch.Tensor) else value
         return state
 
+    @property
+    def holding_all(self) -> bool:
+        """Inside full_parameters(): everything stays gathered, whatever runs (no gather, no release)."""
+        return self._full_depth > 0
+
     @contextlib.contextmanager
     def reading_placeholders(self):
         """state_dict() of the modules is allowed inside, placeholders and all: for sharded readers that skip
@@ -347,6 +359,7 @@ class ParamUnits:
         """Every unit gathered inside the context, released after it; with `write_back` what was written
         into the parameters becomes the new shards."""
         self.gather_all()
+        self._full_depth += 1  # the units' forward hooks leave them gathered: one rank may run the model alone
         try:
             yield
             if write_back:
@@ -355,7 +368,8 @@ class ParamUnits:
                         bucket.param_shard.copy_(bucket.my_shard_of(bucket.param_data))
                 self._refresh_persistent(async_op=False)  # whole again from the shards, as every rank has them
         finally:
-            self.release_all()
+            self._full_depth -= 1
+            self.release_all()  # only once the outermost full_parameters() ends
 
 
 def _refuse_released(units: ParamUnits, buckets: List[Bucket]):

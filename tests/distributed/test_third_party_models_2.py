@@ -681,6 +681,36 @@ def test_zero3_unit_output_it_cannot_look_into_is_an_error():
         assert error is not None and "CarrierBlock" in error and "Carrier" in error and "dataclass" in error, error
 
 
+def _rank0_inner_forward_worker():
+    """Generation on rank 0 only, inside full_parameters() entered by every rank, then training goes on."""
+    import torch.distributed as dist
+
+    case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse, units=("ResidualMLP",))
+    ddp, opt, _, _ = build_pair(case, "optim_grads_params", True)
+    gen = torch.Generator().manual_seed(0)
+    t3.megatron_step(ddp, opt, case.loss, [case.batch(gen, 0, 0)])
+    (x,), _ = case.batch(gen, 0, 1)
+    with torch.no_grad():
+        expected = ddp(x)
+        equal = []
+        with ddp.full_parameters():
+            equal.append(torch.equal(ddp(x), expected))  # the wrapper's forward inside releases nothing either
+            if dist.get_rank() == 0:
+                equal += [torch.equal(ddp.module(x), expected) for _ in range(3)]  # three decoding steps
+    t3.megatron_step(ddp, opt, case.loss, [case.batch(gen, 0, 2)])
+    return equal
+
+
+def test_zero3_inner_module_on_one_rank_inside_full_parameters():
+    """Would catch the units' own forward hooks releasing a unit after its forward inside full_parameters(), so
+    that rank 0's next forward gathered it again alone: a collective the other ranks never join (gloo's "Received
+    data size doesn't match expected size" abort, or a hang) -- for the documented way to generate or evaluate
+    on one rank: every rank enters full_parameters(), one runs model.module; and a wrapper forward inside it
+    releasing the units, leaving the inner module's next forward on NaN placeholders."""
+    results = run_distributed(_rank0_inner_forward_worker, 2)
+    assert results == [[True] * 4, [True]], results
+
+
 # ------------------------------------------------------------------------------ modules replaced after wrapping
 def _replaced_worker(config_name):
     """A new task head assigned after wrapping (fine-tuning code that swaps the classifier)."""
