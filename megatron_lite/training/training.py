@@ -207,9 +207,11 @@ def resume(args, model, optimizer, scheduler):
     if args.load:
         policy = ("override" if args.override_opt_param_scheduler else
                   "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
-        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None,
-                                              architecture_args(args), policy, args.finetune, not args.no_load_optim,
-                                              not args.no_load_rng)
+        check = architecture_args(args)
+        if not args.finetune:  # the embedding rows mean the checkpoint's tokens (Megatron compares it too);
+            check["tokenizer_type"] = args.tokenizer_type  # a fine-tuning may bring another tokenizer on purpose
+        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None, check,
+                                              policy, args.finetune, not args.no_load_optim, not args.no_load_rng)
         if loaded is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
         if loaded is None and args.finetune:  # every rank found the same (load_checkpoint agrees): all raise

@@ -222,3 +222,16 @@ def test_evaluation_asked_for_without_validation_data_is_announced(tmp_path):
     printed = run_distributed(_stdout_of_main, 2, flags)[0]
     assert "> valid: none" in printed and "no evaluation despite --eval-iters 2" in printed, printed
     assert "validation loss" not in printed
+
+
+def test_resume_with_another_tokenizer_is_an_error_on_every_rank(tmp_path):
+    """A ByteLevelTokenizer checkpoint resumed with --tokenizer-type NullTokenizer --vocab-size 300 (the same
+    padded vocabulary, 384). Would catch the resume continuing silently with the embedding rows meaning other
+    tokens (Megatron's check_checkpoint_args compares tokenizer_type). --finetune, which may change the
+    tokenizer on purpose, still loads."""
+    save = str(tmp_path / "ck")
+    assert all(status == "ok" for status, _ in run_distributed(_main, 2, TINY + ["--save", save, "--train-iters", "2"]))
+    other = TINY + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--load", save]
+    for status, message in run_distributed(_main, 2, other):
+        assert status == "error" and "tokenizer_type=ByteLevelTokenizer" in message, message
+    assert [status for status, _ in run_distributed(_main, 2, other + ["--finetune"])] == ["ok", "ok"]
