@@ -162,7 +162,8 @@ class ParamAndGradBuffer:
                 continue
             bucket = self.buckets[bucket_id]
             expected = bucket.expected_param_data_ptr(start - bucket.offset)
-            if expected is not None and param.data_ptr() != expected:
+            # (an empty tensor's data_ptr() is 0 wherever it points: nothing to misplace)
+            if expected is not None and param.numel() and param.data_ptr() != expected:
                 problems.append(f"{name}: param.data is not its view into the parameter buffer any more")
         return problems
 

@@ -506,6 +506,46 @@ def test_fp32_and_bf16_parameters_in_one_model(config):
         t3.assert_matches(rank, per_step)
 
 
+class WithEmptyParameter(nn.Module):
+    """A trainable zero-size parameter among the others (configurable code with 0 extra tokens / prompts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra_tokens = nn.Parameter(torch.zeros(0, 10))
+        self.net = tpm.StackedMLP()
+
+    def forward(self, x):
+        return self.net(x) + self.extra_tokens.sum()
+
+
+def _empty_parameter_worker(config_name):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    case = t3.Case(WithEmptyParameter, t3.regression_batch, t3.mse, units=("ResidualMLP",))
+    ddp, opt, reference, torch_opt = build_pair(case, *t3.CONFIGS[config_name])
+    gen = torch.Generator().manual_seed(1000 + rank)
+    differing = []
+    for step in range(t3.STEPS):
+        micro_batches = [case.batch(gen, rank, step) for _ in range(t3.MICRO_BATCHES)]
+        t3.megatron_step(ddp, opt, case.loss, micro_batches)
+        t3.torch_step(reference, torch_opt, case.loss, micro_batches)
+        ddp.finish_param_sync()
+        with ddp.full_parameters():
+            differing.append([n for (n, p), q in zip(ddp.module.named_parameters(), reference.module.parameters())
+                              if not torch.equal(p, q)])
+    return differing
+
+
+@pytest.mark.parametrize("config", ["no_shard-overlap", "optim", "optim_grads_params"])
+def test_zero_size_parameter(config):
+    """Would catch a trainable parameter with no elements refused under the distributed optimizer and ZeRO-3 as
+    "param.data is not its view into the parameter buffer any more" (an empty tensor's data_ptr() is 0), or
+    breaking the layout of the parameters around it."""
+    for differing in run_distributed(_empty_parameter_worker, 2, config):
+        assert differing == [[]] * t3.STEPS, differing
+
+
 # ------------------------------------------------------------------------------ refused at wrap time
 class SparseEmbeddingLM(nn.Module):
     def __init__(self, vocab=t3.VOCAB, dim=16):
