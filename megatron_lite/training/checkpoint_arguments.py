@@ -70,6 +70,12 @@ def check_checkpoint_args(args):
                          "exclusive")
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ValueError("--async-save needs --ckpt-format torch_dist")
+    if args.async_save and not args.save:  # a flag that would silently do nothing
+        raise ValueError("--async-save needs --save (the directory to write the checkpoints to)")
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        if getattr(args, flag) and not args.load:
+            raise ValueError(f"--{flag.replace('_', '-').replace('opt-param', 'opt_param')} says how to resume: it "
+                             "needs --load (the checkpoint directory to resume from)")
     if args.exit_on_missing_checkpoint and not args.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load")
     for flag in ("finetune", "no_load_optim", "no_load_rng"):

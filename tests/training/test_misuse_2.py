@@ -89,6 +89,18 @@ def test_metrics_file_naming_a_directory_is_a_flag_error(tmp_path, capsys):
     assert f"--metrics-file {tmp_path}" in message and "is a directory" in message
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--async-save"], "--async-save needs --save"),
+    (["--override-opt_param-scheduler"], "--override-opt_param-scheduler says how to resume: it needs --load"),
+    (["--use-checkpoint-opt_param-scheduler"], "--use-checkpoint-opt_param-scheduler says how to resume: it needs"),
+])
+def test_checkpoint_flags_that_would_do_nothing_are_flag_errors(argv, message, capsys):
+    """Would catch --async-save without --save, or a resume policy without --load, accepted and silently
+    ignored (as --finetune without --load is refused: the user believes something happens that does not)."""
+    assert message in flag_error(argv, capsys)
+    assert parse_args(argv + ["--save", "s", "--load", "s"], world_size=2).save == "s"
+
+
 def test_checkpoint_and_metrics_paths_that_do_not_exist_yet_are_accepted(tmp_path):
     """Would catch the path checks refusing the usual first run: --save DIR --load DIR before DIR exists, an
     empty --load directory, a metrics file still to be created."""
