@@ -351,6 +351,9 @@ def validate_args(args, world_size: int):
         args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
     if args.metrics_file is None and (args.tensorboard_dir or args.save):
         args.metrics_file = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
+    if args.tensorboard_dir and os.path.exists(args.tensorboard_dir) and not os.path.isdir(args.tensorboard_dir):
+        raise ValueError(f"--tensorboard-dir {args.tensorboard_dir} is not a directory: give the directory to write "
+                         "the event files (and metrics.jsonl) to")
     if args.metrics_file and os.path.isdir(args.metrics_file):  # rank 0 alone would fail to open it, after start-up
         raise ValueError(f"--metrics-file {args.metrics_file} is a directory: name the JSONL file to write")
     check_configs(args)

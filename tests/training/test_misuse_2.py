@@ -63,10 +63,11 @@ def test_lr_decay_iters_of_zero_is_a_flag_error(capsys):
     assert parse_args(["--lr-decay-iters", "1", "--lr-warmup-iters", "0"], world_size=2).lr_decay_iters == 1
 
 
-@pytest.mark.parametrize("flag", ["--load", "--save"])
+@pytest.mark.parametrize("flag", ["--load", "--save", "--tensorboard-dir"])
 def test_load_or_save_naming_a_file_is_a_flag_error(tmp_path, flag, capsys):
     """Would catch --load FILE treated as an empty directory (a run that meant to resume trains from scratch,
-    exit 0), and --save FILE failing only on rank 0 after start-up while the other ranks wait for it."""
+    exit 0), and --save FILE or --tensorboard-dir FILE failing only on rank 0 after start-up while the other
+    ranks go on."""
     path = tmp_path / "not_a_directory"
     path.write_text("x")
     message = flag_error([flag, str(path)], capsys)
