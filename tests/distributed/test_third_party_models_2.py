@@ -4,14 +4,21 @@ and parameter groups), compared after every step -- or refused with a clear erro
 
   * activation checkpointing (torch.utils.checkpoint, reentrant and not): reentrant recomputation runs the
     blocks' forward inside backward, with autograd off in the first forward;
-  * one block applied several times per forward (ALBERT's weight sharing), plain and checkpointed;
+  * one block applied several times per forward (ALBERT's weight sharing), plain and checkpointed, and the same
+    sharing by tying distinct blocks' Parameters or by nn.ModuleList([block] * 3);
   * nn.MultiheadAttention (parameters read by F.multi_head_attention_forward, not by submodules), an
     nn.Embedding with padding_idx and a custom autograd.Function;
   * parametrizations (weight_norm: two parameters computing one weight; spectral_norm: buffers updated in
     every training forward);
   * the user's own hooks: a tensor hook on a parameter, full backward hooks and pre-hooks on blocks;
-  * ZeRO-3 blocks returning a dataclass instead of a tensor (the output the unit is gathered again from);
-  * two backward passes per micro-batch (retain_graph), against a single-process reference.
+  * ZeRO-3 blocks returning a dataclass instead of a tensor (the output the unit is gathered again from), or an
+    object the wrapper cannot look into (refused);
+  * two backward passes per micro-batch (retain_graph), or fewer in a later iteration than in the first,
+    against a single-process reference; no_sync() around the forward only (torch DDP's reading);
+  * a branch no rank runs, without overlap; fp32 and bf16 parameters in one model; a zero-size parameter;
+  * ZeRO-3's inner module called directly (refused outside full_parameters(), on one rank inside it);
+  * refused on every rank: sparse gradients, Parameters tied through `.data`, float64 parameters, modules
+    replaced after wrapping.
 
 Tolerance: none -- bit-exact, for test_third_party_models.py's reasons. The reference is built again from the
 same seed rather than deep-copied: deepcopy drops the hooks registered on parameters.
