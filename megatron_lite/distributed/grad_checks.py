@@ -82,14 +82,16 @@ def raise_if_params_replaced(module: torch.nn.Module, named_params: List[Tuple[s
     """`named_params`: the model's parameters at wrap time. A module assigned after wrapping (a new task head,
     adapters injected into the wrapped model) has parameters in no buffer, hook or optimizer: they would never
     be reduced nor trained, while the ones it replaced are stepped on zeros. An error naming both sides.
-    One pass over module.parameters() (identity only), once per iteration."""
+    Frozen parameters are in no buffer either way: one re-created in the forward (a position table grown for
+    a longer input) is fine, until it is made trainable. One pass over module.parameters() (identity only),
+    once per iteration."""
     wrapped = [p for _, p, _ in named_params]
     current = list(module.parameters())
     if len(current) == len(wrapped) and all(a is b for a, b in zip(current, wrapped)):
         return
     known, now = set(wrapped), set(current)
-    new = [n for n, p in module.named_parameters() if p not in known]
-    gone = [n for n, p, _ in named_params if p not in now]
+    new = [n for n, p in module.named_parameters() if p not in known and p.requires_grad]
+    gone = [n for n, p, trainable in named_params if p not in now and trainable]
     if not new and not gone:
         return  # the same parameters, registered in another order: the buffers do not depend on it
     raise ValueError(

@@ -69,6 +69,61 @@ def test_parameters_converted_after_wrapping_are_an_error(strategy):
             assert "fc1.weight" in error and "before wrapping" in error
 
 
+class GrowingTable(nn.Module):
+    """A frozen position table re-created as a new Parameter when a longer input comes (as transformers' older
+    sinusoidal position embeddings did): the same values for the same positions, a new object."""
+
+    def __init__(self, length):
+        super().__init__()
+        self.make(length)
+
+    def make(self, length):
+        table = torch.sin(torch.arange(length * 8, dtype=torch.float32).reshape(length, 8) / 7)
+        self.weights = nn.Parameter(table, requires_grad=False)
+
+    def forward(self, x):
+        if x.shape[1] > self.weights.shape[0]:
+            self.make(x.shape[1])
+        return x + self.weights[: x.shape[1]]
+
+
+def _frozen_replaced_worker(strategy):
+    outcomes = {}
+    for initial in (6, 2):  # 6: never replaced (the reference); 2: replaced by the second step, kept below
+        torch.manual_seed(0)
+        ddp = _wrap(nn.Sequential(GrowingTable(initial), nn.Linear(8, 8)), strategy)
+        opt = _optimizer(ddp, strategy)
+        gen = torch.Generator().manual_seed(1)
+        try:
+            for length in (2, 6, 6):
+                _step(ddp, opt, torch.randn(4, length, 8, generator=gen))
+            outcomes[initial] = [v.clone() for v in ddp.state_dict().values()]  # ZeRO-3: gathered
+        except ValueError as e:
+            outcomes[initial] = str(e)
+    replaced, reference = outcomes[2], outcomes[6]
+    if isinstance(replaced, str):
+        return replaced, None
+    trained_alike = all(torch.equal(a, b) for a, b in zip(replaced, reference))
+    ddp.module[0].weights.requires_grad_(True)  # the replacement made trainable: in no buffer, an error
+    try:
+        _step(ddp, opt, torch.randn(4, 6, 8))
+        unfrozen = "no error"
+    except ValueError as e:
+        unfrozen = str(e)
+    return trained_alike, unfrozen
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_frozen_parameter_replaced_after_wrapping_trains(strategy):
+    """Would catch the check for modules replaced after wrapping refusing a frozen Parameter re-created in the
+    forward (a position table grown for a longer input; in no buffer or optimizer either way, fine under torch
+    DDP) as 'new ... never reduced nor trained, gone ... still stepped', or letting such a new parameter be
+    made trainable later without an error."""
+    for trained_alike, unfrozen in run_distributed(_frozen_replaced_worker, 2, strategy):
+        assert trained_alike is True, trained_alike
+        assert "0.weights" in unfrozen and "since the model was wrapped" in unfrozen, unfrozen
+
+
 # ------------------------------------------------------------------------------ ZeRO-3 state_dict of the inner module
 def _inner_state_dict_worker():
     from ddp_testing import make_model
