@@ -47,6 +47,7 @@ from ..distributed import collectives
 from ..training.initialize import initialize_megatron, shutdown
 from ..training.metrics import TrainingLog, print_rank_0
 from ..training.training import (
+    check_train_data,
     evaluate_validation,
     evaluation_due,
     resume,
@@ -146,7 +147,7 @@ class _LiveRun:
         self.words = None
         device, train_ds = self._form_generation()
         args = self.args
-        progress = self._resume()
+        progress = self._resume(train_ds)
         rank, dp = dist.get_rank(), dist.get_world_size()
         self.log = TrainingLog(args, device, dp, self.flops_per_iteration(args) if self.flops_per_iteration else None)
         if args.save and args.last_words:
@@ -195,14 +196,14 @@ class _LiveRun:
         self.membership.limit_group_timeouts()  # the groups the model just created, too
         return device, train_ds
 
-    def _resume(self) -> Progress:
+    def _resume(self, train_ds) -> Progress:
         """Bring the new objects to where training stands: healed from the survivors' snapshots and the
         replicas, or, when no rank of the generation holds any state (the job starting, or restarted whole,
         also if a rank died or the job shrank while it started), from scratch or --load as pretrain() starts.
         All ranks decide together (heal's first collective). Returns the progress every rank continues from."""
         progress = heal(self.snapshot, self.model, self.optimizer, self.scheduler)
         if progress is None:
-            progress = _start(self.args, self.model, self.optimizer, self.scheduler)
+            progress = _start(self.args, self.model, self.optimizer, self.scheduler, train_ds)
         elif self.timings is not None:
             self.timings.mark("healed")
         self.snapshot, self.progress = None, progress
@@ -314,9 +315,11 @@ class _LiveRun:
               f"{membership.replaced()}, members: {membership.members()})", flush=True)
 
 
-def _start(args, model, optimizer, scheduler) -> Progress:
-    """The first generation: from scratch or --load with its options, as pretrain() starts."""
+def _start(args, model, optimizer, scheduler, train_ds) -> Progress:
+    """The first generation: from scratch or --load with its options, as pretrain() starts (the data checked
+    to last to --train-iters from the loaded position)."""
     iteration, consumed, loaded = resume(args, model, optimizer, scheduler)
+    check_train_data(args, train_ds, iteration, consumed)
     return Progress(iteration, consumed, get_rng_state(), scheduler.state_dict(), optimizer.steps_taken,
                     last_saved=iteration if loaded else None)
 

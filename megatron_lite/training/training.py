@@ -194,6 +194,21 @@ def _training_log(args, device, dp: int, flops: Optional[float]) -> TrainingLog:
                          f"--save) cannot be written: {type(e).__name__}: {e}") from e
 
 
+def check_train_data(args, train_ds, iteration: int, consumed: int):
+    """The data is sized for a fresh run (--train-iters x --global-batch-size samples, Megatron's count): a resume
+    with a smaller global batch than the checkpoint's run would end past it. A ValueError now (the same on every
+    rank), not a StopIteration in the middle of an iteration. A run with nothing left to train needs no data."""
+    if iteration >= args.train_iters:
+        return
+    needed = consumed + (args.train_iters - iteration) * args.global_batch_size
+    if len(train_ds) < needed:
+        raise ValueError(f"the train data holds {len(train_ds)} samples, but resuming at {consumed} consumed samples "
+                         f"the iterations {iteration + 1}..{args.train_iters} of --global-batch-size "
+                         f"{args.global_batch_size} need {needed} (the data holds about --train-iters x "
+                         f"--global-batch-size samples, Megatron's count): resume with the checkpoint's "
+                         f"--global-batch-size ({consumed // iteration if iteration else '?'} if it never changed)")
+
+
 def resume(args, model, optimizer, scheduler):
     """--load and its options (--finetune, --no-load-optim, --no-load-rng, --override-opt_param-scheduler,
     --use-checkpoint-opt-param-scheduler, --exit-on-missing-checkpoint), then the --save directory checked
@@ -266,15 +281,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
 
     iteration, consumed, loaded = resume(args, model, optimizer, scheduler)
     last_saved = iteration if loaded else None
-    # The data is sized for a fresh run (--train-iters x --global-batch-size samples, Megatron's count): a resume
-    # with a smaller global batch than the checkpoint's run ends past it. Say so now, not with a StopIteration later.
-    needed = consumed + max(args.train_iters - iteration, 0) * args.global_batch_size
-    if len(train_ds) < needed:
-        raise ValueError(f"the train data holds {len(train_ds)} samples, but resuming at {consumed} consumed samples "
-                         f"the iterations {iteration + 1}..{args.train_iters} of --global-batch-size "
-                         f"{args.global_batch_size} need {needed} (the data holds about --train-iters x "
-                         f"--global-batch-size samples, Megatron's count): resume with the checkpoint's "
-                         f"--global-batch-size ({consumed // iteration if iteration else '?'} if it never changed)")
+    check_train_data(args, train_ds, iteration, consumed)
 
     # --async-save: DCP writes in a background thread, with a process group of its own (its collectives
     # must not interleave with training's); the next save, or the end of training, waits for it.

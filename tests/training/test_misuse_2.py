@@ -248,3 +248,32 @@ def test_resume_with_another_tokenizer_is_an_error_on_every_rank(tmp_path):
     for status, message in run_distributed(_main, 2, other):
         assert status == "error" and "tokenizer_type=ByteLevelTokenizer" in message, message
     assert [status for status, _ in run_distributed(_main, 2, other + ["--finetune"])] == ["ok", "ok"]
+
+
+def test_data_check_on_resume_leaves_a_finished_run_alone():
+    """check_train_data: a checkpoint at --train-iters (a finished job started again, e.g. requeued) with a
+    smaller --global-batch-size than its run's has nothing left to train. Would catch the data check refusing it
+    (its consumed samples exceed the data sized for this run) instead of the quiet 'nothing left to train'."""
+    import argparse
+
+    from megatron_lite.training.training import check_train_data
+
+    args = argparse.Namespace(train_iters=4, global_batch_size=8)
+    check_train_data(args, range(45), 4, 64)  # finished: no error
+    with pytest.raises(ValueError, match="resuming at 48 consumed samples"):
+        check_train_data(args, range(45), 3, 48)  # one iteration left: 56 samples needed
+
+
+def test_live_loop_checks_the_data_on_resume(monkeypatch):
+    """The live loop (fault_tolerance.launch) starting from --load with a smaller --global-batch-size than the
+    checkpoint's run. Would catch it running iterations until a bare StopIteration, which the supervisor
+    answers with whole-job restarts that train the same iterations again, instead of pretrain()'s start-up
+    error."""
+    import argparse
+
+    from megatron_lite.fault_tolerance import live_training
+
+    monkeypatch.setattr(live_training, "resume", lambda *a: (5, 80, {"path": "ck"}))
+    args = argparse.Namespace(train_iters=12, global_batch_size=8)
+    with pytest.raises(ValueError, match="resuming at 80 consumed samples"):
+        live_training._start(args, None, None, None, range(120))
