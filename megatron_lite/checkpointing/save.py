@@ -30,8 +30,9 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                      "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings",
                      "normalization", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                      "norm_epsilon", "rotary_base")
-# Recorded, not compared: what tools/checkpoint_convert.py --to hf needs besides the architecture (the tokenizer,
-# so the vocabulary before padding; the init and dropout of the exported config).
+# Recorded: what tools/checkpoint_convert.py --to hf needs besides the architecture (the tokenizer, so the
+# vocabulary before padding; the init and dropout of the exported config). Of these only tokenizer_type is
+# compared on resume (training.resume adds it to the architecture, except with --finetune).
 RECORDED_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "init_method_std", "hidden_dropout",
                  "attention_dropout")
 
