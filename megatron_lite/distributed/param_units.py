@@ -308,14 +308,23 @@ class ParamUnits:
     # ---------------------------------------------------------------- DistributedDataParallel's calls
     def start(self, force_sync: bool = False):
         """After the optimizer's step: the full parameters are stale; units gather the new shards on demand,
-        persistent parameters are gathered again in place now (waited for by the next forward)."""
+        persistent parameters are gathered again in place now (waited for by the next forward). Inside
+        full_parameters() nothing is released and the units' hooks gather nothing: every bucket is gathered
+        again in place, now (the step is collective, so every rank is here)."""
+        if self.holding_all:
+            self._refresh(self.all_buckets(), async_op=False)
+            return
         self.release_all()
         self._refresh_persistent(async_op=not force_sync)
 
     def _refresh_persistent(self, async_op: bool):
         """All-gather the persistent buckets' shards into their (kept) full storage; skipped before their first
         gather (every rank is at the same point: the first forward gathers them)."""
-        for bucket in self.persistent:
+        self._refresh(self.persistent, async_op)
+
+    def _refresh(self, buckets: List[Bucket], async_op: bool):
+        """All-gather the shards of those of `buckets` that are gathered into their full storage, in place."""
+        for bucket in buckets:
             if bucket.params_gathered:
                 bucket.finish_param_sync()
                 self._issue(bucket, async_op)

@@ -294,6 +294,41 @@ def test_zero3_gathers_a_few_units_at_a_time_and_matches_zero1():
         assert zero3["max_gathered"] <= 3, zero3["max_gathered"]  # the unit in use, the prefetched, one releasing
 
 
+def _steps_inside_full_parameters_worker():
+    import contextlib
+
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    states = {}
+    for where in ("outside", "inside", "inside, write_back"):
+        ddp = DistributedDataParallel(Stack(), DistributedDataParallelConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-1, use_distributed_optimizer=True), [ddp])
+        context = contextlib.nullcontext() if where == "outside" else ddp.full_parameters(write_back="back" in where)
+        with context:
+            for step in range(3):
+                gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+                _train_step(ddp, opt, torch.randn(4, 8, generator=gen))
+        states[where] = {k: v.clone() for k, v in ddp.state_dict().items()}
+    return {where: all(torch.equal(v, states["outside"][k]) for k, v in state.items())
+            for where, state in states.items()}
+
+
+def test_zero3_training_steps_inside_full_parameters():
+    """Would catch the optimizer's step inside full_parameters() (where nothing is released) leaving the
+    gathered parameters stale: the next forwards computing with the weights of before the step, and
+    write_back at the end copying those stale weights over the steps' shards."""
+    for same in run_distributed(_steps_inside_full_parameters_worker, 2):
+        assert same == {"outside": True, "inside": True, "inside, write_back": True}, same
+
+
 def _zero3_order_worker():
     import copy
 
