@@ -98,5 +98,5 @@ def raise_if_params_replaced(module: torch.nn.Module, named_params: List[Tuple[s
         f"the model's parameters changed since the model was wrapped: new {new or 'none'} (in no gradient buffer "
         f"or optimizer: never reduced nor trained), gone {gone or 'none'} (still stepped). Assign or inject "
         f"modules (a new head, adapters) before wrapping, then build the optimizer (or wrap the model again, "
-        f"with a new optimizer)."
+        f"with a new optimizer); load weights in place (load_state_dict without assign=True)."
     )

@@ -124,6 +124,18 @@ def test_frozen_parameter_replaced_after_wrapping_trains(strategy):
         assert "0.weights" in unfrozen and "since the model was wrapped" in unfrozen, unfrozen
 
 
+def test_parameters_replaced_by_load_state_dict_assign_name_the_remedy():
+    """Would catch `load_state_dict(..., assign=True)` after wrapping (new Parameter objects, in no buffer)
+    refused with advice about modules only, instead of also saying to load the weights in place."""
+    from megatron_lite.distributed.grad_checks import raise_if_params_replaced
+
+    model = nn.Linear(2, 2)
+    wrapped = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match=r"gone \['weight', 'bias'\].*without assign=True"):
+        raise_if_params_replaced(model, wrapped)
+
+
 # ------------------------------------------------------------------------------ ZeRO-3 state_dict of the inner module
 def _inner_state_dict_worker():
     from ddp_testing import make_model
