@@ -27,6 +27,8 @@ the generation keys of membership.py:
     (EXIT_FALLBACK) or 1        raised an error of its own (a bug, a NaN: a new process would meet it again):
                                 every worker is stopped (SIGTERM: last words) and the whole job restarted,
                                 which resumes with --load, up to --max-restarts times (torchrun's behaviour)
+    a worker exits 2            a usage error (argparse: the command line is wrong): every process started
+    (EXIT_USAGE)                with it would fail alike, so the supervisor stops the others and exits 2
 """
 
 import argparse
@@ -42,6 +44,9 @@ import torch.distributed as dist
 from ..distributed.layout import DataParallelTopology
 from . import membership
 from .membership import EXIT_FALLBACK, LiveConfig
+
+EXIT_USAGE = 2
+"""argparse's exit code for a bad command line (also Python's for a script it cannot open): not replaced."""
 
 FINISH_GRACE_S = 30.0
 """Seconds the supervisor waits, after training finished, for the ranks that were not training to exit."""
@@ -219,6 +224,11 @@ class Supervisor:
                 code = proc.poll()
                 if code is None or rank in self.done:
                     continue
+                if code == EXIT_USAGE:  # every process started with this command line would fail alike
+                    self.say(f"rank {rank} exited with code {code} (a usage error: the command line is wrong, see "
+                             "its message above): giving up")
+                    self.stop_all()
+                    return code
                 if code == 0:
                     self.done.add(rank)
                 elif code in (EXIT_FALLBACK, 1):  # 1: this rank's own error (a Python exception), not a loss

@@ -237,3 +237,16 @@ def test_supervisor_grows_back_but_not_after_the_end():
         assert (sup.generation, sup.members) == ((2, [2, 3]) if finished else (3, [0, 1, 2, 3]))
         if not finished:
             assert sup.store.get("gen_2/leave_at") == b"7"
+
+
+def test_supervisor_gives_up_at_once_on_a_usage_error():
+    """A rank exiting 2 (argparse: a misspelt flag) ends the job with code 2 after one start. Would catch the
+    supervisor replacing it like a killed rank: the same error printed again for each of --max-replacements
+    (20) new processes before it gave up with code 1."""
+    sup = launch.Supervisor(["-c", "import sys; sys.exit(2)"], 2, membership.LiveConfig(3.0, 30.0, 1), 20, 1, 2.0,
+                            spares=0)
+    started = []
+    spawn = sup.spawn
+    sup.spawn = lambda rank: (started.append(rank), spawn(rank))
+    assert sup.run() == 2
+    assert sorted(started) == [0, 1]  # the first start of each rank only
