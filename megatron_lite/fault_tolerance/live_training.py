@@ -214,7 +214,7 @@ class _LiveRun:
         completed it but it was never logged), its evaluation and its periodic save."""
         args = self.args
         if progress.losses is not None and progress.iteration > self.membership.last_logged():
-            self._log(progress, None, True)  # completed by the survivors, never logged
+            self._log(progress, None, True, timed=False)  # completed by the survivors, never logged
         if progress.losses is not None and evaluation_due(args, progress.iteration, self.valid_ds) \
                 and progress.iteration > self.membership.last_evaluated():  # healed, its evaluation not logged
             self._evaluate(progress)
@@ -263,11 +263,11 @@ class _LiveRun:
             self.log.restart_timer()  # the save's time is not training time (as in pretrain())
         return progress
 
-    def _log(self, progress: Progress, grad_norm: Optional[float], ok: bool):
+    def _log(self, progress: Progress, grad_norm: Optional[float], ok: bool, timed: bool = True):
         """The iteration's log line; rank 0 then notes it in the store (a replacement rank 0 logs from there)."""
         self.losses[progress.iteration] = progress.losses
         self.log.training(progress.iteration, progress.consumed, progress.losses, self.optimizer.param_groups[0]["lr"],
-                          self.optimizer.get_loss_scale().item(), grad_norm, ok)
+                          self.optimizer.get_loss_scale().item(), grad_norm, ok, timed)
         if dist.get_rank() == 0:
             self.membership.note_logged(progress.iteration)
 

@@ -102,16 +102,19 @@ class TrainingLog:
         self._start = time.perf_counter()
 
     def training(self, iteration: int, consumed: int, losses: Dict[str, float], lr: float, loss_scale: float,
-                 grad_norm: Optional[float], update_successful: bool):
+                 grad_norm: Optional[float], update_successful: bool, timed: bool = True):
         """Record one iteration; at a log interval (and the last iteration) print Megatron's line. As in
         Megatron, the losses are averaged over the iterations that updated the model and whose loss was
-        finite; skipped (fp16 overflow) and NaN iterations are counted instead."""
+        finite; skipped (fp16 overflow) and NaN iterations are counted instead. `timed` False: an iteration
+        computed before this log existed (live recovery's catch-up), logged but left out of ms/iteration (a line
+        with no timed iteration has no time, throughput or MFU)."""
         self.metrics.write({"iteration": iteration, "consumed_samples": consumed,
                             **{_record_key(k): v for k, v in losses.items()}, "lr": lr, "loss_scale": loss_scale,
                             "grad_norm": grad_norm, "skipped": not update_successful})
         now = time.perf_counter()
-        self._trained, self._start = self._trained + now - self._start, now
-        self._iterations += 1
+        if timed:
+            self._trained, self._iterations = self._trained + now - self._start, self._iterations + 1
+        self._start = now
         if not update_successful:
             self._skipped += 1
         elif not all(math.isfinite(v) for v in losses.values()):
@@ -120,12 +123,13 @@ class TrainingLog:
             self._losses.append(losses)
         if iteration % self.log_interval and iteration != self.train_iters:
             return
-        elapsed = self._trained / self._iterations
-        utilization = mfu(self.flops, elapsed, self.device, self.dp)
+        elapsed = self._trained / self._iterations if self._iterations else None
+        utilization = mfu(self.flops, elapsed, self.device, self.dp) if elapsed is not None else None
         line = (f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
-                f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: {consumed:12d} | "
-                f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | "
-                f"throughput (tokens/s): {self.tokens_per_iteration / elapsed:.0f} | ")
+                f" iteration {iteration:8d}/{self.train_iters:8d} | consumed samples: {consumed:12d} | ")
+        if elapsed is not None:
+            line += (f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | "
+                     f"throughput (tokens/s): {self.tokens_per_iteration / elapsed:.0f} | ")
         if utilization is not None:
             line += f"MFU: {utilization * 100:.1f}% | "
         line += f"learning rate: {lr:.6E} | global batch size: {self.global_batch_size:5d} | "
@@ -136,9 +140,10 @@ class TrainingLog:
             line += f"grad norm: {grad_norm:.3f} | "
         line += f"number of skipped iterations: {self._skipped:3d} | number of nan iterations: {self._nan:3d} |"
         print_rank_0(line)
-        self.metrics.write({"iteration": iteration, "elapsed_ms_per_iteration": elapsed * 1000,
-                            "tokens_per_s": self.tokens_per_iteration / elapsed,
-                            **({"mfu": utilization} if utilization else {})})
+        if elapsed is not None:
+            self.metrics.write({"iteration": iteration, "elapsed_ms_per_iteration": elapsed * 1000,
+                                "tokens_per_s": self.tokens_per_iteration / elapsed,
+                                **({"mfu": utilization} if utilization else {})})
         self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
         self._trained = 0.0
         self.restart_timer()

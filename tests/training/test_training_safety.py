@@ -119,3 +119,28 @@ def test_time_outside_training_is_left_out_of_ms_per_iteration(single_rank_group
             log.restart_timer()
     times = re.findall(r"elapsed time per iteration \(ms\): ([\d.]+) \|", capsys.readouterr().out)
     assert times == ["10.0", "10.0"], times
+
+
+def test_an_untimed_iteration_is_logged_without_shrinking_ms_per_iteration(single_rank_group, capsys, monkeypatch):
+    """Live recovery's catch-up logs an iteration the survivors computed in the failed generation, right after
+    the new log is made. Would catch it counted as an iteration of ~0 ms: a line of it alone with a made-up
+    time, throughput and MFU, or the next interval's ms/iteration understated by its share."""
+    import argparse
+    import re
+
+    from megatron_lite.training import metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    args = argparse.Namespace(train_iters=6, log_interval=2, global_batch_size=2, seq_length=8, metrics_file=None,
+                              tensorboard_dir=None)
+    log = metrics.TrainingLog(args, torch.device("cpu"), 1, None)
+    log.training(2, 4, {"lm loss": 1.0}, 1e-3, 1.0, 0.5, True, timed=False)  # the catch-up, on a log boundary
+    log.training(3, 6, {"lm loss": 1.0}, 1e-3, 1.0, 0.5, True, timed=False)  # ... or inside an interval
+    for iteration in (4, 5, 6):
+        clock[0] += 0.010
+        log.training(iteration, 2 * iteration, {"lm loss": 1.0}, 1e-3, 1.0, 0.5, True)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "iteration        2/" in lines[0] and "elapsed time" not in lines[0] and "lm loss" in lines[0], lines[0]
+    times = [re.search(r"elapsed time per iteration \(ms\): ([\d.]+) \|", line).group(1) for line in lines[1:]]
+    assert times == ["10.0", "10.0"], lines
