@@ -15,7 +15,7 @@ themselves are megatron_lite.checkpointing's.
 import argparse
 import os
 
-from ..checkpointing.files import MANIFEST_FILENAME
+from ..checkpointing.files import MANIFEST_FILENAME, TRACKER_FILENAME
 
 
 def add_checkpoint_arguments(g: argparse._ArgumentGroup) -> None:
@@ -97,7 +97,12 @@ def check_checkpoint_paths(args):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path} is not a directory: give the directory that holds (or will hold) the "
                              "iter_* checkpoints")
-    if args.load and os.path.isfile(os.path.join(args.load, MANIFEST_FILENAME)):
+    if args.load and os.path.isfile(os.path.join(args.load, MANIFEST_FILENAME)) and not _holds_checkpoints(args.load):
         parent = os.path.dirname(os.path.normpath(args.load)) or "."
         raise ValueError(f"--load {args.load} is one checkpoint, not the directory that holds them: give "
                          f"--load {parent} (the newest complete checkpoint there is loaded)")
+
+
+def _holds_checkpoints(path: str) -> bool:
+    """A directory of checkpoints (a manifest.json of some other tool beside them is no reason to refuse it)."""
+    return any(name.startswith("iter_") or name == TRACKER_FILENAME for name in os.listdir(path))

@@ -76,12 +76,16 @@ def test_load_or_save_naming_a_file_is_a_flag_error(tmp_path, flag, capsys):
 
 def test_load_naming_one_checkpoint_is_a_flag_error(tmp_path, capsys):
     """--load SAVE/iter_0000004 (one checkpoint, not the directory that holds them). Would catch it read as a
-    directory without checkpoints: the run trains from scratch with exit code 0 instead of resuming."""
+    directory without checkpoints: the run trains from scratch with exit code 0 instead of resuming; or a
+    directory of checkpoints refused because another tool left a manifest.json beside them."""
     checkpoint = tmp_path / "ck" / "iter_0000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / "manifest.json").write_text("{}")
     message = flag_error(["--load", str(checkpoint)], capsys)
     assert f"--load {tmp_path / 'ck'}" in message and "one checkpoint" in message
+    # Checkpoints with another tool's manifest.json beside them: a directory of checkpoints, accepted.
+    (tmp_path / "ck" / "manifest.json").write_text("{}")
+    assert parse_args(["--load", str(tmp_path / "ck")], world_size=1).load == str(tmp_path / "ck")
 
 
 def test_metrics_file_naming_a_directory_is_a_flag_error(tmp_path, capsys):
