@@ -45,11 +45,12 @@ from ..checkpointing.rng import get_rng_state
 from ..data import micro_batch_iterator
 from ..distributed import collectives
 from ..training.initialize import initialize_megatron, shutdown
-from ..training.metrics import TrainingLog, print_rank_0
+from ..training.metrics import print_rank_0
 from ..training.training import (
     check_train_data,
     evaluate_validation,
     evaluation_due,
+    open_training_log,
     resume,
     save_due,
     setup_model_and_optimizer,
@@ -149,7 +150,8 @@ class _LiveRun:
         args = self.args
         progress = self._resume(train_ds)
         rank, dp = dist.get_rank(), dist.get_world_size()
-        self.log = TrainingLog(args, device, dp, self.flops_per_iteration(args) if self.flops_per_iteration else None)
+        self.log = open_training_log(args, device, dp,
+                                     self.flops_per_iteration(args) if self.flops_per_iteration else None)
         if args.save and args.last_words:
             self.words = LastWords(args.save, self.optimizer, self.scheduler, progress.iteration, progress.consumed,
                                    checkpoint_args(args))

@@ -185,13 +185,16 @@ def save_due(args, iteration: int) -> bool:
     return bool(args.save and args.save_interval and iteration % args.save_interval == 0)
 
 
-def _training_log(args, device, dp: int, flops: Optional[float]) -> TrainingLog:
-    """The TrainingLog; a metrics file rank 0 (its writer) cannot open is a ValueError naming the flag."""
-    try:
-        return TrainingLog(args, device, dp, flops)
-    except OSError as e:
-        raise ValueError(f"--metrics-file {args.metrics_file} (default: metrics.jsonl in --tensorboard-dir or "
-                         f"--save) cannot be written: {type(e).__name__}: {e}") from e
+def open_training_log(args, device, dp: int, flops: Optional[float]) -> TrainingLog:
+    """The TrainingLog, made on every rank at once (collective): outputs rank 0 (their writer) cannot open
+    stop every rank with a ValueError naming the flags, not rank 0 alone."""
+    def make():
+        try:
+            return TrainingLog(args, device, dp, flops)
+        except OSError as e:
+            raise ValueError(f"the metrics outputs (--metrics-file {args.metrics_file}, --tensorboard-dir "
+                             f"{args.tensorboard_dir}) cannot be written: {type(e).__name__}: {e}") from e
+    return collectives.run_collectively(make)
 
 
 def check_train_data(args, train_ds, iteration: int, consumed: int):
@@ -306,8 +309,7 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
 
     workers = getattr(args, "num_workers", 0)  # DataLoader worker processes (--num-workers)
     train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, rank, dp, workers)
-    log = collectives.run_collectively(_training_log, args, device, dp,
-                                       flops_per_iteration(args) if flops_per_iteration else None)
+    log = open_training_log(args, device, dp, flops_per_iteration(args) if flops_per_iteration else None)
     losses, valid_losses, skipped = {}, {}, 0
     # If this job dies, each survivor writes its part of the last completed iteration (checkpointing/last_words.py).
     words = LastWords(args.save, optimizer, scheduler, iteration, consumed, checkpoint_args(args)) \
