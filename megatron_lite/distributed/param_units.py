@@ -211,14 +211,14 @@ class ParamUnits:
 
     def _post_forward_hook(self, index):
         def hook(module, args, output):
-            if self.holding_all:  # inside full_parameters(): nothing to gather, release or gather again
-                return output
             if not (index in self.kept_for_backward and torch.is_grad_enabled()):
-                self.release_unit(index)
+                self.release_unit(index)  # (inside full_parameters(): nothing is released)
             if torch.is_grad_enabled():  # gather again just before this unit's backward (unless kept)
+                # (inside full_parameters() too: the backward may run after it ended and released the units)
                 opaque = []
                 tensors = [t for t in _tensors(output, opaque) if t.requires_grad]
-                if opaque and not tensors and index not in self.kept_for_backward and self.buckets.get(index):
+                refused = opaque and not tensors and index not in self.kept_for_backward and not self.holding_all
+                if refused and self.buckets.get(index):
                     raise TypeError(
                         f"ZeRO-3 unit {type(module).__name__} returned a {type(opaque[0]).__name__}: the wrapper "
                         f"gathers a unit again before its backward from a hook on the tensors of its output, found "

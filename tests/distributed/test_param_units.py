@@ -306,27 +306,41 @@ def _steps_inside_full_parameters_worker():
         get_megatron_optimizer,
     )
 
+    # Every parameter in a unit for the forward-only case: the root (the inner module's own parameters) has no
+    # hook to gather it again before a backward that runs after the context ended (a limit).
     states = {}
-    for where in ("outside", "inside", "inside, write_back"):
+    for where, units in [("outside", None), ("inside", None), ("inside, write_back", None),
+                         ("outside", ("Linear",)), ("forward only inside", ("Linear",))]:
         ddp = DistributedDataParallel(Stack(), DistributedDataParallelConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True))
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, fsdp_unit_modules=units))
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-1, use_distributed_optimizer=True), [ddp])
-        context = contextlib.nullcontext() if where == "outside" else ddp.full_parameters(write_back="back" in where)
-        with context:
+        whole_steps = where in ("inside", "inside, write_back")
+        with ddp.full_parameters(write_back="back" in where) if whole_steps else contextlib.nullcontext():
             for step in range(3):
-                gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
-                _train_step(ddp, opt, torch.randn(4, 8, generator=gen))
-        states[where] = {k: v.clone() for k, v in ddp.state_dict().items()}
-    return {where: all(torch.equal(v, states["outside"][k]) for k, v in state.items())
-            for where, state in states.items()}
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+                if where != "forward only inside":
+                    _train_step(ddp, opt, x)
+                    continue
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                with ddp.full_parameters():
+                    loss = ddp(x).pow(2).mean()
+                loss.backward()  # the units were released when the context ended: gathered again for it
+                ddp.finish_grad_sync()
+                opt.step()
+        states[where, units] = {k: v.clone() for k, v in ddp.state_dict().items()}
+    return {where: all(torch.equal(v, states["outside", units][k]) for k, v in state.items())
+            for (where, units), state in states.items() if where != "outside"}
 
 
 def test_zero3_training_steps_inside_full_parameters():
     """Would catch the optimizer's step inside full_parameters() (where nothing is released) leaving the
     gathered parameters stale: the next forwards computing with the weights of before the step, and
-    write_back at the end copying those stale weights over the steps' shards."""
+    write_back at the end copying those stale weights over the steps' shards; or a forward inside it whose
+    backward runs after it getting no hook to gather its units again (a storage error, as the units' own
+    forward hooks do nothing inside it)."""
     for same in run_distributed(_steps_inside_full_parameters_worker, 2):
-        assert same == {"outside": True, "inside": True, "inside, write_back": True}, same
+        assert same == {"inside": True, "inside, write_back": True, "forward only inside": True}, same
 
 
 def _zero3_order_worker():
