@@ -311,8 +311,8 @@ class ParamUnits:
         persistent parameters are gathered again in place now (waited for by the next forward). Inside
         full_parameters() nothing is released and the units' hooks gather nothing: every bucket is gathered
         again in place, now (the step is collective, so every rank is here)."""
-        if self.holding_all:
-            self._refresh(self.all_buckets(), async_op=False)
+        if self.holding_all:  # in gather_all()'s order: the same on every rank
+            self._refresh([b for index in sorted(self.buckets) for b in self.buckets[index]], async_op=False)
             return
         self.release_all()
         self._refresh_persistent(async_op=not force_sync)
