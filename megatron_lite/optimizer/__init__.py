@@ -102,8 +102,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     for chunk in model_chunks:
         check_optimizer_matches_ddp(config, chunk.ddp_config)
         for param, name in chunk.param_to_name.items():
-            # Any mix of dtypes works (fp32 params are stepped in place, others through fp32 main copies),
-            # but fp16 gradients underflow without loss scaling.
+            # Any mix of fp32, bf16 and fp16 works (fp32 params are stepped in place, others through fp32 main
+            # copies: a wider dtype would lose precision there), but fp16 gradients underflow without loss scaling.
             if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise TypeError(f"parameter {name} is {param.dtype}: the optimizers step fp32 main params (as "
                                 f"megatron-core's), which would update it at fp32 precision; convert the model to "
