@@ -132,6 +132,10 @@ def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=N
     if tokenizer_type is None:
         raise ValueError("the checkpoint does not record its tokenizer (saved by an older version): give "
                          "--tokenizer-type (and --tokenizer-model / --vocab-size as for pretrain_gpt.py)")
+    if tokenizer_model and tokenizer_type != "HuggingFaceTokenizer":  # it would be ignored: another tokenizer
+        raise ValueError(f"--tokenizer-model is read by HuggingFaceTokenizer only, and the tokenizer is "
+                         f"{tokenizer_type} (the checkpoint's, or --tokenizer-type): drop --tokenizer-model, or "
+                         "give --tokenizer-type HuggingFaceTokenizer if the run really used that tokenizer")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model or args.get("tokenizer_model"),
                                 vocab_size=vocab_size or args.get("vocab_size"))
     config, tensors = hf_convert.to_hf(payload["model"], args, tokenizer.vocab_size, tokenizer.eod)

@@ -307,8 +307,9 @@ def test_import_refuses_weights_that_do_not_match_the_config():
 
 def test_tool_errors(tmp_path):
     """The tool's messages for: a --from hf directory without config.json or without safetensors, an export
-    into a non-empty directory, a checkpoint that does not record its tokenizer. Would catch a traceback or a
-    half-written directory instead of a message naming what to do."""
+    into a non-empty directory, a checkpoint that does not record its tokenizer, a --tokenizer-model the
+    checkpoint's tokenizer would ignore. Would catch a traceback, a half-written directory or an ignored flag
+    instead of a message naming what to do."""
     def fails(*argv):
         out = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 2, out.stdout + out.stderr
@@ -327,5 +328,9 @@ def test_tool_errors(tmp_path):
         checkpoint_convert.export_hf(payload, str(tmp_path / "o4"))
     with pytest.raises(ValueError, match="is not empty"):
         checkpoint_convert.export_hf(payload, str(tmp_path / "empty"), tokenizer_type="ByteLevelTokenizer")
+    with pytest.raises(ValueError, match="--tokenizer-model is read by HuggingFaceTokenizer only"):
+        checkpoint_convert.export_hf({**payload, "args": {**SMALL, "tokenizer_type": "ByteLevelTokenizer"}},
+                                     str(tmp_path / "o6"), tokenizer_model=str(tmp_path / "tokenizer.json"))
+    assert not (tmp_path / "o6").exists()
     with pytest.raises(ValueError, match="does not fit the checkpoint's padded vocabulary"):
         checkpoint_convert.export_hf(payload, str(tmp_path / "o5"), tokenizer_type="NullTokenizer", vocab_size=500)
