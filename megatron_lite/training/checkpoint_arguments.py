@@ -3,7 +3,7 @@
     --save, --save-interval, --ckpt-format, --async-save    what is written, when and how
     --last-words                                            what the survivors of a failure write
     --load, --exit-on-missing-checkpoint, --finetune,       what a resume takes from the checkpoint
-    --no-load-optim, --no-load-rng,
+    --pretrained-checkpoint, --no-load-optim, --no-load-rng,
     --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler
     --exit-interval                                         stop, after saving, at a multiple of N
 
@@ -44,6 +44,11 @@ def add_checkpoint_arguments(g: argparse._ArgumentGroup) -> None:
                    help="with --load: load the model weights only (not the optimizer state, the learning-rate "
                         "schedule or the RNG state) and start a new run at iteration 0, with the data from the "
                         "beginning (Megatron's --finetune); save into another directory than the checkpoint's")
+    g.add_argument("--pretrained-checkpoint",
+                   help="fine-tune from the newest checkpoint in this directory (weights only, from iteration 0, "
+                        "as --finetune) while --load holds no checkpoint yet; once it holds one (the fine-tuning's "
+                        "own, after a restart) resume from that as usual. With --load and --save the same "
+                        "directory, a fine-tuning job can be restarted (Megatron's --pretrained-checkpoint)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="with --load: do not load the optimizer state (moments, step counts, loss scale) nor, as "
                         "in Megatron, the learning-rate schedule's position: both start fresh (its warmup "
@@ -78,6 +83,16 @@ def check_checkpoint_args(args):
                              "needs --load (the checkpoint directory to resume from)")
     if args.exit_on_missing_checkpoint and not args.load:
         raise ValueError("--exit-on-missing-checkpoint needs --load")
+    if args.pretrained_checkpoint and args.finetune:
+        raise ValueError("--pretrained-checkpoint fine-tunes from it by itself; --finetune would also start a "
+                         "resumed fine-tuning in --load over at iteration 0: drop --finetune")
+    if args.pretrained_checkpoint and args.exit_on_missing_checkpoint:
+        raise ValueError("--exit-on-missing-checkpoint and --pretrained-checkpoint: an empty --load is expected "
+                         "before the fine-tuning's first save (it starts from --pretrained-checkpoint): drop one")
+    if args.pretrained_checkpoint and os.path.exists(args.pretrained_checkpoint) \
+            and not os.path.isdir(args.pretrained_checkpoint):
+        raise ValueError(f"--pretrained-checkpoint {args.pretrained_checkpoint} is not a directory: give the "
+                         "directory that holds the iter_* checkpoints")
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
         if getattr(args, flag) and not args.load:
             raise ValueError(f"--{flag.replace('_', '-')} needs --load (the checkpoint directory to load from)")

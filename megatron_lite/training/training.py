@@ -214,7 +214,8 @@ def check_train_data(args, train_ds, iteration: int, consumed: int):
 
 def resume(args, model, optimizer, scheduler):
     """--load and its options (--finetune, --no-load-optim, --no-load-rng, --override-opt_param-scheduler,
-    --use-checkpoint-opt-param-scheduler, --exit-on-missing-checkpoint), then the --save directory checked
+    --use-checkpoint-opt-param-scheduler, --exit-on-missing-checkpoint), --pretrained-checkpoint where --load
+    holds no checkpoint (fine-tuned from, as --finetune), then the --save directory checked
     against what was loaded (refuse_to_shadow): the start of pretrain() and of the live loop. Collective.
 
     Returns:
@@ -222,35 +223,45 @@ def resume(args, model, optimizer, scheduler):
     """
     iteration, consumed = 0, 0
     loaded = None
-    if args.load:
-        policy = ("override" if args.override_opt_param_scheduler else
-                  "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
+    policy = ("override" if args.override_opt_param_scheduler else
+              "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
+
+    def load(directory, finetune):
         check = architecture_args(args)
-        if not args.finetune:  # the embedding rows mean the checkpoint's tokens (Megatron compares it too);
+        if not finetune:  # the embedding rows mean the checkpoint's tokens (Megatron compares it too);
             check["tokenizer_type"] = args.tokenizer_type  # a fine-tuning may bring another tokenizer on purpose
-        loaded = collectives.run_collectively(load_checkpoint, args.load, model, optimizer, scheduler, None, check,
-                                              policy, args.finetune, not args.no_load_optim, not args.no_load_rng)
+        return collectives.run_collectively(load_checkpoint, directory, model, optimizer, scheduler, None, check,
+                                            policy, finetune, not args.no_load_optim, not args.no_load_rng)
+
+    if args.load:
+        loaded = load(args.load, args.finetune)
         if loaded is None and args.exit_on_missing_checkpoint:
             raise SystemExit(f"--exit-on-missing-checkpoint: no checkpoint in {args.load}")
         if loaded is None and args.finetune:  # every rank found the same (load_checkpoint agrees): all raise
             raise ValueError(f"--finetune: no checkpoint in --load {args.load} to fine-tune from (it would train "
                              "randomly initialised weights): give the directory of the pretrained checkpoints")
-        if loaded is None:
+        if loaded is None and not args.pretrained_checkpoint:
             print_rank_0(f"> no checkpoint found in {args.load}: training from scratch")
-        elif args.finetune:
-            print_rank_0(f"> --finetune: model weights from {loaded['path']} (iteration "
-                         f"{loaded['checkpoint_iteration']}); fresh optimizer, schedule and RNG, from iteration 0")
-        else:
-            iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
-            if iteration > args.train_iters:  # nothing to train: the run would exit 0 without a word
-                raise ValueError(f"--train-iters {args.train_iters} is below the checkpoint's iteration {iteration} "
-                                 f"({loaded['path']}): --train-iters counts from the start of training; give a "
-                                 f"larger one to continue (or --finetune to start a new run from its weights)")
-            fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
-                                             ("RNG", args.no_load_rng)) if flag]
-            print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
-                         + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else "")
-                         + ("; nothing left to train (--train-iters)" if iteration == args.train_iters else ""))
+    if loaded is None and args.pretrained_checkpoint:  # the fine-tuning's start (no checkpoint of its own yet)
+        loaded = load(args.pretrained_checkpoint, True)
+        if loaded is None:
+            raise ValueError(f"--pretrained-checkpoint {args.pretrained_checkpoint} holds no checkpoint (nor does "
+                             f"--load {args.load}): nothing to fine-tune from")
+    if loaded is not None and loaded["finetune"]:
+        print_rank_0(f"> {'--finetune' if args.finetune else '--pretrained-checkpoint'}: model weights from "
+                     f"{loaded['path']} (iteration {loaded['checkpoint_iteration']}); fresh optimizer, schedule and "
+                     "RNG, from iteration 0")
+    elif loaded is not None:
+        iteration, consumed = loaded["iteration"], loaded["consumed_train_samples"]
+        if iteration > args.train_iters:  # nothing to train: the run would exit 0 without a word
+            raise ValueError(f"--train-iters {args.train_iters} is below the checkpoint's iteration {iteration} "
+                             f"({loaded['path']}): --train-iters counts from the start of training; give a "
+                             f"larger one to continue (or --finetune to start a new run from its weights)")
+        fresh = [what for what, flag in (("optimizer and schedule", args.no_load_optim),
+                                         ("RNG", args.no_load_rng)) if flag]
+        print_rank_0(f"> resumed from {loaded['path']} at iteration {iteration} ({consumed} samples consumed)"
+                     + (f"; fresh {' and '.join(fresh)} (--no-load-*)" if fresh else "")
+                     + ("; nothing left to train (--train-iters)" if iteration == args.train_iters else ""))
     if args.save:  # every rank stops, also where only rank 0 (the writer) can see the directory
         collectives.run_collectively(refuse_to_shadow, args.save, loaded)
     return iteration, consumed, loaded

@@ -159,6 +159,25 @@ def test_finetune_into_the_checkpoints_directory_is_refused(data_cache, tmp_path
     assert str(failure.value).count("a --finetune run starts again at iteration 0") == 2
 
 
+def test_pretrained_checkpoint_makes_a_fine_tuning_restartable(data_cache, tmp_path):
+    """--load FT --save FT --pretrained-checkpoint PRE (Megatron's flag): the first start fine-tunes from PRE
+    (as --finetune: iteration 1..); stopped after its save at 3 and started again with the same command, it
+    resumes from FT at 3, and iterations 4..6 are bitwise those of an uninterrupted fine-tuning. Would catch
+    the restart fine-tuning from PRE again (iteration 1, or refused as shadowing FT's checkpoints, as
+    --finetune --load PRE --save FT is), or the first start not loading PRE."""
+    common = TINY + ["--use-distributed-optimizer", "--data-cache-path", data_cache]
+    pre, ref, ft = (str(tmp_path / name) for name in ("pre", "ref", "ft"))
+    run_distributed(_pretrain_worker, 2, common + ["--train-iters", "4", "--save", pre])
+    finetune = common + ["--train-iters", "6", "--pretrained-checkpoint", pre, "--save-interval", "3"]
+    reference = run_distributed(_pretrain_worker, 2, finetune + ["--load", ref, "--save", ref])[0]
+    scratch = run_distributed(_pretrain_worker, 2, common + ["--train-iters", "6"])[0]
+    assert sorted(reference) == list(range(1, 7)) and reference[1] != scratch[1]  # PRE's weights were loaded
+    first = run_distributed(_pretrain_worker, 2, finetune + ["--load", ft, "--save", ft, "--exit-interval", "3"])[0]
+    again = run_distributed(_pretrain_worker, 2, finetune + ["--load", ft, "--save", ft])[0]
+    assert first == {i: reference[i] for i in (1, 2, 3)}
+    assert again == {i: reference[i] for i in (4, 5, 6)}
+
+
 def test_no_load_optim_and_no_load_rng(data_cache, tmp_path):
     """A checkpoint at iteration 4 of 8, resumed three ways. --no-load-optim: iterations 5..8 on the same
     data; iteration 5's loss (computed before any update: weights, data and RNG only) equals the plain
@@ -238,6 +257,8 @@ def test_finetune_and_no_load_optim_from_last_words(tmp_path):
         (["--no-load-rng"], "--no-load-rng needs --load"),
         (["--load", "d", "--finetune", "--use-checkpoint-opt_param-scheduler"], "--finetune does not load"),
         (["--load", "d", "--no-load-optim", "--use-checkpoint-opt_param-scheduler"], "--no-load-optim does not"),
+        (["--load", "d", "--finetune", "--pretrained-checkpoint", "p"], "--pretrained-checkpoint fine-tunes from it"),
+        (["--load", "d", "--exit-on-missing-checkpoint", "--pretrained-checkpoint", "p"], "an empty --load is"),
     ],
 )
 def test_bad_load_flags_fail_at_start_up(argv, message, capsys):
