@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 from distributed_helper import run_distributed
-from pretrain_testing import REPO, tiny_pretrain_flags
+from pretrain_testing import REPO, pretrain_outcome, tiny_pretrain_flags
 
 TINY = tiny_pretrain_flags(num_layers="1", global_batch_size="4", log_interval="2", ckpt_format="torch_dist")
 SAVE = ["--exit-interval", "4"]  # a checkpoint at iteration 4 of 6: resuming trains 5 and 6
@@ -28,26 +28,11 @@ ITER = "iter_0000004"
 FS, MD = "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint.metadata"
 
 
-def _main(argv):
-    """pretrain_gpt.main on this rank; returns ('ok', sorted iterations trained) or ('error', message)."""
-    import torch.distributed as dist
-
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    import pretrain_gpt
-
-    try:
-        result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
-    except (ValueError, RuntimeError, SystemExit) as e:
-        return "error", str(e)
-    return "ok", sorted(result["losses"])
-
-
 @pytest.fixture(scope="module")
 def genuine(tmp_path_factory):
     """A --save directory holding one genuine torch_dist checkpoint (no_shard, 1 rank) at iteration 4."""
     save = str(tmp_path_factory.mktemp("genuine") / "ck")
-    assert run_distributed(_main, 1, TINY + SAVE + ["--save", save])[0][0] == "ok"
+    assert run_distributed(pretrain_outcome, 1, TINY + SAVE + ["--save", save])[0][0] == "ok"
     return save
 
 
@@ -185,7 +170,7 @@ def test_forged_checkpoint_runs_no_code(forgery, genuine, convert, tmp_path):
     expected = ["'model.final_layernorm.weight' is a BytesStorageMetadata"] if forgery == "bytes entry" \
         else ["cannot be read safely"]
     try:
-        status, message = run_distributed(_main, 1, TINY + ["--save", save, "--load", save])[0]
+        status, message = run_distributed(pretrain_outcome, 1, TINY + ["--save", save, "--load", save])[0]
         assert status == "error" and path in message and all(e in message for e in expected), message
         code, err = convert("--input", save, "--export-weights", str(tmp_path / "weights.pt"))
         assert code == 2 and path in err and all(e in err for e in expected), err
@@ -199,10 +184,10 @@ def test_genuine_torch_dist_checkpoints_still_load(genuine, convert, tmp_path):
     ZeRO-3 on 2 ranks, a ZeRO-3 one (ShardedTensor pieces) resumed with no_shard on 1, both converted."""
     sharded = str(tmp_path / "z3")
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce"]
-    assert run_distributed(_main, 2, TINY + SAVE + zero3 + ["--save", sharded])[0][0] == "ok"
+    assert run_distributed(pretrain_outcome, 2, TINY + SAVE + zero3 + ["--save", sharded])[0][0] == "ok"
     for save, world, flags in [(genuine, 2, zero3), (sharded, 1, [])]:
-        resumed = run_distributed(_main, world, TINY + flags + ["--load", save])
-        assert all(r == ("ok", [5, 6]) for r in resumed), (save, resumed)
+        resumed = run_distributed(pretrain_outcome, world, TINY + flags + ["--load", save])
+        assert all(status == "ok" and sorted(losses) == [5, 6] for status, losses in resumed), (save, resumed)
         code, err = convert("--input", save, "--export-weights", str(tmp_path / "weights.pt"))
         assert code == 0, err
         assert torch.load(tmp_path / "weights.pt", weights_only=True).keys()

@@ -8,28 +8,13 @@ import time
 
 import pytest
 from distributed_helper import run_distributed
-from pretrain_testing import REPO, tiny_pretrain_flags
+from pretrain_testing import REPO, pretrain_outcome, tiny_pretrain_flags
 
 TINY = tiny_pretrain_flags(num_layers="1", global_batch_size="4", train_iters="4", log_interval="2")
 
 
-def _main(argv):
-    """pretrain_gpt.main on this rank; returns ('ok', {iteration: lm loss}) or ('error', message)."""
-    import torch.distributed as dist
-
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    import pretrain_gpt
-
-    try:
-        result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
-    except (ValueError, RuntimeError, SystemExit) as e:
-        return "error", str(e)
-    return "ok", {i: r["lm loss"] for i, r in result["losses"].items()}
-
-
 def _run(argv, world=2):
-    return run_distributed(_main, world, argv)
+    return run_distributed(pretrain_outcome, world, argv)
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])

@@ -57,3 +57,35 @@ def pretrain_losses(argv):
 
     result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
     return {i: r["lm loss"] for i, r in result["losses"].items()}
+
+
+def pretrain_outcome(argv):
+    """Run pretrain_gpt.main(argv) on this rank (a `run_distributed` worker); return ('ok', {iteration: lm
+    loss}) or ('error', "<exception type>: <message>") for a ValueError, RuntimeError or SystemExit."""
+    import sys
+
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    try:
+        result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
+    except (ValueError, RuntimeError, SystemExit) as e:
+        return "error", f"{type(e).__name__}: {e}"
+    return "ok", {i: r["lm loss"] for i, r in result["losses"].items()}
+
+
+def flag_error(argv, capsys, world_size=2) -> str:
+    """parse_args(argv)'s usage error (it must exit 2, without a traceback); returns its last line."""
+    import pytest
+
+    from megatron_lite.training import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world_size)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]

@@ -7,22 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from pretrain_testing import REPO
+from pretrain_testing import REPO, flag_error
 
 from megatron_lite.data import split_documents
 from megatron_lite.training import parse_args
 
 PREPROCESS = os.path.join(REPO, "tools", "preprocess_data.py")
-
-
-def flag_error(argv, capsys) -> str:
-    """parse_args(argv)'s usage error (it must exit 2); returns its message."""
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=2)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------------- pretrain_gpt.py

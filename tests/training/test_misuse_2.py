@@ -4,40 +4,14 @@ resumes that would silently do nothing or train something else than asked stoppe
 The parse-time tests need no process; the others run 2 gloo ranks of the tiny GPT for a few iterations."""
 
 import os
-import sys
 
 import pytest
 from distributed_helper import run_distributed
-from pretrain_testing import REPO, tiny_pretrain_flags
+from pretrain_testing import REPO, flag_error, pretrain_outcome, tiny_pretrain_flags
 
 from megatron_lite.training import parse_args
 
 TINY = tiny_pretrain_flags(num_layers="1", global_batch_size="4", train_iters="4", log_interval="2")
-
-
-def flag_error(argv, capsys) -> str:
-    """parse_args(argv)'s usage error (it must exit 2); returns its message."""
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=2)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
-
-
-def _main(argv):
-    """pretrain_gpt.main on this rank; returns ('ok', {iteration: lm loss}) or ('error', message)."""
-    import torch.distributed as dist
-
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    import pretrain_gpt
-
-    try:
-        result = pretrain_gpt.main(argv, world_size=dist.get_world_size())
-    except (ValueError, RuntimeError, SystemExit) as e:
-        return "error", f"{type(e).__name__}: {e}"
-    return "ok", {i: r["lm loss"] for i, r in result["losses"].items()}
 
 
 def _corpus(tmp_path) -> str:
@@ -121,9 +95,9 @@ def test_train_iters_below_the_checkpoint_is_an_error_on_every_rank(tmp_path):
     the iterations still to do). --train-iters equal to the checkpoint's iteration (a finished job started
     again) stays a quiet no-op."""
     save = str(tmp_path / "ck")
-    assert all(status == "ok" for status, _ in run_distributed(_main, 2, TINY + ["--save", save]))
+    assert all(status == "ok" for status, _ in run_distributed(pretrain_outcome, 2, TINY + ["--save", save]))
     resume = TINY + ["--load", save, "--save", save, "--lr-decay-iters", "4"]
-    for status, message in run_distributed(_main, 2, resume + ["--train-iters", "2"]):
+    for status, message in run_distributed(pretrain_outcome, 2, resume + ["--train-iters", "2"]):
         assert status == "error" and "--train-iters 2" in message and "iteration 4" in message, message
     printed = run_distributed(_stdout_of_main, 2, resume)[0]
     assert "nothing left to train (--train-iters)" in printed and "consumed samples:" not in printed  # no log line
@@ -133,7 +107,7 @@ def test_finetune_with_no_checkpoint_is_an_error_on_every_rank(tmp_path):
     """--finetune --load DIR where DIR holds no checkpoint (a typo, the wrong mount). Would catch the run
     fine-tuning randomly initialised weights to the end with exit code 0."""
     argv = TINY + ["--finetune", "--load", str(tmp_path / "pretrained"), "--save", str(tmp_path / "ft")]
-    for status, message in run_distributed(_main, 2, argv):
+    for status, message in run_distributed(pretrain_outcome, 2, argv):
         assert status == "error" and "--finetune" in message and "no checkpoint" in message, message
     assert not os.path.exists(tmp_path / "ft" / "iter_0000004")
 
@@ -144,7 +118,7 @@ def test_metrics_file_that_rank_0_cannot_open_stops_every_rank(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
     argv = TINY + ["--metrics-file", str(blocker / "metrics.jsonl")]
-    for status, message in run_distributed(_main, 2, argv):
+    for status, message in run_distributed(pretrain_outcome, 2, argv):
         assert status == "error" and "--metrics-file" in message and str(blocker) in message, message
 
 
@@ -172,7 +146,7 @@ def test_load_of_a_tracker_without_its_checkpoints_is_an_error_on_every_rank(tmp
     save = tmp_path / "ck"
     save.mkdir()
     (save / "latest_checkpointed_iteration.txt").write_text("40\n")
-    for status, message in run_distributed(_main, 2, TINY + ["--load", str(save), "--save", str(save)]):
+    for status, message in run_distributed(pretrain_outcome, 2, TINY + ["--load", str(save), "--save", str(save)]):
         assert status == "error" and "latest_checkpointed_iteration.txt" in message, message
         assert "no complete checkpoint" in message
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "40\n"
@@ -210,11 +184,11 @@ def test_resume_with_a_smaller_global_batch_that_runs_out_of_data_is_an_error_on
     save = str(tmp_path / "ck")
     flags = tiny_pretrain_flags(mock_data=None, data_path=prefix, split="1,0,0", global_batch_size="16",
                                 data_cache_path=str(tmp_path / "cache"), save=save)
-    assert all(status == "ok" for status, _ in run_distributed(_main, 2, flags + ["--exit-interval", "5"]))
+    assert all(status == "ok" for status, _ in run_distributed(pretrain_outcome, 2, flags + ["--exit-interval", "5"]))
     resumed = tiny_pretrain_flags(mock_data=None, data_path=prefix, split="1,0,0", global_batch_size="8",
                                   train_iters="12", data_cache_path=str(tmp_path / "cache"),
                                   load=save) + ["--override-opt_param-scheduler"]
-    for status, message in run_distributed(_main, 2, resumed):
+    for status, message in run_distributed(pretrain_outcome, 2, resumed):
         assert status == "error" and "resuming at 80 consumed samples" in message, message
         assert "--global-batch-size (16" in message
 
@@ -226,7 +200,7 @@ def _stdout_of_main(argv):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        _main(argv)
+        pretrain_outcome(argv)
     return out.getvalue()
 
 
@@ -247,11 +221,12 @@ def test_resume_with_another_tokenizer_is_an_error_on_every_rank(tmp_path):
     tokens (Megatron's check_checkpoint_args compares tokenizer_type). --finetune, which may change the
     tokenizer on purpose, still loads."""
     save = str(tmp_path / "ck")
-    assert all(status == "ok" for status, _ in run_distributed(_main, 2, TINY + ["--save", save, "--train-iters", "2"]))
+    first = run_distributed(pretrain_outcome, 2, TINY + ["--save", save, "--train-iters", "2"])
+    assert all(status == "ok" for status, _ in first)
     other = TINY + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--load", save]
-    for status, message in run_distributed(_main, 2, other):
+    for status, message in run_distributed(pretrain_outcome, 2, other):
         assert status == "error" and "tokenizer_type=ByteLevelTokenizer" in message, message
-    assert [status for status, _ in run_distributed(_main, 2, other + ["--finetune"])] == ["ok", "ok"]
+    assert [status for status, _ in run_distributed(pretrain_outcome, 2, other + ["--finetune"])] == ["ok", "ok"]
 
 
 def test_data_check_on_resume_leaves_a_finished_run_alone():
