@@ -25,7 +25,8 @@ last units of forward kept gathered for their backward instead of gathered again
 
 Which modules are units, and which unit each parameter belongs to, is decided once at wrap time
 (fsdp_units.py). `ParamUnits` answers the same calls from DistributedDataParallel as `ParamGather`
-(param_gather.py) does for the strategies that keep whole parameters.
+(param_gather.py) does for the strategies that keep whole parameters; the hooks that refuse the released
+parameters' placeholders (state_dict(), model.module(x), a compiled forward) are its mixin, param_guards.py.
 """
 
 import contextlib
@@ -37,14 +38,15 @@ import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
-from .fsdp_units import modules_around, refuse_compiled_forward
+from .fsdp_units import refuse_compiled_forward
 from .full_state_dict import iter_state_dict
+from .param_guards import ParamGuardsMixin
 from .prefetch import PrefetchSchedule
 
 __all__ = ["ParamUnits"]  # the units themselves are found in fsdp_units.py
 
 
-class ParamUnits:
+class ParamUnits(ParamGuardsMixin):
     """Gathers and releases the units' parameters around their forward and backward (see module docstring).
 
     Args:
@@ -103,36 +105,6 @@ class ParamUnits:
         for index, unit in enumerate(units):
             self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
-
-    def guard_compiled_forward(self, module: torch.nn.Module):
-        """Refuse a torch.compiled forward around the units (fsdp_units.refuse_compiled_forward), now and at
-        every forward: the model may be compiled after wrapping."""
-        self._around_units = modules_around(module, self.units)
-        refuse_compiled_forward(self._around_units)
-
-    def guard_state_dicts(self, module: torch.nn.Module, param_to_bucket: Dict[torch.nn.Parameter, Bucket]):
-        """Make `state_dict()` of `module` or any submodule raise while it holds released parameters (the
-        NaN placeholders): saving those, e.g. Hugging Face's save_pretrained(model.module), would silently
-        write NaN. Inside full_parameters() (and so through the wrapper's own state_dict) it works."""
-        self.placeholders_allowed = False  # see reading_placeholders()
-        for sub in module.modules():
-            own = [param_to_bucket[p] for p in sub.parameters(recurse=False) if p in param_to_bucket]
-            if own:
-                self._handles.append(sub.register_state_dict_pre_hook(_refuse_released(self, own)))
-
-    def guard_inner_forward(self, module: torch.nn.Module):
-        """Make a forward of the wrapped `module` itself (`model.module(x)`: evaluation code or Hugging Face's
-        generate holding the inner model) raise while the root's parameters are released: it would compute
-        with the NaN placeholders. The wrapper's forward gathers the root first, and so does full_parameters()."""
-        def hook(_module, _args):
-            if not all(b.params_gathered for b in self.root):
-                raise RuntimeError(
-                    f"forward of the wrapped {type(module).__name__} itself (model.module(...)) under ZeRO-3: its "
-                    f"parameters are sharded and this rank holds only placeholders between iterations. Call the "
-                    f"wrapper, model(...), which gathers them, or on every rank `with model.full_parameters(): "
-                    f"model.module(...)` (e.g. for generate)."
-                )
-        self._handles.append(module.register_forward_pre_hook(hook))
 
     # ---------------------------------------------------------------- gathering in a fixed order
     def _gather(self, bucket: Bucket, async_op: bool = True):
@@ -354,16 +326,6 @@ class ParamUnits:
         return self._full_depth > 0
 
     @contextlib.contextmanager
-    def reading_placeholders(self):
-        """state_dict() of the modules is allowed inside, placeholders and all: for sharded readers that skip
-        the trainable entries themselves."""
-        self.placeholders_allowed = True
-        try:
-            yield
-        finally:
-            self.placeholders_allowed = False
-
-    @contextlib.contextmanager
     def full_parameters(self, write_back: bool = False):
         """Every unit gathered inside the context, released after it; with `write_back` what was written
         into the parameters becomes the new shards."""
@@ -379,19 +341,6 @@ class ParamUnits:
         finally:
             self._full_depth -= 1
             self.release_all()  # only once the outermost full_parameters() ends
-
-
-def _refuse_released(units: ParamUnits, buckets: List[Bucket]):
-    def hook(module, prefix, keep_vars):
-        if not units.placeholders_allowed and not all(b.params_gathered for b in buckets):
-            raise RuntimeError(
-                f"state_dict() of {type(module).__name__} {prefix.rstrip('.') or '(the wrapped model)'}: under ZeRO-3 "
-                f"its parameters are sharded and this rank holds only placeholders. Use the "
-                f"wrapper's state_dict() (DistributedDataParallel.state_dict(), collective: call it on every rank), "
-                f"or gather on every rank first: `with model.full_parameters(): model.module.save_pretrained(...)` "
-                f"(save on rank 0 only inside the context)."
-            )
-    return hook
 
 
 def _tensors(output, opaque: List[object]) -> List[torch.Tensor]:
