@@ -127,8 +127,10 @@ def torch_param_groups(module):
     return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_pair(case, strategy, overlap, **ddp_kwargs):
-    """(megatron_lite wrapper, its optimizer, torch DDP reference, torch AdamW) on identical copies of the model."""
+def build_pair(case, strategy, overlap, rebuild_reference=False, **ddp_kwargs):
+    """(megatron_lite wrapper, its optimizer, torch DDP reference, torch AdamW) on identical copies of the model
+    (`rebuild_reference`: the reference built again from the same seed, not deep-copied, which would drop the
+    hooks a model registers on its parameters)."""
     from megatron_lite import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -138,7 +140,10 @@ def build_pair(case, strategy, overlap, **ddp_kwargs):
 
     torch.manual_seed(0)
     model = case.build()
-    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=case.find_unused)
+    if rebuild_reference:
+        torch.manual_seed(0)
+    copied = case.build() if rebuild_reference else copy.deepcopy(model)
+    reference = nn.parallel.DistributedDataParallel(copied, find_unused_parameters=case.find_unused)
     config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
         **{"bucket_size": SMALL_BUCKET if overlap else None, "find_unused_parameters": case.find_unused,

@@ -248,28 +248,9 @@ MATRIX = [(case, config) for case in CASES for config in ("optim-overlap", "opti
 
 
 def build_pair(case, strategy, overlap):
-    """t3.build_pair's four objects, with the torch reference built again from the same seed: deepcopy would drop
-    the hooks registered on parameters."""
-    from megatron_lite import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        OptimizerConfig,
-        get_megatron_optimizer,
-    )
-
-    torch.manual_seed(0)
-    model = case.build()
-    torch.manual_seed(0)
-    reference = nn.parallel.DistributedDataParallel(case.build(), find_unused_parameters=case.find_unused)
-    config = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
-        bucket_size=t3.SMALL_BUCKET if overlap else None,
-        fsdp_unit_modules=case.units if strategy == "optim_grads_params" else None)
-    ddp = DistributedDataParallel(model, config)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=t3.LR, weight_decay=t3.WD, clip_grad=0.0,
-                                                 use_distributed_optimizer=strategy != "no_shard"), ddp)
-    torch_opt = torch.optim.AdamW(t3.torch_param_groups(reference.module), lr=t3.LR, foreach=True)
-    return ddp, opt, reference, torch_opt
+    """t3.build_pair with the torch reference built again from the same seed: deepcopy would drop the hooks
+    these models register on parameters."""
+    return t3.build_pair(case, strategy, overlap, rebuild_reference=True)
 
 
 def _compare_worker(case_name, config_name):
