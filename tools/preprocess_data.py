@@ -13,8 +13,9 @@ What a document is:
     one or more blank (empty or whitespace-only) lines separate documents. Line breaks inside a
     paragraph are kept ('\\r\\n' is read as '\\n'); the newline ending its last line is not.
   * `builtin`: the standard library's docstrings (megatron_lite.data.corpus), nothing to download.
-Empty documents are skipped; an input that holds no document at all (an empty file, only blank lines,
-only empty JSON fields) is an error naming it, and nothing is written. With --append-eod (the default)
+Files are UTF-8 (a byte order mark at a file's start is skipped). Empty documents are skipped; an input
+that holds no document at all (an empty file, only blank lines, only empty JSON fields) is an error naming
+it, and nothing is written. With --append-eod (the default)
 every document ends in the tokenizer's eod token, which is how GPTDataset tells documents apart. Output
 order is input order for any --workers.
 """
@@ -39,6 +40,8 @@ from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_
 from megatron_lite.data.tokenizer import build_tokenizer
 
 BUILTIN = "builtin"
+_ENCODING = "utf-8-sig"
+"""UTF-8, a byte order mark at the start of a file skipped (Windows editors write one); it is not text."""
 
 
 def get_args(argv=None):
@@ -85,7 +88,7 @@ def get_args(argv=None):
 
 def _paragraphs(path):
     lines = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding=_ENCODING) as f:
         try:
             for line in f:
                 if line.strip():
@@ -101,18 +104,34 @@ def _paragraphs(path):
 
 
 def _json_lines(path, key):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[key]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with a string {key!r} field ({e!r})") from None
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {key!r} is {type(text).__name__}, not a string")
-            yield text
+    with open(path, encoding=_ENCODING) as f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                yield _json_text(path, lineno, line, key)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text after line {lineno} ({e})") from None
+
+
+def _json_text(path, lineno, line, key):
+    try:
+        text = json.loads(line)[key]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path}:{lineno}: expected a JSON object with a string {key!r} field ({e!r})") from None
+    if not isinstance(text, str):
+        raise ValueError(f"{path}:{lineno}: field {key!r} is {type(text).__name__}, not a string")
+    # A lone surrogate escape ("\ud800") decodes to a str that no tokenizer can encode: name the line here,
+    # not in a worker's traceback. Decoded UTF-8 holds no surrogates, so only escapes need the check.
+    if "\\ud" in line or "\\uD" in line:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{path}:{lineno}: field {key!r} holds an unpaired surrogate escape "
+                             f"({e.reason}); fix or drop that line") from None
+    return text
 
 
 def _is_json(path):

@@ -78,7 +78,9 @@ class GPTDataset:
         self.index_split, self.config, self.seq_length = index_split, config, config.sequence_length
         self.extra = int(config.add_extra_token_to_sequence)
         self.tokens_per_epoch = int(indexed.sizes[documents.start:documents.stop].sum())
-        if self.tokens_per_epoch - self.extra < (self.seq_length if num_samples is None else 1):
+        # tokens_per_epoch < 2: megatron-core's sample index asserts it (add_extra_token_to_sequence False).
+        if self.tokens_per_epoch < 2 or self.tokens_per_epoch - self.extra < (
+                self.seq_length if num_samples is None else 1):
             raise SplitTooSmallError(
                 f"{index_split} split too small for --seq-length {self.seq_length}: documents {documents.start}.."
                 f"{documents.stop - 1} of {indexed.prefix} hold {self.tokens_per_epoch} tokens")
