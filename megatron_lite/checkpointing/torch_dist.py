@@ -117,6 +117,9 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
             pieces.setdefault(shard.name, []).append((shard.start, value))
         for name, local in pieces.items():
             state[f"model.{name}"] = _sharded(numels[name], local[0][1].dtype, local)
+        for p, name in optimizer.param_to_name.items():
+            if p.numel() == 0:  # a zero-size parameter: no rank holds a shard of it, so none would write it
+                state[f"model.{name}"] = torch.zeros(0, dtype=p.dtype, device=optimizer.device)
     else:
         for p, name in optimizer.param_to_name.items():
             state[f"model.{name}"] = torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if fill \
@@ -128,7 +131,17 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
 
 
 def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
-    return {k: v for k, v in model.untrained_state_dict().items() if k not in trainable}
+    """Buffers and frozen parameters: the state entries that are neither a trained parameter nor another
+    name of one (a tied weight's second name, whose ZeRO-3 placeholder holds no values: it is saved and
+    loaded under its parameter's name, see _aliases)."""
+    skip = set(trainable) | set(_aliases(model))
+    return {k: v for k, v in model.untrained_state_dict().items() if k not in skip}
+
+
+def _aliases(model) -> Dict[str, str]:
+    """Every further name of a trained parameter (a tied weight: `head.weight = embed.weight`) -> its name."""
+    return {n: model.param_to_name[p] for n, p in model.module.named_parameters(remove_duplicate=False)
+            if p in model.param_to_name and model.param_to_name[p] != n}
 
 
 def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:
@@ -239,6 +252,12 @@ def save_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     with torch.no_grad():
         model.finish_param_sync()
         state = _written(_tensors(model, optimizer), replica_id(optimizer, group))
+    if dist.get_rank(optimizer.data_parallel_group) != 0:
+        # Buffers may differ between the ranks (BatchNorm's running statistics, updated from each rank's
+        # batches): data-parallel rank 0's are the model's, which DDP broadcasts before the next forward and
+        # the 'torch' format saves. DCP would keep any one rank's copy of a whole tensor.
+        whole = {f"model.{k}" for k in _other_entries(model, set(optimizer.param_to_name.values()))}
+        state = {k: v for k, v in state.items() if k not in whole}
     if dist.get_rank(group) == 0:
         torch.save(common, os.path.join(directory, COMMON_FILENAME))
     if async_group is None:
@@ -296,7 +315,9 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
             shard.model_data.copy_(_local_pieces(state[f"model.{shard.name}"])[shard.start])
         model.module.load_state_dict(others, strict=False)
     else:
-        model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others})
+        tied = {alias: state[f"model.{name}"].view(shapes[name]) for alias, name in _aliases(model).items()}
+        model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others,
+                               **tied})
 
 
 def _local_pieces(value) -> Dict[int, torch.Tensor]:
@@ -316,6 +337,10 @@ def _optimizer_values(state: Dict[str, object], described) -> Dict[Tuple[str, in
             name, field = key[len("optimizer."):].rsplit(".", 1)
             for start, tensor in _local_pieces(value).items():
                 values.setdefault((name, start), {})[field] = tensor
+    fields = {field for entry in values.values() for field in entry}
+    for shard in described.shards:  # a zero-size parameter: a sharded optimizer wrote no piece of it
+        if values and shard.numel == 0:
+            values.setdefault((shard.name, shard.start), {field: torch.zeros(0) for field in fields})
     for shard in described.shards:
         entry = values.get((shard.name, shard.start), {})
         if values and ("param" not in entry or any(t.numel() != shard.numel for t in entry.values())):
