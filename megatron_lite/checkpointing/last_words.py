@@ -20,8 +20,9 @@ before the update, so the shard and its iteration always match. A set is complet
 a file at the same iteration; `--load` then takes it if it is newer than the newest periodic checkpoint
 (load.py); sealing a periodic checkpoint removes the sets it supersedes (files.prune_last_words). Model
 parameters are rebuilt from the fp32 main shards: a half-finished parameter all-gather at the time of
-failure does not matter. Buffers and frozen parameters never change in training and come from the model
-provider. The directories are named in files.py.
+failure does not matter. Frozen parameters never change in training and come from the model provider; a
+model with persistent buffers (which training may change: BatchNorm's running statistics) is refused.
+The directories are named in files.py.
 """
 
 import json
@@ -44,6 +45,15 @@ from .rng import get_rng_state, set_rng_state
 _RANK_FILE = re.compile(r"^rank_(\d{5,})\.pt$")
 _HEADER = ("iteration", "rank", "world", "per_instance", "position", "step")  # also in the .json
 _RECORD_ONLY = ("steps_taken", "skipped_opt_param_scheduler")  # kept in memory, not written
+
+
+def _persistent_buffers(optimizer) -> List[str]:
+    """The names of the persistent buffers (state_dict entries) of the optimizer's model chunks."""
+    names = []
+    for chunk in optimizer.model_chunks:
+        buffers = {n for n, _ in chunk.module.named_buffers()}
+        names += [k for k in chunk.untrained_state_dict() if k in buffers]
+    return names
 
 
 def _key(name: str, start: int) -> str:
@@ -71,6 +81,14 @@ class LastWords:
                 f"last words need the data-parallel group to be the whole job ({dist.get_world_size()} ranks), "
                 f"this one has {dist.get_world_size(optimizer.data_parallel_group)}: train without them "
                 f"(--no-last-words) and rely on periodic checkpoints (torch_dist handles several groups)"
+            )
+        buffers = _persistent_buffers(optimizer)
+        if buffers:  # every rank holds the same model: all raise alike
+            raise ValueError(
+                f"last words keep the optimizer's shards only, and rebuild the rest of the model from the model "
+                f"provider; this model has persistent buffers ({', '.join(buffers[:5])}), which training may "
+                f"change (BatchNorm's running statistics) and a restart from last words would silently reset: "
+                f"train without them (--no-last-words) and rely on periodic checkpoints, which save buffers"
             )
         self.root, self.optimizer, self.scheduler = root, optimizer, scheduler
         self.args = args or {}

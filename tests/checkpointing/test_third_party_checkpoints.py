@@ -230,3 +230,25 @@ def test_non_persistent_buffers_are_left_alone(tmp_path, fmt):
     for rank, (cache, seen) in enumerate(run_distributed(_non_persistent_worker, 2, str(tmp_path), "optim",
                                                          "optim_grads_params", fmt)):
         assert cache == [7.0] * 3 and seen == 2.0, (rank, cache, seen)
+
+
+def _last_words_worker(root, case):
+    """LastWords (what pretrain() keeps when --save is given) for `case` under ZeRO-1: the error, or None."""
+    from megatron_lite.checkpointing import LastWords
+
+    ddp, opt, sched = _build(case, "optim", seed=0)
+    try:
+        LastWords(root, opt, sched, 0, 0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_last_words_refuse_models_with_persistent_buffers(tmp_path):
+    """Last words rebuild the model from the optimizer's shards and take everything else from the model
+    provider. Would catch BatchNorm running statistics (persistent buffers that training changes, and that
+    differ per rank) silently reset to their initial values by a restart from last words; a model whose
+    buffers are all non-persistent (the rotary tables) keeps them."""
+    for rank, error in enumerate(run_distributed(_last_words_worker, 2, str(tmp_path), "resnet_bn")):
+        assert error is not None and "--no-last-words" in error and "1.running_mean" in error, (rank, error)
+    assert run_distributed(_last_words_worker, 2, str(tmp_path), "llama_gqa_rope") == [None, None]
