@@ -133,15 +133,9 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
 def _other_entries(model, trainable) -> Dict[str, torch.Tensor]:
     """Buffers and frozen parameters: the state entries that are neither a trained parameter nor another
     name of one (a tied weight's second name, whose ZeRO-3 placeholder holds no values: it is saved and
-    loaded under its parameter's name, see _aliases)."""
-    skip = set(trainable) | set(_aliases(model))
+    loaded under its parameter's name, model.tied_names())."""
+    skip = set(trainable) | set(model.tied_names())
     return {k: v for k, v in model.untrained_state_dict().items() if k not in skip}
-
-
-def _aliases(model) -> Dict[str, str]:
-    """Every further name of a trained parameter (a tied weight: `head.weight = embed.weight`) -> its name."""
-    return {n: model.param_to_name[p] for n, p in model.module.named_parameters(remove_duplicate=False)
-            if p in model.param_to_name and model.param_to_name[p] != n}
 
 
 def local_tensors(model, optimizer) -> Dict[str, torch.Tensor]:
@@ -315,7 +309,7 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
             shard.model_data.copy_(_local_pieces(state[f"model.{shard.name}"])[shard.start])
         model.module.load_state_dict(others, strict=False)
     else:
-        tied = {alias: state[f"model.{name}"].view(shapes[name]) for alias, name in _aliases(model).items()}
+        tied = {alias: state[f"model.{name}"].view(shapes[name]) for alias, name in model.tied_names().items()}
         model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others,
                                **tied})
 

@@ -68,9 +68,13 @@ def write(directory: str, content: dict):
 def check_fits(path: str, model, optimizer, state: dict, load_optim: bool):
     """A loaded payload holds every tensor of this model with the model's shapes (checked before any is
     written: the writes include collectives, which a rank raising half-way would leave waiting). Adds this
-    rank's expert-parallel position's experts to `state` (experts.merge)."""
+    rank's expert-parallel position's experts to `state` (experts.merge), and a tied weight's second name
+    where the checkpoint holds it under its parameter's name only (converted from torch_dist)."""
     experts.merge(model, optimizer, state)
     shapes = {name: tuple(p.shape) for p, name in optimizer.param_to_name.items()}
+    tied = model.tied_names()  # a tied weight's second name: stored or not (torch_dist keeps it once)
+    state["model"] = {**{alias: state["model"][name] for alias, name in tied.items() if name in state["model"]},
+                      **state["model"]}
     expected = set(shapes) | set(model.untrained_state_dict())
     missing, unexpected = sorted(expected - set(state["model"])), sorted(set(state["model"]) - expected)
     if missing or unexpected:

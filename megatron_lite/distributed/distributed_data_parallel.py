@@ -304,6 +304,12 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
         trainable = set(self.param_to_name.values())
         return {k: v for k, v in state.items() if k not in trainable}
 
+    def tied_names(self) -> Dict[str, str]:
+        """Every further name of a trained parameter (a tied weight: `head.weight = embed.weight`) -> the name it
+        is trained under (param_to_name). Checkpoints store the tensor once, under the latter."""
+        return {n: self.param_to_name[p] for n, p in self.module.named_parameters(remove_duplicate=False)
+                if p in self.param_to_name and self.param_to_name[p] != n}
+
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         self.finish_param_sync()  # a pending gather must not overwrite the loaded values later
         with self.full_parameters(write_back=True):
