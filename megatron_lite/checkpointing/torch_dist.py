@@ -302,8 +302,8 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
         # The moments read are the state's own now (adopted, not copied: the pieces are this load's alone).
         optimizer.load_sharded_state(described.with_values(values, common["optimizer_step"], lagging), adopt=True)
     # The model: whole parameters, or (ZeRO-3) the rank's shards, written through the description's views.
-    shapes = common["shapes"]
-    others = {k: state[f"model.{k}"] for k in _other_entries(model, shapes)}
+    shapes = {name: p.shape for p, name in optimizer.param_to_name.items()}  # the model's (see _placeholders)
+    others = {k: state[f"model.{k}"].view(v.shape) for k, v in _other_entries(model, shapes).items()}
     if described.params_sharded:
         for shard in described.shards:
             shard.model_data.copy_(_local_pieces(state[f"model.{shard.name}"])[shard.start])
@@ -339,14 +339,16 @@ def _optimizer_values(state: Dict[str, object], described) -> Dict[Tuple[str, in
         entry = values.get((shard.name, shard.start), {})
         if values and ("param" not in entry or any(t.numel() != shard.numel for t in entry.values())):
             raise ValueError(f"the checkpoint's optimizer state does not cover "
-                             f"{shard.name}[{shard.start}:{shard.end}]")
+                             f"{shard.name}[{shard.start}:{shard.end}] (frozen when saved? then load without "
+                             f"the optimizer state: --finetune or --no-load-optim)")
     return values
 
 
 def _placeholders(directory: str, model, optimizer, common: dict) -> Dict[str, object]:
     """The zero-filled pieces this rank reads, after checking that the checkpoint holds every tensor of
     the model (whatever this rank's layout) with the model's shapes."""
-    available = set(SafeReader(directory).read_metadata().state_dict_metadata)
+    stored = SafeReader(directory).read_metadata().state_dict_metadata
+    available = set(stored)
     trainable = {name: list(p.shape) for p, name in optimizer.param_to_name.items()}
     for name in [*trainable, *_other_entries(model, trainable)]:
         if f"model.{name}" not in available:
@@ -355,5 +357,17 @@ def _placeholders(directory: str, model, optimizer, common: dict) -> Dict[str, o
         if list(common["shapes"].get(name, shape)) != shape:
             raise ValueError(f"checkpoint {directory} holds {name} of shape {common['shapes'][name]}, the model's "
                              f"is {shape}: it was saved from another model")
-    state = _tensors(model, optimizer, fill="zeros")
-    return {k: v for k, v in state.items() if k in available}  # moments exist only after a first step
+    state = {k: v for k, v in _tensors(model, optimizer, fill="zeros").items()
+             if k in available}  # moments exist only after a first step
+    for key, value in state.items():
+        # A trained parameter is stored flat, a frozen one whole: read it as stored when its requires_grad
+        # changed since the save (fine-tuning with the base frozen, or unfrozen); load_torch_dist reshapes.
+        size = stored[key].size
+        if isinstance(value, ShardedTensor):
+            if len(size) != 1:
+                raise ValueError(f"checkpoint {directory} holds {key[len('model.'):]} whole (it was frozen when "
+                                 f"saved), which ZeRO-3 cannot read as shards: load it under another sharding "
+                                 f"strategy, or convert it to the 'torch' format (tools/checkpoint_convert.py)")
+        elif tuple(size) != tuple(value.shape) and size.numel() == value.numel():
+            state[key] = value.new_zeros(size)
+    return state

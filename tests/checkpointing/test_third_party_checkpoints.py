@@ -291,3 +291,54 @@ def test_tied_weights_survive_conversion_to_torch_format(tmp_path, strategy):
     for rank, diff in enumerate(run_distributed(_converted_worker, 2, str(tmp_path / "a"), str(tmp_path / "b"),
                                                 strategy)):
         assert not diff, (rank, diff)
+
+
+def _unfrozen_lora():
+    model = tpm.lora_mlp()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+CASES["lora_unfrozen"] = (_unfrozen_lora, regression_batch, F.mse_loss, None)
+
+
+def _refreeze_worker(root, saved_case, loaded_case, save_strategy, load_strategy, fmt):
+    """`saved_case` trained a step and saved, loaded into `loaded_case` (the same names, other parameters
+    trainable) with finetune=True: the names whose values differ from the saved ones, or the error."""
+    from megatron_lite import checkpointing
+
+    ddp, opt, sched = _build(saved_case, save_strategy, seed=0)
+    _steps(saved_case, ddp, opt, 0, 1)
+    checkpointing.save_checkpoint(root, 1, ddp, opt, sched, 8, ckpt_format=fmt)
+    saved = _state(ddp)
+    ddp, opt, sched = _build(loaded_case, load_strategy, seed=1)
+    try:
+        checkpointing.load_checkpoint(root, ddp, opt, sched, finetune=True)
+    except ValueError as e:
+        return str(e)
+    loaded = _state(ddp)
+    return sorted(k for k in saved if not torch.equal(saved[k], loaded[k]))
+
+
+REFREEZE = [("lora_unfrozen", "lora_frozen_base", "optim", "optim"),
+            ("lora_unfrozen", "lora_frozen_base", "optim_grads_params", "no_shard"),
+            ("lora_frozen_base", "lora_unfrozen", "optim", "no_shard")]
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("config", REFREEZE, ids=["-".join(c) for c in REFREEZE])
+def test_finetune_with_other_parameters_frozen(tmp_path, config, fmt):
+    """Pre-train everything, then fine-tune with the base frozen (LoRA), or the other way round, with
+    --finetune: would catch torch_dist storing a trained parameter flat and a frozen one whole, so that the
+    same weight could not be read back once its requires_grad changed (a DCP size-mismatch traceback)."""
+    for rank, result in enumerate(run_distributed(_refreeze_worker, 2, str(tmp_path), *config, fmt)):
+        assert result == [], (rank, result)
+
+
+def test_unfrozen_weight_into_zero3_is_a_clear_error(tmp_path):
+    """A weight frozen when saved (stored whole) cannot be read as ZeRO-3 shards: would catch DCP's size-
+    mismatch traceback instead of an error naming the weight and what to do, on every rank."""
+    for rank, result in enumerate(run_distributed(_refreeze_worker, 2, str(tmp_path), "lora_frozen_base",
+                                                  "lora_unfrozen", "optim", "optim_grads_params", "torch_dist")):
+        assert ".base.weight" in result and "ZeRO-3 cannot read" in result, (rank, result)
