@@ -368,6 +368,10 @@ def _placeholders(directory: str, model, optimizer, common: dict) -> Dict[str, o
                 raise ValueError(f"checkpoint {directory} holds {key[len('model.'):]} whole (it was frozen when "
                                  f"saved), which ZeRO-3 cannot read as shards: load it under another sharding "
                                  f"strategy, or convert it to the 'torch' format (tools/checkpoint_convert.py)")
-        elif tuple(size) != tuple(value.shape) and size.numel() == value.numel():
-            state[key] = value.new_zeros(size)
+        elif key.startswith("model.") and tuple(size) != tuple(value.shape):
+            name = key[len("model."):]
+            trained_then = len(size) == 1 and common["shapes"].get(name) == list(value.shape)
+            trained_now = value.dim() == 1 and trainable.get(name) == list(size)
+            if trained_then or trained_now:  # any other difference: DCP refuses the sizes
+                state[key] = value.new_zeros(size)
     return state
