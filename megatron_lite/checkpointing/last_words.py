@@ -47,7 +47,7 @@ _HEADER = ("iteration", "rank", "world", "per_instance", "position", "step")  # 
 _RECORD_ONLY = ("steps_taken", "skipped_opt_param_scheduler")  # kept in memory, not written
 
 
-def _persistent_buffers(optimizer) -> List[str]:
+def persistent_buffers(optimizer) -> List[str]:
     """The names of the persistent buffers (state_dict entries) of the optimizer's model chunks."""
     names = []
     for chunk in optimizer.model_chunks:
@@ -82,7 +82,7 @@ class LastWords:
                 f"this one has {dist.get_world_size(optimizer.data_parallel_group)}: train without them "
                 f"(--no-last-words) and rely on periodic checkpoints (torch_dist handles several groups)"
             )
-        buffers = _persistent_buffers(optimizer)
+        buffers = persistent_buffers(optimizer)
         if buffers:  # every rank holds the same model: all raise alike
             raise ValueError(
                 f"last words keep the optimizer's shards only, and rebuild the rest of the model from the model "

@@ -15,6 +15,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpointing.last_words import persistent_buffers
 from ..checkpointing.rng import set_rng_state
 from ..distributed import collectives
 from ..optimizer.sharded_state import flatten, unflatten
@@ -73,6 +74,12 @@ def heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Optional[
     """Every rank of the new generation: agree on the iteration to resume from and bring every rank's state
     to it (see the module docstring). Returns the progress to continue from, or None on every rank when no
     rank holds any state (nothing to heal: the caller starts as a fresh job does)."""
+    buffers = persistent_buffers(optimizer)
+    if buffers:  # every rank holds the same model: all raise alike, before any collective
+        raise ValueError(
+            f"live recovery rebuilds a replacement from the optimizer's shards and the model provider; this model "
+            f"has persistent buffers ({', '.join(buffers[:5])}), which training may change (BatchNorm's running "
+            f"statistics) and a replacement would silently reset: run it under torchrun instead")
     everyone = collectives.all_gather_object(None if snapshot is None else snapshot.progress.iteration, None)
     target = max((s for s in everyone if s is not None), default=None)
     if target is None:

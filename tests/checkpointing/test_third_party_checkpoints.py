@@ -254,6 +254,26 @@ def test_last_words_refuse_models_with_persistent_buffers(tmp_path):
     assert run_distributed(_last_words_worker, 2, str(tmp_path), "llama_gqa_rope") == [None, None]
 
 
+def _heal_worker(case):
+    """Live recovery's heal() (every generation's start) for `case` under ZeRO-1: the error, or what it returned."""
+    from megatron_lite.fault_tolerance.healing import heal
+
+    ddp, opt, sched = _build(case, "optim", seed=0)
+    try:
+        return heal(None, ddp, opt, sched)
+    except ValueError as e:
+        return str(e)
+
+
+def test_live_recovery_refuses_models_with_persistent_buffers():
+    """A replacement is healed from the optimizer's shards and the model provider, as last words are. Would
+    catch a replacement's BatchNorm statistics silently reset while the survivors keep theirs; a model whose
+    buffers are all non-persistent heals (nothing to heal here: None on every rank)."""
+    for rank, error in enumerate(run_distributed(_heal_worker, 2, "resnet_bn")):
+        assert error is not None and "torchrun" in error and "1.running_mean" in error, (rank, error)
+    assert run_distributed(_heal_worker, 2, "llama_gqa_rope") == [None, None]
+
+
 def _converted_worker(root, converted, strategy):
     """tied_lm saved as torch_dist, converted to 'torch' by tools/checkpoint_convert.py, loaded, trained:
     the names that differ from the uninterrupted run."""
