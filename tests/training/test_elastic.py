@@ -209,9 +209,12 @@ def test_supervisor_does_not_shrink_a_starting_job():
 
 
 def _heal_without_state():
+    import types
+
     from megatron_lite.fault_tolerance.healing import heal
 
-    return heal(None, None, None, None)
+    no_buffers = types.SimpleNamespace(model_chunks=[])  # what heal reads of an optimizer before the decision
+    return heal(None, None, no_buffers, None)
 
 
 def test_heal_without_any_state_says_start_afresh():
