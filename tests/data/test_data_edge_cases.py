@@ -6,15 +6,13 @@ megatron-core's `build_sample_idx` (helpers.cpp) on corpora with empty documents
 test_megatron_order.py does not hold.
 """
 
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
-from pretrain_testing import REPO
+from test_data import load_preprocess_module, write_dataset
 
-from megatron_lite.data import GPTDatasetConfig, IndexedDataset, IndexedDatasetBuilder, build_datasets, helpers
+from megatron_lite.data import GPTDatasetConfig, IndexedDataset, build_datasets, helpers
 from megatron_lite.data.gpt_dataset import SplitTooSmallError
 
 EOD = 256  # ByteLevelTokenizer, preprocess_data.py's default
@@ -22,17 +20,7 @@ EOD = 256  # ByteLevelTokenizer, preprocess_data.py's default
 
 @pytest.fixture(scope="module")
 def preprocess():
-    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def write_corpus(prefix, documents, vocab_size=1000):
-    with IndexedDatasetBuilder(str(prefix), vocab_size) as builder:
-        for document in documents:
-            builder.add_document(document)
-    return str(prefix)
+    return load_preprocess_module()
 
 
 # ------------------------------------------------------------------------------------ tools/preprocess_data.py
@@ -115,7 +103,7 @@ def test_samples_read_across_empty_documents(tmp_path):
     """Would catch a sample that skips, repeats or stops at an empty document: with unique token values the
     samples of one epoch, in sample order, are exactly the overlapping windows of the non-empty stream."""
     documents = [[], [1, 2, 3], [], [], [4], [5, 6, 7, 8, 9], [], [10, 11]]
-    prefix = write_corpus(tmp_path / "gaps", documents)
+    prefix = write_dataset(tmp_path / "gaps", documents)
     config = GPTDatasetConfig(random_seed=3, sequence_length=3, blend=([prefix], None), split="100")
     train = build_datasets(config, [3, 0, 0])[0]
     stream = np.concatenate([np.asarray(d, dtype=np.int64) for d in documents])
@@ -130,13 +118,13 @@ def test_one_token_split_without_the_extra_token(tmp_path):
     """Would catch a split of one token with add_extra_token_to_sequence off crashing the build with the
     sample index's bare 'tokens_per_epoch > 1' error: a validation split so small is left out (None), as
     with the extra token, and such a train split is SplitTooSmallError naming the split."""
-    prefix = write_corpus(tmp_path / "t", [list(range(1, 10)) + [999]] * 9 + [[999]])
+    prefix = write_dataset(tmp_path / "t", [list(range(1, 10)) + [999]] * 9 + [[999]])
     for extra in (True, False):
         config = GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([prefix], None), split="9,1,0",
                                   add_extra_token_to_sequence=extra)
         train, valid, test = build_datasets(config, [5, 3, 0])
         assert len(train) >= 5 and valid is None and test is None
-    one_token_first = write_corpus(tmp_path / "one", [[999]] + [list(range(1, 10)) + [999]] * 9)
+    one_token_first = write_dataset(tmp_path / "one", [[999]] + [list(range(1, 10)) + [999]] * 9)
     config = GPTDatasetConfig(random_seed=1, sequence_length=4, blend=([one_token_first], None), split="1,9,0",
                               add_extra_token_to_sequence=False)
     with pytest.raises(SplitTooSmallError, match="train split too small"):
@@ -152,7 +140,7 @@ def test_cache_is_not_reused_when_the_indices_would_differ(tmp_path, change):
     sequence length, split, extra-token setting, sample count, blend surplus, or a corpus rewritten under the
     same prefix silently trains on the indices built for the first run."""
     prefix = tmp_path / "c"
-    write_corpus(prefix, [list(range(10 * i, 10 * i + 1 + i % 5)) + [999] for i in range(40)])
+    write_dataset(prefix, [list(range(10 * i, 10 * i + 1 + i % 5)) + [999] for i in range(40)])
     kwargs = dict(random_seed=1, sequence_length=8, blend=([str(prefix), str(prefix)], [0.4, 0.6]), split="90,10,0",
                   path_to_cache=str(tmp_path / "cache"))
     sizes = [50, 5, 0]
@@ -168,7 +156,7 @@ def test_cache_is_not_reused_when_the_indices_would_differ(tmp_path, change):
     elif change == "surplus":
         kwargs["mid_level_dataset_surplus"] = 0.5
     else:
-        write_corpus(prefix, [list(range(10 * i, 10 * i + 1 + i % 3)) + [999] for i in range(40)])
+        write_dataset(prefix, [list(range(10 * i, 10 * i + 1 + i % 3)) + [999] for i in range(40)])
     second = build_datasets(GPTDatasetConfig(**kwargs), sizes)[0]
     assert not any(d.cache_hit for d in second.datasets), change
     rebuilt = build_datasets(GPTDatasetConfig(**kwargs), sizes)[0]  # the new key is then found
