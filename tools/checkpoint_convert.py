@@ -132,11 +132,10 @@ def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=N
     if tokenizer_type is None:
         raise ValueError("the checkpoint does not record its tokenizer (saved by an older version): give "
                          "--tokenizer-type (and --tokenizer-model / --vocab-size as for pretrain_gpt.py)")
-    if tokenizer_model and tokenizer_type != "HuggingFaceTokenizer":  # it would be ignored: another tokenizer
-        raise ValueError(f"--tokenizer-model is read by HuggingFaceTokenizer only, and the tokenizer is "
-                         f"{tokenizer_type} (the checkpoint's, or --tokenizer-type): drop --tokenizer-model, or "
-                         "give --tokenizer-type HuggingFaceTokenizer if the run really used that tokenizer")
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model or args.get("tokenizer_model"),
+    # A given --tokenizer-model that the tokenizer would ignore is refused by build_tokenizer; a recorded one
+    # counts only for the tokenizer that reads it (older runs recorded the flag whatever the type).
+    recorded = args.get("tokenizer_model") if tokenizer_type == "HuggingFaceTokenizer" else None
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model or recorded,
                                 vocab_size=vocab_size or args.get("vocab_size"))
     config, tensors = hf_convert.to_hf(payload["model"], args, tokenizer.vocab_size, tokenizer.eod)
     os.makedirs(output, exist_ok=True)

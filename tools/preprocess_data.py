@@ -76,10 +76,7 @@ def get_args(argv=None):
         if path != BUILTIN and not has_documents(path, args.json_key):
             what = f"only blank lines or empty {args.json_key!r} fields" if _is_json(path) else "only blank lines"
             parser.error(f"--input {path!r}: no documents (the file is empty or holds {what})")
-    if args.tokenizer_model and args.tokenizer_type != "HuggingFaceTokenizer":  # it would tokenize byte by byte
-        parser.error(f"--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only, not by "
-                     f"{args.tokenizer_type}: add --tokenizer-type HuggingFaceTokenizer or drop --tokenizer-model")
-    try:
+    try:  # also refuses a --tokenizer-model the tokenizer type would ignore (tokenizing byte by byte)
         args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except ValueError as e:
         parser.error(str(e))

@@ -103,6 +103,14 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
+def check_tokenizer_model(tokenizer_type: str, tokenizer_model: Optional[str]):
+    """Raise ValueError for a tokenizer.json given with a tokenizer type that would ignore it (the data would be
+    tokenized, or read, as another tokenizer's ids without any error)."""
+    if tokenizer_model and tokenizer_type != "HuggingFaceTokenizer":
+        raise ValueError(f"--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only, not by "
+                         f"{tokenizer_type}: add --tokenizer-type HuggingFaceTokenizer or drop --tokenizer-model")
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None):
     """Build a tokenizer by Megatron's `--tokenizer-type` name.
 
@@ -114,6 +122,7 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
     Returns:
         An object with `.vocab_size`, `.eod`, `.tokenize(text)` and `.detokenize(ids)`.
     """
+    check_tokenizer_model(tokenizer_type, tokenizer_model)
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":

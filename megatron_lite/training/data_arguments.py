@@ -15,6 +15,7 @@ import os
 
 from ..data import GPTDatasetConfig, get_blend_from_list, parse_split
 from ..data.blended_megatron_dataset_builder import PER_SPLIT_FLAGS
+from ..data.tokenizer import check_tokenizer_model
 
 PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
 
@@ -93,10 +94,7 @@ def check_data_args(args):
             raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; "
                              f"{args.tokenizer_type} defines its own: drop --vocab-size or add --tokenizer-type "
                              "NullTokenizer")
-    if args.tokenizer_model and args.tokenizer_type != "HuggingFaceTokenizer":  # ignored, the data read with another
-        raise ValueError(f"--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only, not by "
-                         f"{args.tokenizer_type}: add --tokenizer-type HuggingFaceTokenizer (as for "
-                         "tools/preprocess_data.py) or drop --tokenizer-model")
+    check_tokenizer_model(args.tokenizer_type, args.tokenizer_model)  # at parse time: before any process starts
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
