@@ -27,7 +27,7 @@ from .grad_checks import (
     unused_parameters_message,
 )
 from .grad_sync import GradSyncSchedule
-from .model_checks import raise_if_sparse_grad
+from .model_checks import sparse_grad_error
 
 
 class GradHooksMixin:
@@ -89,7 +89,7 @@ class GradHooksMixin:
         grad = param.grad
         if grad is not None:
             if grad.layout is not torch.strided:
-                raise_if_sparse_grad(self.param_to_name[param], grad)
+                raise sparse_grad_error(self.param_to_name[param], grad)
             bucket.ensure_grad_storage()  # ZeRO-2: the bucket's gradients are freed between iterations
             main_grad = param.main_grad
             if grad.data_ptr() == main_grad.data_ptr():

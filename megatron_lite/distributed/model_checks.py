@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 import torch
 
-__all__ = ["raise_if_unsupported_model", "raise_if_sparse_grad"]
+__all__ = ["raise_if_unsupported_model", "sparse_grad_error"]
 
 SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
@@ -40,12 +40,11 @@ def raise_if_unsupported_model(module: torch.nn.Module):
         )
 
 
-def raise_if_sparse_grad(name: str, grad: torch.Tensor):
-    """The gradient hook's check, for sparse gradients that no module at wrap time announced (a custom
-    autograd.Function): cheap, a layout comparison."""
-    if grad.layout != torch.strided:
-        raise TypeError(f"{name} received a {grad.layout} gradient: DistributedDataParallel's gradient buffers "
-                        f"hold dense gradients only; make the operation that produces it return a dense gradient")
+def sparse_grad_error(name: str, grad: torch.Tensor) -> TypeError:
+    """The gradient hook's error for a gradient that is not strided (its check, a layout comparison, stays in
+    the hook): sparse gradients that no module at wrap time announced (a custom autograd.Function)."""
+    return TypeError(f"{name} received a {grad.layout} gradient: DistributedDataParallel's gradient buffers "
+                     f"hold dense gradients only; make the operation that produces it return a dense gradient")
 
 
 def _overlapping_params(named: List[Tuple[str, torch.nn.Parameter]]) -> List[Tuple[str, str]]:
