@@ -133,12 +133,19 @@ def test_overlapping_parameters_found_without_processes():
 
 
 # ------------------------------------------------------------------------------ ZeRO-3: model.module called
-def _inner_forward_worker():
+def _zero3_after_one_step():
+    """A ZeRO-3 StackedMLP (its stem and head in the root unit) after one training step, its parameters
+    released: (case, wrapper, optimizer, generator, the next input)."""
     case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse, units=("ResidualMLP",))
     ddp, opt, _, _ = build_pair(case, "optim_grads_params", True)
     gen = torch.Generator().manual_seed(0)
     t3.megatron_step(ddp, opt, case.loss, [case.batch(gen, 0, 0)])
     (x,), _ = case.batch(gen, 0, 1)
+    return case, ddp, opt, gen, x
+
+
+def _inner_forward_worker():
+    _, ddp, _, _, x = _zero3_after_one_step()
     with torch.no_grad():
         through_wrapper = ddp(x)
         with ddp.full_parameters():
@@ -201,11 +208,7 @@ def _rank0_inner_forward_worker():
     """Generation on rank 0 only, inside full_parameters() entered by every rank, then training goes on."""
     import torch.distributed as dist
 
-    case = t3.Case(tpm.StackedMLP, t3.regression_batch, t3.mse, units=("ResidualMLP",))
-    ddp, opt, _, _ = build_pair(case, "optim_grads_params", True)
-    gen = torch.Generator().manual_seed(0)
-    t3.megatron_step(ddp, opt, case.loss, [case.batch(gen, 0, 0)])
-    (x,), _ = case.batch(gen, 0, 1)
+    case, ddp, opt, gen, x = _zero3_after_one_step()
     with torch.no_grad():
         expected = ddp(x)
         equal = []
