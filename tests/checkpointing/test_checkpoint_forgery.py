@@ -227,8 +227,15 @@ def _storage_forgeries():
             setattr(next(iter(metadata.state_dict_metadata.values())), field, value)
             return metadata
         return forge
+
+    def extra_field(metadata):  # pickled into the record's BUILD state: a field _StorageInfo does not have
+        vars(next(iter(metadata.storage_data.values())))["checksum_file"] = "__0_0.distcp"
+        return metadata
     return {
         "file outside the directory": storage(relative_path="../../elsewhere.distcp"),
+        "file name only containing a shard's": storage(relative_path="../__0_0.distcp"),
+        "shard name with a suffix": storage(relative_path="__0_0.distcp.bak"),
+        "storage record with an extra field": extra_field,
         "stream transform": storage(transform_descriptors=["zstd"]),
         "negative offset": storage(offset=-1),
         "planner data not keys": lambda m: (m.planner_data.update({"x": 3}), m)[1],
@@ -241,7 +248,9 @@ def _storage_forgeries():
 @pytest.mark.parametrize("name", list(_storage_forgeries()))
 def test_metadata_of_other_types_is_refused(name, genuine, tmp_path):
     """Would catch storage items or entries of types DCP would act on in unchecked ways (a file outside the
-    checkpoint, a stream transform, a tensor description that is not one) reaching DCP."""
+    checkpoint, a stream transform, a tensor description that is not one) reaching DCP; a file name matched
+    by search instead of in full ('../__0_0.distcp' only contains a shard's name), and a record filled with a
+    field it does not have (BUILD checking only that the keys are strings)."""
     from megatron_lite.checkpointing.dcp_metadata import read_metadata
 
     payload = _storage_forgeries()[name](_genuine_metadata(os.path.join(genuine, ITER)))
