@@ -17,14 +17,15 @@ sharding strategy. The exported weights are the model's state_dict (full tensors
 `--to hf` writes a transformers model directory: config.json (GPT2LMHeadModel or LlamaForCausalLM, every
 architecture field), model.safetensors with the tokenizer's vocabulary (the padding rows dropped), and the
 tokenizer (tokenizer.json, tokenizer_config.json) for HuggingFaceTokenizer and ByteLevelTokenizer runs
-(NullTokenizer has no text). `--from hf` reads such a directory (config.json, *.safetensors, tokenizer.json if
-present) into a checkpoint of model weights only at iteration 0, which pretrain_gpt.py starts from with
-`--finetune --load` and the architecture flags the tool prints. The mapping: megatron_lite/checkpointing/
-hf_convert.py. safetensors (and tokenizers for the tokenizer files) are the optional `hf` extra.
+(NullTokenizer has no text). `--from hf` reads such a directory (config.json, the shards
+model.safetensors.index.json names or else every *.safetensors, tokenizer.json if present: checking them all
+(megatron_lite/checkpointing/hf_files.py) before anything is written) into a checkpoint of model weights only
+at iteration 0, which pretrain_gpt.py starts from with `--finetune --load` and the architecture flags the tool
+prints. The mapping: megatron_lite/checkpointing/hf_convert.py. safetensors (and tokenizers for the tokenizer
+files) are the optional `hf` extra.
 """
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.checkpointing import files, hf_convert, torch_dist, torch_format  # noqa: E402
+from megatron_lite.checkpointing import files, hf_convert, hf_files, torch_dist, torch_format  # noqa: E402
 from megatron_lite.data import build_tokenizer  # noqa: E402
 from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
 
@@ -186,41 +187,56 @@ def _bytes_to_unicode():
 
 
 def import_hf(directory: str) -> dict:
-    """A transformers directory -> the `torch` format's payload of a weights-only checkpoint at iteration 0."""
+    """A transformers directory -> the `torch` format's payload of a weights-only checkpoint at iteration 0.
+    config.json is compared with the safetensors headers (names, shapes, dtypes) before any tensor is read."""
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--input {directory} has no config.json: give a transformers model directory")
-    with open(config_path) as f:
-        config = json.load(f)
-    paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not paths:
-        raise ValueError(f"--input {directory} has no *.safetensors file (pickled pytorch_model.bin is not read: "
-                         f"save the model with save_pretrained(..., safe_serialization=True))")
-    safetensors_torch = _safetensors()
-    tensors = {}
-    for path in paths:
-        tensors.update(safetensors_torch.load_file(path))
-    args, model = hf_convert.from_hf(config, tensors)
+    config = hf_files.read_json(config_path, "a transformers config.json")
+    found, unread = hf_files.headers(directory)
+    if unread:
+        print(f"> note: {', '.join(unread)} left unread: {hf_files.INDEX} does not name "
+              f"{'them' if len(unread) > 1 else 'it'}")
+    names = hf_convert.imported_names(config, {name: header.shape for name, header in found.items()})
+    args, model = hf_convert.from_hf(config, hf_files.load(found, names))
     return {"checkpoint_version": files.CHECKPOINT_VERSION, "iteration": 0, "consumed_train_samples": 0,
             "model": model, "optimizer": {"state": {}}, "opt_param_scheduler": {}, "rng_state": [], "args": args,
             files.WEIGHTS_ONLY_KEY: f"imported from {os.path.abspath(directory)} by tools/checkpoint_convert.py "
                                     f"--from hf"}
 
 
-def _copy_tokenizer(directory: str, output: str, payload: dict) -> list:
-    """tokenizer.json, if `directory` has one, next to the checkpoints in `output`: recorded in the checkpoint
-    and returned as the pretrain_gpt.py flags that read it."""
+def hf_tokenizer(directory: str, payload: dict):
+    """tokenizer.json of `directory`, if it has one, checked (it loads; its vocabulary fits config.json's) before
+    anything is written. Returns its path or None."""
     source = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(source):
-        return []
-    target = os.path.abspath(os.path.join(output, "tokenizer.json"))
-    shutil.copyfile(source, target)
-    payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
-    tokenizer = build_tokenizer("HuggingFaceTokenizer", target)
+        return None
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", source)
     if vocab_size_with_padding(tokenizer.vocab_size) != payload["args"]["padded_vocab_size"]:
         print(f"> note: {source} has {tokenizer.vocab_size} ids, config.json's vocab_size pads to "
               f"{payload['args']['padded_vocab_size']}: pretrain_gpt.py will refuse it, give another tokenizer")
-    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target]
+    return source
+
+
+def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> list:
+    """The imported checkpoint in `output`, with `tokenizer` (hf_tokenizer's) copied next to the checkpoints and
+    recorded in it. Returns the pretrain_gpt.py flags that read the tokenizer, its path as `output` spells it
+    (the checkpoint records the absolute one). A failed write leaves no copied tokenizer behind."""
+    created = not os.path.isdir(output)
+    os.makedirs(output, exist_ok=True)
+    target = os.path.join(output, "tokenizer.json")
+    try:
+        if tokenizer:
+            shutil.copyfile(tokenizer, target)
+            payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(target))
+        write(output, payload, ckpt_format)
+    except BaseException:
+        if tokenizer and os.path.isfile(target):
+            os.remove(target)
+        if created and not os.listdir(output):
+            os.rmdir(output)
+        raise
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target] if tokenizer else []
 
 
 def main(argv=None):
@@ -256,11 +272,10 @@ def main(argv=None):
     if args.source == "hf":
         try:
             payload = import_hf(args.input)
-            os.makedirs(args.output, exist_ok=True)
-            tokenizer_flags = _copy_tokenizer(args.input, args.output, payload)
+            tokenizer = hf_tokenizer(args.input, payload)
         except ValueError as e:
             p.error(str(e))
-        write(args.output, payload, args.to)
+        tokenizer_flags = write_imported(args.output, payload, args.to, tokenizer)
         flags = hf_convert.pretrain_flags(payload["args"]) + tokenizer_flags
         print(f"> wrote the weights of {args.input} as {args.to} to {args.output}; train from them with\n"
               f"  pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}")

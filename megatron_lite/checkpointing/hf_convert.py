@@ -191,6 +191,42 @@ def from_hf(hf_config: dict, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, Di
     Raises:
         ValueError naming the config field GPTModel cannot express, or a tensor missing / left over.
     """
+    model_type, args, model_shapes, expected = _plan(hf_config, {k: tuple(v.shape) for k, v in tensors.items()})
+    vocab_size = hf_config["vocab_size"]
+    parts: Dict[str, list] = {}
+    for hf_name, (name, part, _) in expected.items():
+        if not tensors[hf_name].is_floating_point():
+            raise ValueError(f"{hf_name} is {tensors[hf_name].dtype}, not floating point: not a weight to import")
+        parts.setdefault(name, []).append((part, tensors[hf_name]))
+    state = {}
+    for name, pieces in parts.items():
+        pieces = [t for _, t in sorted(pieces, key=lambda p: p[0])]
+        transposed = model_type == "gpt2" and _gpt2_transposed(name)
+        tensor = pieces[0].t() if transposed else torch.cat(pieces, dim=0)  # Conv1D weights: transposed back
+        if name in ("word_embeddings.weight", "output_layer.weight"):  # the padding rows: zeros
+            tensor = torch.cat([tensor, tensor.new_zeros(model_shapes[name][0] - vocab_size, tensor.shape[1])])
+        state[name] = tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one copy
+    return args, state
+
+
+def imported_names(hf_config: dict, shapes: Dict[str, Tuple[int, ...]]) -> List[str]:
+    """The transformers tensors from_hf reads, after config.json is compared with the names and shapes of the
+    tensors present (the safetensors headers: call it before any tensor's data is read).
+
+    Raises:
+        ValueError as from_hf does, for config fields or names and shapes.
+    """
+    return sorted(_plan(hf_config, shapes)[3])
+
+
+# Where transformers numbers the layers: the layer count of config.json is checked against the tensors
+# present before a model of that many layers is built (an absurd count must not build layer after layer).
+_LAYER_PREFIX = {"gpt2": ("transformer.h.", "n_layer"), "llama": ("model.layers.", "num_hidden_layers")}
+
+
+def _plan(hf_config: dict, present: Dict[str, Tuple[int, ...]]):
+    """config.json against the tensors present (name -> shape): (model_type, the recorded arguments,
+    {megatron-lite name: padded shape}, {transformers name: (megatron-lite name, part, shape)})."""
     model_type = hf_config.get("model_type")
     if model_type == "gpt2":
         args, names = _args_from_gpt2(hf_config), _gpt2_names
@@ -199,7 +235,13 @@ def from_hf(hf_config: dict, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, Di
     else:
         raise ValueError(f"config.json: model_type {model_type!r} cannot be imported: only 'gpt2' "
                          f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
-    vocab_size = hf_config["vocab_size"]
+    prefix, field = _LAYER_PREFIX[model_type]
+    layers = {name[len(prefix):].split(".", 1)[0] for name in present if name.startswith(prefix)}
+    if len(layers) != args["num_layers"] or layers != {str(i) for i in range(args["num_layers"])}:
+        held = sorted(layers, key=lambda i: (len(i), i))
+        raise ValueError(f"the weights do not match config.json: {field}={args['num_layers']}, the tensors hold "
+                         f"{len(layers)} layers ({prefix}{{{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}}})")
+    vocab_size = _positive_int(hf_config, "vocab_size")
     args["padded_vocab_size"] = vocab_size_with_padding(vocab_size)
     config = gpt_config(args)
     # Recorded as pretrain_gpt.py records a flag left out (None), where the value is the flag's default: a
@@ -216,27 +258,24 @@ def from_hf(hf_config: dict, tensors: Dict[str, torch.Tensor]) -> Tuple[dict, Di
         meta = torch.empty((rows, *shape[1:]), device="meta")
         for part, (hf_name, piece) in enumerate(names(name, meta, config)):
             expected[hf_name] = (name, part, tuple(piece.shape))
-    tied_head = "lm_head.weight" in tensors and config.share_embeddings_and_output_weights
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected) - ({"lm_head.weight"} if tied_head else set()))
+    tied_head = "lm_head.weight" in present and config.share_embeddings_and_output_weights
+    missing = sorted(set(expected) - set(present))
+    unexpected = sorted(set(present) - set(expected) - ({"lm_head.weight"} if tied_head else set()))
     unexpected = [k for k in unexpected if not k.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
     if missing or unexpected:
         raise ValueError(f"the weights do not match config.json: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    parts: Dict[str, list] = {}
-    for hf_name, (name, part, shape) in expected.items():
-        if tuple(tensors[hf_name].shape) != shape:
+    for hf_name, (_, _, shape) in expected.items():
+        if tuple(present[hf_name]) != shape:
             raise ValueError(f"the weights do not match config.json: {hf_name} has shape "
-                             f"{list(tensors[hf_name].shape)}, the config makes {list(shape)}")
-        parts.setdefault(name, []).append((part, tensors[hf_name]))
-    state = {}
-    for name, pieces in parts.items():
-        pieces = [t for _, t in sorted(pieces, key=lambda p: p[0])]
-        transposed = model_type == "gpt2" and _gpt2_transposed(name)
-        tensor = pieces[0].t() if transposed else torch.cat(pieces, dim=0)  # Conv1D weights: transposed back
-        if name in ("word_embeddings.weight", "output_layer.weight"):  # the padding rows: zeros
-            tensor = torch.cat([tensor, tensor.new_zeros(shapes[name][0] - vocab_size, tensor.shape[1])])
-        state[name] = tensor.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one copy
-    return args, state
+                             f"{list(present[hf_name])}, the config makes {list(shape)}")
+    return model_type, args, shapes, expected
+
+
+def _positive_int(hf_config: dict, key: str, default=None) -> int:
+    value = _field(hf_config, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
+    return value
 
 
 def _field(hf_config: dict, key: str, default=None):
@@ -259,9 +298,10 @@ def _args_from_gpt2(c: dict) -> dict:
                 "scale_attn_weights": ((True,), "GPTModel scales attention scores by 1/sqrt(head_dim)"),
                 "scale_attn_by_inverse_layer_idx": ((False,), "GPTModel has no per-layer attention scaling"),
                 "add_cross_attention": ((False,), "GPTModel is decoder-only")})
-    h, heads = _field(c, "n_embd"), _field(c, "n_head")
-    return dict(num_layers=_field(c, "n_layer"), hidden_size=h, num_attention_heads=heads,
-                ffn_hidden_size=c.get("n_inner") or 4 * h, max_position_embeddings=_field(c, "n_positions"),
+    h, heads = _positive_int(c, "n_embd"), _positive_int(c, "n_head")
+    return dict(num_layers=_positive_int(c, "n_layer"), hidden_size=h, num_attention_heads=heads,
+                ffn_hidden_size=_positive_int(c, "n_inner") if c.get("n_inner") else 4 * h,
+                max_position_embeddings=_positive_int(c, "n_positions"),
                 position_embedding_type="learned_absolute", normalization="LayerNorm",
                 untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True), swiglu=False,
                 group_query_attention=False, num_query_groups=None, disable_bias_linear=False,
@@ -281,17 +321,17 @@ def _args_from_llama(c: dict) -> dict:
         raise ValueError(f"config.json: attention_bias={c.get('attention_bias')} with mlp_bias={c.get('mlp_bias')} "
                          f"cannot be imported: GPTModel has biases in every linear layer or in none "
                          f"(--disable-bias-linear)")
-    h, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
+    h, heads = _positive_int(c, "hidden_size"), _positive_int(c, "num_attention_heads")
     if c.get("head_dim") not in (None, h // heads) or h % heads:
         raise ValueError(f"config.json: head_dim={c.get('head_dim')} cannot be imported: GPTModel's head dim is "
                          f"hidden_size / num_attention_heads = {h / heads:g}")
-    groups = c.get("num_key_value_heads") or heads
+    groups = _positive_int(c, "num_key_value_heads") if c.get("num_key_value_heads") else heads
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     if not 0 < theta < math.inf:
         raise ValueError(f"config.json: rope_theta={theta!r} must be a finite number > 0")
-    return dict(num_layers=_field(c, "num_hidden_layers"), hidden_size=h, num_attention_heads=heads,
-                ffn_hidden_size=_field(c, "intermediate_size"),
-                max_position_embeddings=_field(c, "max_position_embeddings"), position_embedding_type="rope",
+    return dict(num_layers=_positive_int(c, "num_hidden_layers"), hidden_size=h, num_attention_heads=heads,
+                ffn_hidden_size=_positive_int(c, "intermediate_size"),
+                max_position_embeddings=_positive_int(c, "max_position_embeddings"), position_embedding_type="rope",
                 normalization="RMSNorm", untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
                 swiglu=True, group_query_attention=groups != heads,
                 num_query_groups=groups if groups != heads else None,

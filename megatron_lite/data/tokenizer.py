@@ -57,7 +57,11 @@ class HuggingFaceTokenizer:
                 "ByteLevelTokenizer needs nothing"
             ) from e
         self.tokenizer_model = tokenizer_model
-        self._tokenizer = Tokenizer.from_file(tokenizer_model)
+        try:
+            self._tokenizer = Tokenizer.from_file(tokenizer_model)
+        except Exception as e:  # the Rust library's error (not JSON, not a tokenizer), without the file's name
+            raise ValueError(f"--tokenizer-model {tokenizer_model!r} is not a tokenizer.json that the 'tokenizers' "
+                             f"package can read: {e}") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         for token in EOD_TOKENS:
             token_id = self._tokenizer.token_to_id(token)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from megatron_lite.checkpointing import hf_convert  # noqa: E402
+from megatron_lite.checkpointing import hf_convert, hf_files  # noqa: E402
 from megatron_lite.data import build_tokenizer  # noqa: E402
 from megatron_lite.models import GPTModel  # noqa: E402
 
@@ -335,3 +335,181 @@ def test_tool_errors(tmp_path):
     assert not (tmp_path / "o6").exists()
     with pytest.raises(ValueError, match="does not fit the checkpoint's padded vocabulary"):
         checkpoint_convert.export_hf(payload, str(tmp_path / "o5"), tokenizer_type="NullTokenizer", vocab_size=500)
+
+
+# ------------------------------------------------------------------------------------------ import: hostile files
+def _hf_dir(path, tokenizer="NullTokenizer"):
+    """SMALL's model exported to `path` as a transformers directory: (its path, config.json, its tensors)."""
+    from safetensors.torch import load_file
+
+    _export(_model(SMALL), SMALL, path, vocab_size=None if tokenizer != "NullTokenizer" else 300, tokenizer=tokenizer)
+    return str(path), json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+
+
+def _import(directory, output):
+    """checkpoint_convert.py --from hf in this process (a raw exception propagates): its exit code."""
+    try:
+        checkpoint_convert.main(["--from", "hf", "--input", str(directory), "--output", str(output)])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def test_import_reads_the_shards_the_index_names_and_refuses_a_tensor_in_two_files(tmp_path, capsys):
+    """A sharded directory (model.safetensors.index.json and two shards) plus a stale third shard that sorts after
+    them and holds zeros for the embedding: the import takes each tensor from the shard the index names, as
+    transformers does, and says which file it left unread. Without an index, a stray file holding a tensor of
+    model.safetensors is refused, naming both files; an index naming a missing shard, or a tensor its shard lacks,
+    is refused naming the index. Would catch every *.safetensors read in sorted order with a later file silently
+    replacing real tensors."""
+    from safetensors.torch import save_file
+
+    directory, config, tensors = _hf_dir(tmp_path / "sharded")
+    _, expected = hf_convert.from_hf(config, tensors)
+    os.remove(os.path.join(directory, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, os.path.join(directory, file))
+    index = {"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}
+    (tmp_path / "sharded" / hf_files.INDEX).write_text(json.dumps(index))
+    stale = {"transformer.wte.weight": torch.zeros_like(tensors["transformer.wte.weight"])}
+    save_file(stale, os.path.join(directory, "model-00003-of-00003.safetensors"))
+    payload = checkpoint_convert.import_hf(directory)
+    assert set(payload["model"]) == set(expected)
+    assert all(torch.equal(payload["model"][k], v) for k, v in expected.items())
+    assert "model-00003-of-00003.safetensors left unread" in capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert torch.equal(hf.transformer.wte.weight, tensors["transformer.wte.weight"])  # transformers: the same
+
+    index["weight_map"]["transformer.ln_f.bias"] = "model-00009-of-00009.safetensors"
+    (tmp_path / "sharded" / hf_files.INDEX).write_text(json.dumps(index))
+    assert _import(directory, tmp_path / "o1") == 2
+    assert re.search(r"index.json names the shard model-00009-of-00009.safetensors, which \S+ does not hold",
+                     capsys.readouterr().err)
+    other = next(file for file, part in shards.items() if "transformer.ln_f.bias" not in part)
+    index["weight_map"]["transformer.ln_f.bias"] = other
+    (tmp_path / "sharded" / hf_files.INDEX).write_text(json.dumps(index))
+    assert _import(directory, tmp_path / "o2") == 2
+    assert f"puts ['transformer.ln_f.bias'] in {other}, which does not hold it" in capsys.readouterr().err
+
+    directory, _, _ = _hf_dir(tmp_path / "stray")
+    save_file(stale, os.path.join(directory, "model_copy.safetensors"))
+    assert _import(directory, tmp_path / "o3") == 2
+    assert re.search(r"stray/model.safetensors and \S+stray/model_copy.safetensors both hold the tensor "
+                     r"transformer.wte.weight", capsys.readouterr().err)
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
+
+
+@pytest.mark.parametrize("dtype, stored", [(torch.int64, "I64"), (torch.int32, "I32"), (torch.bool, "BOOL"),
+                                           (torch.uint8, "U8")])
+def test_import_refuses_integer_and_bool_weights(tmp_path, capsys, dtype, stored):
+    """An integer or bool tensor where a weight belongs is refused naming the tensor and the file (and by from_hf,
+    naming the tensor). Would catch it cast to float32 without a word (a quantized or mislabelled checkpoint
+    imported as nonsense weights)."""
+    from safetensors.torch import save_file
+
+    directory, config, tensors = _hf_dir(tmp_path / "hf")
+    tensors["transformer.h.0.ln_1.weight"] = tensors["transformer.h.0.ln_1.weight"].to(dtype)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    assert _import(directory, tmp_path / "out") == 2
+    assert f"model.safetensors: the tensor transformer.h.0.ln_1.weight is {stored}, not floating point" in (
+        capsys.readouterr().err)
+    with pytest.raises(ValueError, match=f"transformer.h.0.ln_1.weight is {dtype}, not floating point"):
+        hf_convert.from_hf(config, tensors)
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_compares_the_layer_count_before_building_the_model(tmp_path, capsys, monkeypatch):
+    """config.json with n_layer 10**7 over the tensors of 2 layers is refused by name before a model is built
+    (a GPTModel of more layers than the tensors hold fails this test rather than running for hours). Would catch
+    the config's model built layer by layer before its tensors were compared."""
+    directory, config, tensors = _hf_dir(tmp_path / "hf")
+    built = hf_convert.GPTModel
+
+    def guarded(config):
+        assert config.num_layers <= 2, f"a GPTModel of {config.num_layers} layers built before the tensors' check"
+        return built(config)
+
+    monkeypatch.setattr(hf_convert, "GPTModel", guarded)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "n_layer": 10**7}))
+    assert _import(directory, tmp_path / "out") == 2
+    assert "n_layer=10000000, the tensors hold 2 layers (transformer.h.{0, 1})" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"n_layer=3, the tensors hold 2 layers"):
+        hf_convert.from_hf({**config, "n_layer": 3}, tensors)
+
+
+def _hand_written_safetensors(header: dict, data: bytes = b"") -> bytes:
+    """A safetensors file written byte by byte: 8-byte little-endian header length, the JSON header, the data."""
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+def _corrupt(name):
+    """Functions spoiling one file of a directory _hf_dir wrote: (the file's name, what to do to the directory)."""
+    weights = "model.safetensors"
+
+    def rewrite(file, content):
+        def spoil(path):
+            (path / file).write_bytes(content(path / file) if callable(content) else content)
+        return spoil
+
+    def tensor_value(value):
+        def spoil(path):
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(str(path / weights))
+            tensors["transformer.h.1.attn.c_proj.weight"][3, 5] = value
+            save_file(tensors, str(path / weights))
+        return spoil
+
+    return {
+        "not safetensors": (weights, rewrite(weights, b"this is not a safetensors file\n" * 20)),
+        "truncated": (weights, rewrite(weights, lambda f: f.read_bytes()[:f.stat().st_size // 2])),
+        "huge header": (weights, rewrite(weights, lambda f: (1 << 40).to_bytes(8, "little") + f.read_bytes()[8:])),
+        "offsets past the end": (weights, rewrite(weights, _hand_written_safetensors(
+            {"transformer.wte.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 1 << 62]}}, bytes(8)))),
+        "shape overflowing": (weights, rewrite(weights, _hand_written_safetensors(
+            {"transformer.wte.weight": {"dtype": "F32", "shape": [1 << 40] * 3, "data_offsets": [0, 0]}}))),
+        "config a list": ("config.json", rewrite("config.json", b"[1, 2, 3]")),
+        "config not JSON": ("config.json", rewrite("config.json", b'{"model_type": "gpt2", ')),
+        "config field a string": ("n_embd='32' must be a positive integer", rewrite("config.json", lambda f: json.dumps(
+            {**json.loads(f.read_text()), "n_embd": "32"}).encode())),
+        "tokenizer garbage": ("tokenizer.json", rewrite("tokenizer.json", b'{"version": "1.0", "model": 7}')),
+        "NaN weight": ("model.safetensors: the tensor transformer.h.1.attn.c_proj.weight holds NaN",
+                       tensor_value(float("nan"))),
+        "Inf weight": ("model.safetensors: the tensor transformer.h.1.attn.c_proj.weight holds NaN or Inf",
+                       tensor_value(float("-inf"))),
+    }[name]
+
+
+@pytest.mark.parametrize("case", ["not safetensors", "truncated", "huge header", "offsets past the end",
+                                  "shape overflowing", "config a list", "config not JSON", "config field a string",
+                                  "tokenizer garbage", "NaN weight", "Inf weight"])
+def test_import_names_the_file_of_every_input_problem(tmp_path, capsys, case):
+    """Each spoiled input is the tool's `error:` line (exit 2) naming the file (or the tensor, for NaN / Inf
+    weights, which would otherwise fail only at the first gradient, naming buckets), and --output is left as it
+    was (no tokenizer.json copied, no directory). Would catch a raw SafetensorError / JSONDecodeError /
+    AttributeError / TypeError traceback, a garbage tokenizer.json copied before it was checked, or NaN weights
+    imported."""
+    directory, _, _ = _hf_dir(tmp_path / "hf", tokenizer="ByteLevelTokenizer")
+    named, spoil = _corrupt(case)
+    spoil(tmp_path / "hf")
+    assert _import(directory, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and named in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_prints_the_paths_as_given(tmp_path, capsys, monkeypatch):
+    """The command the import prints names --load and --tokenizer-model as the user spelled --output (relative
+    here), while the checkpoint records the tokenizer's absolute path (found from any working directory). Would
+    catch an absolute path printed where the user gave a relative one."""
+    _hf_dir(tmp_path / "hf", tokenizer="ByteLevelTokenizer")
+    monkeypatch.chdir(tmp_path)
+    assert _import("hf", "out") == 0
+    printed = capsys.readouterr().out
+    assert "--load out " in printed and f"--tokenizer-model {os.path.join('out', 'tokenizer.json')}" in printed
+    assert str(tmp_path) not in printed, printed
+    args = _newest(tmp_path / "out")["args"]
+    assert args["tokenizer_model"] == str(tmp_path / "out" / "tokenizer.json")
