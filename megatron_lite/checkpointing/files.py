@@ -187,7 +187,8 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.exists(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as f:
+        text = f.read().strip()
     if not text.isdigit():
         raise ValueError(f"{path} is corrupt: expected an iteration number, found {text!r}")
     return int(text)

@@ -32,7 +32,9 @@ data-parallel group as the checkpoint group. Loading needs no such rule: every r
 """
 
 import concurrent.futures
+import contextlib
 import os
+import warnings
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -292,7 +294,8 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     if not load_optim:  # every rank drops the same keys: DCP reads only what is asked for
         state = {k: v for k, v in state.items() if not k.startswith("optimizer.")}
     try:  # DCP agrees on the success of its read steps itself: a failure on any rank raises on every rank
-        dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
+        with _sharded_tensor_deprecation_silenced():
+            dcp.load(state, storage_reader=SafeReader(directory), process_group=group)
     except CheckpointException as e:
         raise ValueError(f"reading torch_dist checkpoint {directory} failed: {e}") from e
     described = optimizer.sharded_state()  # this rank's layout
@@ -312,6 +315,18 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
         tied = {alias: state[f"model.{name}"].view(shapes[name]) for alias, name in model.tied_names().items()}
         model.load_state_dict({**{name: state[f"model.{name}"].view(shapes[name]) for name in shapes}, **others,
                                **tied})
+
+
+@contextlib.contextmanager
+def _sharded_tensor_deprecation_silenced():
+    """torch marks ShardedTensor's __torch_function__ deprecated (in favour of DTensor), so DCP's load warns
+    "we are deprecating ShardedTensor" once per torch call on one: the same FutureWarning at every resume, about
+    a choice of ours the user can do nothing about. A ShardedTensor is how a rank describes only its pieces of a
+    1-D tensor without a device mesh (see _sharded), so the load keeps it and silences exactly that warning,
+    only for the duration of our DCP call (a ShardedTensor of the user's still warns; the save emits none)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
 
 
 def _local_pieces(value) -> Dict[int, torch.Tensor]:
