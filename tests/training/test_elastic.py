@@ -71,6 +71,40 @@ def test_elastic_mode_refuses_what_it_cannot_shrink_to(overrides, minimum, names
     check_elastic(job_args(), 1)  # dp=4, R=2, gbs 16, mbs 2: fine at one instance too
 
 
+def test_check_elastic_accepts_exactly_the_jobs_every_generation_trains_the_global_batch():
+    """Over small configurations (R instances of s ranks, micro-batch m, global batch g a multiple of the whole
+    job's m x dp, --min-instances k): check_elastic accepts exactly when every generation it may shrink to,
+    from k instances up, trains on all g samples per step (generation_args' micro-batches x m x dp == g).
+    Would catch a check that skips a generation, the smallest (k instances) included: that job would train on
+    fewer samples per step than the global batch (generation_args floors the micro-batches), or one that
+    refuses a job that is fine."""
+    for instances in range(2, 6):
+        for per_instance in range(1, 4):
+            for micro in (1, 2):
+                dp = instances * per_instance
+                for global_batch in range(micro * dp, 7 * micro * dp, micro * dp):
+                    for minimum in range(1, instances + 1):
+                        args = job_args(num_distributed_optimizer_instances=instances, data_parallel_size=dp,
+                                        micro_batch_size=micro, global_batch_size=global_batch,
+                                        num_micro_batches=global_batch // (micro * dp))
+                        sizes = range(minimum * per_instance, dp + 1, per_instance)
+                        trained = {size: generation_args(args, size).num_micro_batches * micro * size
+                                   for size in sizes}
+                        case = (instances, per_instance, micro, global_batch, minimum, trained)
+                        try:
+                            check_elastic(args, minimum)
+                        except ValueError as e:
+                            smallest_short = min(size for size, samples in trained.items() if samples != global_batch)
+                            assert f"with {smallest_short // per_instance} of {instances}" in str(e), case
+                        else:
+                            assert all(samples == global_batch for samples in trained.values()), case
+    # The smallest job alone falls short: 5 instances of 1 rank, micro-batch 1, global batch 20, at least 3
+    # instances: 4 ranks train 20 samples, 3 ranks would train 18 (6 micro-batches of 1 on each).
+    with pytest.raises(ValueError, match=re.escape("with 3 of 5 instances")):
+        check_elastic(job_args(num_distributed_optimizer_instances=5, data_parallel_size=5, micro_batch_size=1,
+                               global_batch_size=20, num_micro_batches=4), 3)
+
+
 def model_weights(directory):
     return checkpoint_convert.read(directory)["model"]
 
