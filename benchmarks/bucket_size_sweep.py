@@ -5,6 +5,11 @@
     python -m benchmarks.bucket_size_sweep --quick --out /tmp/sweep.png   # smoke test, seconds
     python -m benchmarks.bucket_size_sweep --predict --dp 256 --bandwidth-gbps 400 --latency-us 5   # a cluster
 
+The plot and its table (.csv) go to a new directory benchmarks/results/<UTC time>/ (under the current directory;
+git ignores it) unless --out names the plot; the figure in docs/img/ is replaced only by
+--out docs/img/bucket_size_sweep.png. A progress line (steps done, time left) is printed at least every few
+seconds while the configurations take turns.
+
 Configurations, each a separately wrapped copy of the same model (same seed):
   * bucket_size=1 (one parameter per bucket), then 2^k from --min-bucket up to the first power of two
     >= the number of parameters (one bucket), all with overlap_grad_reduce=True;
@@ -16,24 +21,34 @@ every round (--repeats) runs each configuration for --steps timed steps, in an o
 round, so that slow phases of a shared machine hit all configurations alike (timing.py). Each step starts
 after a barrier; a sample is the slowest rank's time. Reported per configuration (medians; the table, CSV
 and plot are written by bucket_size_sweep_report.py):
-  step ms    the full step;
-  exposed    step - compute-only step: communication (and its overhead) that the step pays for;
-  finish     wall time of finish_grad_sync(): communication not hidden behind backward.
+  step ms          the full step;
+  exposed comm     the time the step waits on communication, timed inside it: finish_grad_sync() plus the
+                   distributed optimizer's parameter all-gather in optimizer.step(). A sum of durations, so
+                   never negative; finish_grad_sync's own local work (NaN check, scaling) is in it too, and
+                   the compute-only row shows that floor;
+  finish           wall time of finish_grad_sync() alone: gradient communication not hidden behind backward.
+The CSV also has step_minus_compute_only_ms, signed: what communication costs the step in all (waits, launches,
+cores taken from backward), but a difference of two noisy medians, negative where the noise is larger.
 The recommendation is the bucket size with the smallest median step; sizes within --tie-tolerance of it
 count as ties, won by the larger bucket (fewer collectives, the safer choice). See docs/bucket_size_tuning.md.
 """
 
 import argparse
+import os
+import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.bucket_size_sweep_report import COMPUTE_ONLY, OVERLAP_OFF, report
+from benchmarks.bucket_size_sweep_report import COMPUTE_ONLY, OVERLAP_OFF, report, summarize
 from benchmarks.gpt_step import SETTINGS, build, gpt_config, train_step
-from benchmarks.launch import launch
+from benchmarks.launch import launch, world_size
 from benchmarks.prediction import add_predict_flags, check_predict_flags, predict
-from benchmarks.timing import alternate
+from benchmarks.timing import Progress, alternate
 from megatron_lite.models import GPTModel
+
+RESULTS = os.path.join("benchmarks", "results")
+"""Where a run's files go by default, relative to the current directory (.gitignore has /benchmarks/results/)."""
 
 
 def parse_args():
@@ -49,8 +64,9 @@ def parse_args():
                    help="step times within this fraction of the fastest count as ties (default 0.05)")
     p.add_argument("--quick", action="store_true",
                    help="use the 'quick' defaults above (tiny model, 1 round): a smoke test, not a measurement")
-    p.add_argument("--out", default="docs/img/bucket_size_sweep.png",
-                   help="plot path; the table goes next to it as .csv (default docs/img/bucket_size_sweep.png)")
+    p.add_argument("--out", help="plot path; the table goes next to it as .csv (default: "
+                   "benchmarks/results/<UTC time>/bucket_size_sweep.png, a new directory; the committed figure: "
+                   "--out docs/img/bucket_size_sweep.png; with --predict: no plot unless given)")
     p.add_argument("--world-size", type=int, default=2,
                    help="ranks to spawn when not launched by torchrun (default 2)")
     p.add_argument("--seed", type=int, default=1234, help="model and data seed")
@@ -70,6 +86,8 @@ def parse_args():
             p.error(f"--{name.replace('_', '-')} must be >= {int(name != 'warmup')}, got {getattr(args, name)}")
     if args.tie_tolerance < 0:
         p.error(f"--tie-tolerance must be >= 0, got {args.tie_tolerance}")
+    if args.out is None:  # never over an earlier run's files (nor the committed ones in docs/img)
+        args.out = os.path.join(RESULTS, time.strftime("%Y%m%d-%H%M%S", time.gmtime()), "bucket_size_sweep.png")
     return args
 
 
@@ -83,19 +101,20 @@ def sweep(args, device):
     configs = [(f"{b}", b, True, None) for b in [1, *series]] + [(f"one bucket ({one})", one, True, None),
                                                                (OVERLAP_OFF, None, False, None),
                                                                (COMPUTE_ONLY, None, False, solo)]
+    if rank == 0:
+        print(f"bucket_size_sweep: building {len(configs)} configurations (a model copy and optimizer each)",
+              flush=True)
     runs = [build(args, device, b, overlap, group) for _, b, overlap, group in configs]
     g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own data
     tokens = torch.randint(args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g).to(device)
+    names = [name for name, *_ in configs]
+    if rank == 0:
+        print(f"bucket_size_sweep: timing {args.warmup} warm-up + {args.repeats} rounds x {len(configs)} "
+              f"configurations x {args.steps} steps", flush=True)
     timings = alternate(lambda k: train_step(*runs[k], tokens, device), len(configs), args.repeats, args.steps,
-                        args.warmup, device)
-    q = torch.quantile(timings.samples * 1e3, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1).tolist()
-    compute = q[1][-1][0]  # [quantile][config][step, finish]
-    rows = [dict(config=name, bucket_size="" if b is None else b,
-                 num_buckets=sum(len(x.buckets) for x in m.param_and_grad_buffers),
-                 step_ms=q[1][i][0], exposed_comm_ms=q[1][i][0] - compute, finish_grad_sync_ms=q[1][i][1],
-                 step_p25_ms=q[0][i][0], step_p75_ms=q[2][i][0])
-            for i, ((name, b, _, _), (m, _)) in enumerate(zip(configs, runs))]
-    return rows, numel
+                        args.warmup, device, progress=Progress("bucket_size_sweep", names))
+    num_buckets = [sum(len(x.buckets) for x in m.param_and_grad_buffers) for m, _ in runs]
+    return summarize(names, [b for _, b, _, _ in configs], num_buckets, timings.samples), numel
 
 
 def recommend(rows, tolerance):
@@ -119,10 +138,11 @@ def benchmark(args, rank, world, device):
 def main():
     args = parse_args()
     if args.predict:
-        if args.out == "docs/img/bucket_size_sweep.png":  # the sweep's default: not for a prediction
-            args.out = None
         predict(args)
         return
+    if os.environ.get("RANK", "0") == "0":
+        print(f"bucket_size_sweep: starting {world_size(args.world_size)} ranks; output {args.out} (and .csv)",
+              flush=True)
     launch(benchmark, args, args.world_size)
 
 

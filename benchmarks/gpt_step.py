@@ -1,5 +1,6 @@
 """The GPT training step timed by bucket_size_sweep.py and perf_model_calibrate.py: its size flags, how it is
-built and wrapped, and one step with finish_grad_sync() timed on its own.
+built and wrapped, and one step with its waits on communication (finish_grad_sync(), the distributed optimizer's
+parameter all-gather) timed on their own.
 
 `args` is the scripts' argparse namespace: the SETTINGS fields plus seed and use_distributed_optimizer.
 """
@@ -48,12 +49,34 @@ def build(args, device, bucket_size, overlap, group):
     model = DistributedDataParallel(GPTModel(gpt_config(args)).to(device), ddp_config, data_parallel_group=group)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(lr=1e-4, use_distributed_optimizer=args.use_distributed_optimizer), [model])
+    _time_param_gather(model, device)
     return model, optimizer
 
 
+def _time_param_gather(model, device):
+    """Keep the wall time of each model.start_param_sync() call in model.param_gather_seconds: the distributed
+    optimizer's parameter all-gather, which its step() issues and (without overlap_param_gather) waits for."""
+    start_param_sync = model.start_param_sync
+
+    def timed(*args, **kwargs):
+        sync(device)  # time the gather only, not the update kernels still queued before it
+        start = time.perf_counter()
+        start_param_sync(*args, **kwargs)
+        sync(device)
+        model.param_gather_seconds += time.perf_counter() - start
+    model.start_param_sync = timed  # an instance attribute: the optimizer calls chunk.start_param_sync()
+    model.param_gather_seconds = 0.0
+
+
 def train_step(model, optimizer, tokens, device):
-    """One step; returns [finish_grad_sync seconds] (alternate() times the whole step)."""
+    """One step of a `build()` pair (alternate() times the whole step).
+
+    Returns:
+        [finish_grad_sync(), the parameter all-gather in optimizer.step(), their sum] in seconds: the sum is
+        the time the step waits on communication (a sum of durations: never negative).
+    """
     model.zero_grad_buffer()
+    model.param_gather_seconds = 0.0
     model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
     sync(device)  # with NCCL, wait() only orders streams: time finish_grad_sync on a drained device
     finish_start = time.perf_counter()
@@ -61,4 +84,4 @@ def train_step(model, optimizer, tokens, device):
     sync(device)
     finish = time.perf_counter() - finish_start
     optimizer.step()
-    return [finish]
+    return [finish, model.param_gather_seconds, finish + model.param_gather_seconds]
