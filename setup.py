@@ -14,12 +14,13 @@ setup(
         "progress": ["tqdm"],  # preprocessing progress bar (a plain line is printed without it)
         "bench": ["matplotlib"],  # benchmark and bucket-sweep plots
         "tensorboard": ["tensorboard"],
-        # --tokenizer-type HuggingFaceTokenizer; tools/checkpoint_convert.py --to hf / --from hf
-        "hf": ["tokenizers", "safetensors"],
-        # transformers / peft versions of the third-party-model and Hugging Face export tests (pinned: newer releases
-        # may ask for a newer torch, which pip would fetch as a multi-GB CUDA build)
-        "thirdparty": ["transformers==5.24.0", "peft==0.21.2", "accelerate==1.15.0", "safetensors==0.8.0",
-                       "tokenizers==0.23.3"],
+        # Everything the Hugging Face paths need, one extra: --tokenizer-type HuggingFaceTokenizer (tokenizers),
+        # tools/checkpoint_convert.py --to hf / --from hf (safetensors, tokenizers), loading the export
+        # (transformers), and the Hugging Face versions of the third-party-model tests (transformers, peft,
+        # accelerate). Pinned: newer releases may ask for a newer torch, which pip would fetch as a multi-GB CUDA
+        # build. tests/checkpointing/test_hf_extra.py keeps every mention of it in the repository agreeing.
+        "hf": ["transformers==5.24.0", "peft==0.21.2", "accelerate==1.15.0", "safetensors==0.8.0",
+               "tokenizers==0.23.3"],
         "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm", "ruff==0.17.6"],
     },
 )

@@ -109,8 +109,8 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError as e:
-        raise ValueError("--to hf / --from hf need the optional 'safetensors' package: pip install "
-                         "'megatron-lite[hf]' (or pip install safetensors)") from e
+        raise ValueError("--to hf / --from hf need the optional 'safetensors' package: pip install -e \".[hf]\" "
+                         "(the Hugging Face extra)") from e
     return safetensors.torch
 
 
@@ -156,7 +156,8 @@ def _write_tokenizer(output: str, tokenizer_type: str, tokenizer, config: dict):
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     except ImportError as e:
-        raise ValueError("writing the tokenizer needs the optional 'tokenizers' package: pip install tokenizers") from e
+        raise ValueError("writing the tokenizer needs the optional 'tokenizers' package: pip install -e \".[hf]\" "
+                         "(the Hugging Face extra)") from e
     if tokenizer_type == "ByteLevelTokenizer":
         byte_chars = _bytes_to_unicode()
         hf = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))

@@ -35,8 +35,8 @@ def _safe_open():
     try:
         from safetensors import safe_open
     except ImportError as e:
-        raise ValueError("--to hf / --from hf need the optional 'safetensors' package: "
-                         "pip install -e '.[hf]'") from e
+        raise ValueError("--to hf / --from hf need the optional 'safetensors' package: pip install -e \".[hf]\" "
+                         "(the Hugging Face extra)") from e
     return safe_open
 
 

@@ -53,7 +53,8 @@ class HuggingFaceTokenizer:
             from tokenizers import Tokenizer
         except ImportError as e:
             raise ValueError(
-                "HuggingFaceTokenizer needs the optional 'tokenizers' package (pip install tokenizers); "
+                "HuggingFaceTokenizer needs the optional 'tokenizers' package (pip install -e \".[hf]\", the "
+                "Hugging Face extra, or pip install tokenizers); "
                 "ByteLevelTokenizer needs nothing"
             ) from e
         self.tokenizer_model = tokenizer_model

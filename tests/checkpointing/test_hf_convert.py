@@ -1,7 +1,7 @@
 """Hugging Face transformers export and import (megatron_lite/checkpointing/hf_convert.py, tools/checkpoint_convert.py
 --to hf / --from hf): logits equal transformers' for GPT-2 and Llama styles, the round trip bitwise, --finetune from
 an imported checkpoint on 2 gloo ranks, the tokenizer files, and the errors. Skipped without the optional extra
-(transformers, safetensors, tokenizers: `pip install -e .[thirdparty]`)."""
+(transformers, safetensors, tokenizers: `pip install -e ".[hf]"`)."""
 
 import json
 import os
