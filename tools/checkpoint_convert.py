@@ -226,13 +226,14 @@ def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> l
     created = not os.path.isdir(output)
     os.makedirs(output, exist_ok=True)
     target = os.path.join(output, "tokenizer.json")
+    copied = tokenizer and not os.path.exists(target)  # a file already there is replaced, never removed
     try:
         if tokenizer:
             shutil.copyfile(tokenizer, target)
             payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(target))
         write(output, payload, ckpt_format)
     except BaseException:
-        if tokenizer and os.path.isfile(target):
+        if copied and os.path.isfile(target):
             os.remove(target)
         if created and not os.listdir(output):
             os.rmdir(output)

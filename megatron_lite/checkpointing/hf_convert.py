@@ -239,8 +239,9 @@ def _plan(hf_config: dict, present: Dict[str, Tuple[int, ...]]):
     layers = {name[len(prefix):].split(".", 1)[0] for name in present if name.startswith(prefix)}
     if len(layers) != args["num_layers"] or layers != {str(i) for i in range(args["num_layers"])}:
         held = sorted(layers, key=lambda i: (len(i), i))
+        named = f" ({prefix}{{{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}}})" if held else ""
         raise ValueError(f"the weights do not match config.json: {field}={args['num_layers']}, the tensors hold "
-                         f"{len(layers)} layers ({prefix}{{{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}}})")
+                         f"{len(layers)} layers{named}")
     vocab_size = _positive_int(hf_config, "vocab_size")
     args["padded_vocab_size"] = vocab_size_with_padding(vocab_size)
     config = gpt_config(args)
