@@ -154,6 +154,12 @@ class GPTDatasetConfig:
     eod: Optional[int] = None
     """The tokenizer's end-of-document id (needed with eod_mask_loss)."""
 
+    vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary: every sample read must hold whole token ids in [0, vocab_size), else
+    reading it raises ValueError naming the dataset and the sample (None: only the ids' sign and wholeness
+    are checked). Ids between the tokenizer's vocabulary and the model's padded one would train on padding
+    rows without any error."""
+
     split_matrix: Optional[List[Optional[Tuple[float, float]]]] = dataclasses.field(init=False, default=None)
     """Derived from `split`: per split the (begin, end) fractions of each dataset's documents, or None."""
 
@@ -169,6 +175,8 @@ class GPTDatasetConfig:
             raise ValueError("blend_per_split needs a train blend (--train-data-path) and three entries")
         if not self.mid_level_dataset_surplus >= 0:
             raise ValueError(f"mid_level_dataset_surplus must be >= 0, got {self.mid_level_dataset_surplus}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         if self.eod_mask_loss and self.eod is None:
             raise ValueError("eod_mask_loss needs eod, the tokenizer's end-of-document id")
         self.split_matrix = split_matrix(parse_split(self.split)) if self.blend is not None else None

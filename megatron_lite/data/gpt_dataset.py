@@ -47,6 +47,16 @@ def _sample(text: np.ndarray, eod_mask_token: Optional[int] = None, extra: int =
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
+def _bad_ids(ids: np.ndarray, vocab_size: Optional[int]) -> np.ndarray:
+    """True where `ids` holds no token id: negative, NaN / Inf or a fraction (float datasets), >= vocab_size."""
+    bad = ids < 0
+    if vocab_size is not None:
+        bad |= ids >= vocab_size
+    if ids.dtype.kind == "f":
+        bad |= ~np.isfinite(ids) | (np.floor(ids) != ids)
+    return bad
+
+
 class SplitTooSmallError(ValueError):
     """A split whose documents hold too few tokens for one sample."""
 
@@ -135,20 +145,47 @@ class GPTDataset:
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         """Args: i, a sample index in [0, len). Returns: {'tokens', 'labels'}, int64 [L], and 'loss_mask',
-        float32 [L]."""
+        float32 [L]. Raises ValueError naming the sequence and the id when the sample holds an id that is no
+        token of the tokenizer (negative, NaN, a fraction, >= config.vocab_size)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range: the {self.index_split} dataset holds {len(self)} samples")
         k = int(self.shuffle_index[i])
         (first, first_offset), (last, last_offset) = self.sample_index[k], self.sample_index[k + 1]
         first, first_offset, last, last_offset = int(first), int(first_offset), int(last), int(last_offset)
-        sequence = lambda j: self.indexed[int(self.document_index[j])]  # noqa: E731
+        sequences = [int(self.document_index[j]) for j in range(first, last + 1)]
+        starts = [first_offset] + [0] * (last - first)
         if first == last:
-            parts = [sequence(first)[first_offset:last_offset + self.extra]]
+            parts = [self.indexed[sequences[0]][first_offset:last_offset + self.extra]]
         else:
-            parts = ([sequence(first)[first_offset:]] + [sequence(j) for j in range(first + 1, last)]
-                     + [sequence(last)[:last_offset + self.extra]])
-        text = np.concatenate(parts).astype(np.int64)
-        return _sample(text, self.config.eod if self.config.eod_mask_loss else None, self.extra)
+            parts = ([self.indexed[sequences[0]][first_offset:]] + [self.indexed[s] for s in sequences[1:-1]]
+                     + [self.indexed[sequences[-1]][:last_offset + self.extra]])
+        text = np.concatenate(parts)
+        if _bad_ids(text, self.config.vocab_size).any():
+            raise self._bad_ids_error(i, sequences, starts, parts)
+        return _sample(text.astype(np.int64), self.config.eod if self.config.eod_mask_loss else None, self.extra)
+
+    def _bad_ids_error(self, i: int, sequences, starts, parts) -> ValueError:
+        """The first id of sample i that is not a token id of the run's tokenizer, named with its place."""
+        vocab_size = self.config.vocab_size
+        for sequence, start, part in zip(sequences, starts, parts):
+            bad = np.flatnonzero(_bad_ids(part, vocab_size))
+            if bad.size:
+                value = part[bad[0]].item()
+                break
+        if isinstance(value, float) and not np.isfinite(value):
+            problem = f"{value} is not a number (a damaged file, or values that are not token ids)"
+        elif isinstance(value, float) and value != np.floor(value):
+            problem = f"{value} is not a whole number (the float ids would be rounded down to other tokens)"
+        elif value < 0:
+            problem = f"{value} is negative"
+        else:
+            problem = (f"{value} is not in the tokenizer's vocabulary of {vocab_size} (the ids above it up to the "
+                       "padded vocabulary would train on the embedding's padding rows)")
+        return ValueError(
+            f"{self.indexed.prefix}: token id {problem}, at token {start + int(bad[0])} of sequence {sequence} "
+            f"(the {self.index_split} dataset's sample {i}): give the run the tokenizer the dataset was made with "
+            f"(--tokenizer-type, --tokenizer-model, --vocab-size), or remake the dataset with "
+            f"tools/preprocess_data.py and this run's tokenizer")
 
 
 class MockGPTDataset:

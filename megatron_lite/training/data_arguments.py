@@ -115,7 +115,7 @@ def gpt_dataset_config_from_args(args, tokenizer, builtin_prefix=None) -> GPTDat
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=args.blend_per_split,
         split=args.split if blend is not None else None, path_to_cache=args.data_cache_path,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus, eod_mask_loss=args.eod_mask_loss,
-        eod=tokenizer.eod)
+        eod=tokenizer.eod, vocab_size=tokenizer.vocab_size)
 
 
 def train_valid_test_num_samples(args):

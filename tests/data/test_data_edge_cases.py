@@ -1,5 +1,6 @@
 """Data pipeline edge cases: preprocessing input that is odd but real, corpora with empty or one-token
-documents, and the index cache's key.
+documents, the index cache's key, and ids that are no token of the tokenizer (negative, NaN, fractions, beyond
+its vocabulary).
 
 Single process, CPU, a few seconds. The sample index is compared with a line-by-line Python transcription of
 megatron-core's `build_sample_idx` (helpers.cpp) on corpora with empty documents, which the pinned fixture of
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 from test_data import load_preprocess_module, write_dataset
 
-from megatron_lite.data import GPTDatasetConfig, IndexedDataset, build_datasets, helpers
-from megatron_lite.data.gpt_dataset import SplitTooSmallError
+from megatron_lite.data import GPTDatasetConfig, IndexedDataset, IndexedDatasetBuilder, build_datasets, helpers
+from megatron_lite.data.gpt_dataset import GPTDataset, SplitTooSmallError
 
 EOD = 256  # ByteLevelTokenizer, preprocess_data.py's default
 
@@ -162,3 +163,61 @@ def test_cache_is_not_reused_when_the_indices_would_differ(tmp_path, change):
     rebuilt = build_datasets(GPTDatasetConfig(**kwargs), sizes)[0]  # the new key is then found
     assert all(d.cache_hit for d in rebuilt.datasets) and rebuilt.cache_hit
     assert first.datasets[0].cache_description != second.datasets[0].cache_description
+
+
+# ------------------------------------------------------------------------------------ ids that are no token
+
+def _dataset_with(tmp_path, dtype, value, vocab_size=None):
+    """A 3-document dataset of `dtype` whose token 5 of sequence 1 is `value` (patched into the .bin: the
+    builder refuses such ids), and its GPTDataset of one epoch (samples of 8 tokens, in stream order)."""
+    prefix = str(tmp_path / f"ids_{np.dtype(dtype).name}")
+    with IndexedDatasetBuilder(prefix, 1000, dtype=dtype) as builder:
+        for d in range(3):
+            builder.add_document(np.arange(20, dtype=np.int64) + 100 * d)
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r+")
+    tokens[20 + 5] = value
+    tokens.flush()
+    del tokens
+    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=([prefix], None), split="1,0,0",
+                              vocab_size=vocab_size)
+    return GPTDataset(IndexedDataset(prefix), range(3), None, "train", config), prefix
+
+
+def _sample_holding(dataset, value):
+    for i in range(len(dataset)):
+        try:
+            dataset[i]
+        except ValueError as e:
+            return i, str(e)
+    raise AssertionError(f"no sample holding {value} was refused")
+
+
+@pytest.mark.parametrize("dtype, value, problem", [
+    (np.int16, -3, "token id -3 is negative"),
+    (np.int32, -1, "token id -1 is negative"),
+    (np.float32, np.nan, "token id nan is not a number"),
+    (np.float64, np.inf, "token id inf is not a number"),
+    (np.float32, 2.5, "token id 2.5 is not a whole number"),
+])
+def test_ids_that_are_no_token_are_refused_naming_the_place(tmp_path, dtype, value, problem):
+    """Would catch a negative id (or NaN in a float dataset, which becomes a huge negative int64) reaching the
+    embedding as `IndexError: index out of range in self`, and a fractional id silently rounded down to
+    another token."""
+    dataset, prefix = _dataset_with(tmp_path, dtype, value)
+    i, message = _sample_holding(dataset, value)
+    assert message.startswith(f"{prefix}: {problem}") and "at token 5 of sequence 1" in message, message
+    assert f"the train dataset's sample {i}" in message and "tools/preprocess_data.py" in message
+    for k in range(len(dataset)):  # every other sample still reads
+        if k != i:
+            assert dataset[k]["tokens"].min() >= 0
+
+
+def test_ids_beyond_the_tokenizers_vocabulary_are_refused(tmp_path):
+    """NullTokenizer --vocab-size 1000 on ids up to 1023 (the model's padded vocabulary is 1024). Would catch
+    the run training on the embedding's padding rows without a word; an id below the vocabulary still reads."""
+    dataset, prefix = _dataset_with(tmp_path, np.uint16, 1023, vocab_size=1000)
+    _, message = _sample_holding(dataset, 1023)
+    assert "token id 1023 is not in the tokenizer's vocabulary of 1000" in message, message
+    assert "--tokenizer-type, --tokenizer-model, --vocab-size" in message
+    fits, _ = _dataset_with(tmp_path / "fits", np.uint16, 999, vocab_size=1000)
+    assert max(int(fits[k]["labels"].max()) for k in range(len(fits))) == 999
