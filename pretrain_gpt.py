@@ -92,13 +92,9 @@ def train_valid_test_datasets_provider(args, tokenizer):
 
 
 def get_batch(data_iterator, model):
-    """The next micro-batch on the model's device; token ids must fit the model's vocabulary."""
+    """The next micro-batch on the model's device. Its token ids were checked as the dataset read them (whole
+    numbers in [0, the tokenizer's vocabulary), GPTDatasetConfig.vocab_size), on every rank at once."""
     batch = next(data_iterator)
-    vocab = model.module.config.vocab_size
-    largest = max(int(batch["tokens"].max()), int(batch["labels"].max()))  # CPU copies: no device sync
-    if largest >= vocab:
-        raise ValueError(f"the dataset holds token id {largest} >= the model's vocabulary "
-                         f"({vocab}): was it preprocessed with another --tokenizer-type?")
     device = model.module.word_embeddings.weight.device
     return [batch[key].to(device, non_blocking=True) for key in ("tokens", "labels", "loss_mask")]
 

@@ -11,8 +11,10 @@
 One iteration (train_step)::
 
     model.zero_grad_buffer(); optimizer.zero_grad()
+    data = iter(read_micro_batches(...))            # on every rank at once: a rank whose data fails (an id
+                                                    # out of the vocabulary, the data running out) stops all
     for each of this rank's micro-batches:          # all but the last under model.no_sync()
-        output, loss_func = forward_step_func(data_iterator, model)
+        output, loss_func = forward_step_func(data, model)
         loss, num_tokens, reported = loss_func(output)   # loss: sum over the unmasked tokens
         loss = loss / num_tokens / num_micro_batches      # (kept a sum with calculate_per_token_loss)
         optimizer.scale_loss(loss).backward()       # with overlap, buckets reduce here
@@ -98,6 +100,36 @@ def _reduce_over_ranks(sums: Dict[str, torch.Tensor], group, ranks_divisor: int,
     return averages, (totals[-1] if extra is not None else None)
 
 
+def read_micro_batches(data_iterator, count: int, group) -> Optional[list]:
+    """The next `count` micro-batches of `data_iterator` (None: None), read on every rank of `group` at once.
+
+    A rank whose read fails (a sample with a token id outside the vocabulary, a damaged file, the data running
+    out) raises its error and every other rank a RuntimeError naming it, here, before the iteration's first
+    collective: otherwise the others would go on into a gradient reduction and die there seconds later of a
+    lost connection. Costs one small all-reduce; the messages are gathered only after a failure.
+    """
+    if data_iterator is None:
+        return None
+    error, batches = None, None
+    try:
+        batches = [next(data_iterator) for _ in range(count)]
+    except BaseException as e:  # communicate even when about to raise: the other ranks must hear of it
+        error = e
+    device = torch.device("cuda", torch.cuda.current_device()) if collectives.backend(group) == "nccl" else None
+    flags = torch.zeros(dist.get_world_size(group), device=device)
+    flags[dist.get_rank(group)] = float(error is not None)
+    collectives.all_reduce(flags, group)
+    failed = flags.nonzero().flatten().tolist()
+    if failed:
+        messages = collectives.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
+                                                 group)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"reading the data failed on data-parallel rank(s) {failed}: "
+                           + "; ".join(f"rank {r}: {messages[r]}" for r in failed))
+    return batches
+
+
 def train_step(forward_step_func: Callable, data_iterator, model, optimizer, scheduler, num_micro_batches: int,
                check_for_nan_in_loss: bool = False, before_update: Optional[Callable] = None):
     """One iteration on this rank's share of the global batch (see the module docstring).
@@ -115,6 +147,9 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
         (reported losses averaged over micro-batches and data-parallel ranks, update_successful, grad_norm)
     """
     per_token = model.ddp_config.calculate_per_token_loss
+    group = model.data_parallel_group
+    batches = read_micro_batches(data_iterator, num_micro_batches, group)
+    data = None if batches is None else iter(batches)
     model.zero_grad_buffer()
     optimizer.zero_grad()
     sums: Dict[str, torch.Tensor] = {}
@@ -122,7 +157,7 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
     for m in range(num_micro_batches):
         last = m == num_micro_batches - 1
         with contextlib.nullcontext() if last else model.no_sync():  # only the last one communicates
-            output, loss_func = forward_step_func(data_iterator, model)
+            output, loss_func = forward_step_func(data, model)
             outputs = loss_func(output)
             if len(outputs) == 3:
                 loss, num_tokens, reported = outputs
@@ -138,7 +173,7 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
             optimizer.scale_loss(loss).backward()
         _accumulate(sums, reported, num_micro_batches)
     model.finish_grad_sync()
-    group = model.data_parallel_group  # a NaN loss stops every rank here, before the update
+    # a NaN loss stops every rank here, before the update
     losses, total_tokens = _reduce_over_ranks(sums, group, dist.get_world_size(group),
                                               tokens if per_token else None, check_for_nan_in_loss)
     if per_token:
@@ -152,16 +187,21 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
 
 
 @torch.no_grad()
-def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batches: int) -> Dict[str, float]:
+def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batches: int,
+             read_ahead: int = 1) -> Dict[str, float]:
     """Mean of the reported losses over `num_micro_batches` micro-batches per rank and over all ranks
-    (token-weighted for reported [sum, count] pairs)."""
+    (token-weighted for reported [sum, count] pairs). The micro-batches are read `read_ahead` at a time on
+    every rank at once (read_micro_batches)."""
     model.eval()
-    sums: Dict[str, torch.Tensor] = {}
-    for _ in range(num_micro_batches):
-        output, loss_func = forward_step_func(data_iterator, model)
-        _accumulate(sums, loss_func(output)[-1])
-    model.train()
     group = model.data_parallel_group
+    sums: Dict[str, torch.Tensor] = {}
+    for start in range(0, num_micro_batches, read_ahead):
+        batches = read_micro_batches(data_iterator, min(read_ahead, num_micro_batches - start), group)
+        data = None if batches is None else iter(batches)
+        for _ in range(min(read_ahead, num_micro_batches - start)):
+            output, loss_func = forward_step_func(data, model)
+            _accumulate(sums, loss_func(output)[-1])
+    model.train()
     return _reduce_over_ranks(sums, group, dist.get_world_size(group) * num_micro_batches)[0]
 
 
@@ -177,7 +217,8 @@ def evaluate_validation(forward_step_func: Callable, valid_ds, model, args) -> D
     measure the same text."""
     rank, dp = dist.get_rank(), dist.get_world_size()
     valid_iterator = micro_batch_iterator(valid_ds, 0, args.micro_batch_size, rank, dp, getattr(args, "num_workers", 0))
-    return evaluate(forward_step_func, valid_iterator, model, args.eval_iters * args.num_micro_batches)
+    return evaluate(forward_step_func, valid_iterator, model, args.eval_iters * args.num_micro_batches,
+                    read_ahead=args.num_micro_batches)
 
 
 def save_due(args, iteration: int) -> bool:

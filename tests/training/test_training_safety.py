@@ -41,6 +41,54 @@ def test_nan_loss_on_one_rank_stops_every_rank_naming_it():
         assert params_finite  # stopped before the optimizer applied NaN gradients
 
 
+def _corpus_with_one_foreign_id(tmp_path, flags):
+    """A dataset of 15 documents of ids below 1000 where one token is 1023 (NullTokenizer --vocab-size 1000 pads
+    its embedding to 1024 rows), placed so that the first micro-step whose samples hold it gives it to
+    data-parallel rank 1 only; returns the prefix."""
+    import numpy as np
+
+    from megatron_lite.data import IndexedDatasetBuilder, build_datasets
+    from megatron_lite.training import parse_args
+    from megatron_lite.training.data_arguments import gpt_dataset_config_from_args, train_valid_test_num_samples
+
+    def write(ids):
+        with IndexedDatasetBuilder(prefix, 1024) as builder:
+            for document in np.split(ids, 15):
+                builder.add_document(document)
+
+    prefix, ids = str(tmp_path / "corpus"), np.arange(915)  # every token unique: its value says where it is
+    write(ids)
+    args = parse_args(flags + ["--data-path", prefix], world_size=2)
+    tokenizer = type("Tokenizer", (), {"eod": 999, "vocab_size": 1000})()
+    train = build_datasets(gpt_dataset_config_from_args(args, tokenizer), train_valid_test_num_samples(args))[0]
+    micro_step_of = {}  # token -> {ranks holding it} in the first micro-step that reads it
+    for i in range(args.train_iters * args.global_batch_size):
+        step, rank = divmod(i // args.micro_batch_size, 2)
+        for token in set(train[i]["tokens"].tolist()) | set(train[i]["labels"].tolist()):
+            if micro_step_of.setdefault(token, (step, set()))[0] == step:
+                micro_step_of[token][1].add(rank)
+    token = next(t for t, (step, ranks) in sorted(micro_step_of.items()) if step > 0 and ranks == {1})
+    write(np.where(ids == token, 1023, ids))  # the same lengths: the same sample order
+    return prefix
+
+
+def test_a_token_id_beyond_the_vocabulary_on_one_rank_stops_every_rank(tmp_path):
+    """NullTokenizer --vocab-size 1000 on data holding one id 1023, in data-parallel rank 1's micro-batch only.
+    Would catch the id going unnoticed (below the padded vocabulary of 1024: the run trains on a padding row
+    and exits 0), and the error raised on rank 1 alone while rank 0 goes on into the gradient reduction and dies
+    there of a lost connection (here: the process-group timeout) instead of naming rank 1's error."""
+    from pretrain_testing import pretrain_outcome, tiny_pretrain_flags
+
+    flags = tiny_pretrain_flags(mock_data=None, tokenizer_type="NullTokenizer", vocab_size="1000", split="1,0,0",
+                                data_cache_path=str(tmp_path / "cache"))
+    prefix = _corpus_with_one_foreign_id(tmp_path, flags)
+    (status0, message0), (status1, message1) = run_distributed(pretrain_outcome, 2, flags + ["--data-path", prefix])
+    assert status1 == "error" and "token id 1023 is not in the tokenizer's vocabulary of 1000" in message1, message1
+    assert message1.startswith(f"ValueError: {prefix}: ") and "sequence" in message1
+    assert status0 == "error" and message0.startswith("RuntimeError: reading the data failed on data-parallel "
+                                                      "rank(s) [1]: rank 1: ValueError: "), message0
+
+
 def _nan_checkpoint_worker(root):
     from optim_testing import build
 
