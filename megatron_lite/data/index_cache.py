@@ -5,13 +5,19 @@
     PATH_TO_CACHE/<md5 of the description>-GPTDataset-train-description.txt      the description (JSON)
                   <md5 of the description>-GPTDataset-train-document_index.npy   one .npy per array
                   <md5 ...>-GPTDataset-train-sample_index.npy, ...-shuffle_index.npy
+                  <md5 ...>-GPTDataset-train-digests.json    sha256 of each file above (megatron-lite's)
 
-megatron-core's naming (`--data-cache-path`). Each file is written under a temporary name and renamed into
-place, the description last, so a reader sees the whole set or none: several ranks or jobs may build at
-once and a killed build leaves nothing half-written. pretrain_gpt.py lets rank 0 build first while the
-other ranks wait (collectives.rank_zero_first); they then load. A set whose description differs, or whose
-arrays cannot be read or fail the caller's check (a truncated file, another corpus), is rebuilt and
-replaced, with a warning naming the file and the reason.
+megatron-core's naming (`--data-cache-path`), with one file of megatron-lite's beside it: megatron-core
+reads the arrays of the four files it names and never this one, and the description stays the text whose
+md5 is in the name. The digests make a set verifiably this configuration's: arrays copied from another
+configuration under these names (the same shapes, every value in range), or damaged in place, would otherwise
+load as this run's sample order. Each file is written under a temporary name and renamed into place, the
+digests and then the description last, so a reader sees the whole set or none: several ranks or jobs may
+build at once (they write the same bytes) and a killed build leaves nothing half-written. pretrain_gpt.py
+lets rank 0 build first while the other ranks wait (collectives.rank_zero_first); they then load. A set
+whose description differs, that has no digests (an older megatron-lite's, a partial copy), whose files do not
+match their digests, or whose arrays cannot be read or fail the caller's check is rebuilt and replaced, with
+a warning naming the file and the reason. Verifying reads every file once (sha256, some hundred MB/s).
 """
 
 import hashlib
@@ -53,9 +59,9 @@ def cached_indices(path_to_cache: Optional[str], description: Dict, kind: str, n
         return tuple(build()), False
     text, digest = description_hash(description)
     base = os.path.join(path_to_cache, f"{digest}-{kind}-")
-    description_path = base + "description.txt"
+    description_path, digests_path = base + "description.txt", base + "digests.json"
     paths = [base + name + ".npy" for name in names]
-    reason = _load_problem(description_path, text, paths, check)
+    reason = _load_problem(description_path, text, digests_path, paths, check)
     if isinstance(reason, tuple):
         return reason, True
     if reason is not None:
@@ -66,6 +72,9 @@ def cached_indices(path_to_cache: Optional[str], description: Dict, kind: str, n
         os.makedirs(path_to_cache, exist_ok=True)
         for path, array in zip(paths, arrays):
             _write_atomically(path, lambda f, a=array: np.save(f, a, allow_pickle=False))
+        digests = {os.path.basename(path): _sha256(path) for path in paths}
+        digests[os.path.basename(description_path)] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        _write_atomically(digests_path, lambda f: f.write(json.dumps(digests, indent=4).encode("utf-8")))
         _write_atomically(description_path, lambda f: f.write(text.encode("utf-8")))
     except OSError as e:
         raise ValueError(f"--data-cache-path {path_to_cache}: cannot write the dataset index cache ({e}); give "
@@ -73,13 +82,38 @@ def cached_indices(path_to_cache: Optional[str], description: Dict, kind: str, n
     return arrays, False
 
 
-def _load_problem(description_path: str, text: str, paths: Sequence[str], check):
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):  # hashlib.file_digest is Python 3.11+
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_problem(description_path: str, text: str, digests_path: str, paths: Sequence[str], check):
     """The loaded arrays (a tuple), None when there is no cache yet, or the reason it cannot be used."""
     if not os.path.isfile(description_path):
         return None
     with open(description_path, "rb") as f:
         if f.read().decode("utf-8", errors="replace") != text:
             return "its description differs from this run's"
+    try:
+        with open(digests_path, "rb") as f:
+            digests = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return (f"{os.path.basename(digests_path)} is missing (written by a megatron-lite that kept no digests, "
+                "or a partial copy), so the arrays cannot be verified as this configuration's")
+    except (OSError, ValueError) as e:
+        return f"{os.path.basename(digests_path)} is unreadable ({e})"
+    for path in [description_path, *paths]:
+        name = os.path.basename(path)
+        try:
+            actual = _sha256(path)
+        except OSError as e:
+            return f"{name}: {e}"
+        if not isinstance(digests, dict) or digests.get(name) != actual:
+            return (f"{name} is not the file written with this description (sha256 {actual[:12]}... differs "
+                    f"from {os.path.basename(digests_path)}): copied from another configuration, or damaged")
     arrays = []
     for path in paths:
         try:

@@ -5,6 +5,7 @@ Single process except the two-rank cache and training tests; CPU, a few seconds 
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -81,7 +82,7 @@ def test_index_cache_is_reused(corpora, tmp_path):
     first = build_datasets(config((list(corpora), [0.3, 0.3, 0.4]), cache), [300, 30, 10])
     files = cache_files(cache)
     assert not any(d.cache_hit for d in first) and not any(d.cache_hit for d in first[0].datasets)
-    assert len(files) == 3 * (3 + 3 * 4)  # per split: blend (description + 2) and 3 datasets (description + 3)
+    assert len(files) == 3 * (4 + 3 * 5)  # per split: blend (description, digests + 2), 3 datasets (... + 3)
     assert all(name.split("-")[1] in ("GPTDataset", "BlendedDataset") for name in files)
     second = build_datasets(config((list(corpora), [0.3, 0.3, 0.4]), cache), [300, 30, 10])
     assert all(d.cache_hit for d in second) and all(d.cache_hit for d in second[0].datasets)
@@ -93,16 +94,42 @@ def test_index_cache_is_reused(corpora, tmp_path):
     assert not build_datasets(other_seed, [300, 30, 10])[0].cache_hit
 
 
-@pytest.mark.parametrize("damage", ["truncate", "description", "wrong_array"])
+def _train_base(cache):
+    """The common start of the train GPTDataset's cache files' names in `cache`."""
+    description = [n for n in os.listdir(cache) if "-GPTDataset-train-" in n and n.endswith("description.txt")][0]
+    return description[:-len("description.txt")]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "description", "wrong_array", "other_configuration", "in_range",
+                                    "no_digests"])
 def test_damaged_cache_is_rebuilt_with_a_warning(corpora, tmp_path, damage):
     """Would catch a truncated .npy crashing every later run, a cache whose description does not match
-    being trusted, or arrays of another shape (another corpus under the same name) read as samples."""
+    being trusted, arrays of another shape (another corpus under the same name) read as samples, the arrays of
+    another configuration (--seed 5: the same shapes, every value in range) copied under this one's names and
+    trained on as its sample order without a word, a sample_index damaged in place with in-range values (a
+    sample of another length: `stack expects each tensor to be equal size` at the first batch holding it), and
+    a set without its digests (an older cache, a partial copy) trusted unverified."""
     cache = str(tmp_path / "cache")
     reference = build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0]
     expected = [reference[i]["tokens"] for i in range(0, 200, 9)]
-    description = [n for n in os.listdir(cache) if "-train-" in n and n.endswith("description.txt")][0]
-    base = description[:-len("description.txt")]
-    if damage == "truncate":
+    base = _train_base(cache)
+    if damage == "other_configuration":
+        other = str(tmp_path / "other")
+        build_datasets(GPTDatasetConfig(random_seed=5, sequence_length=16, blend=([corpora[0]], None),
+                                        split="90,8,2", path_to_cache=other), [200, 20, 5])
+        other_base = _train_base(other)
+        for name in ("document_index.npy", "sample_index.npy", "shuffle_index.npy"):
+            mine, theirs = np.load(os.path.join(cache, base + name)), np.load(os.path.join(other, other_base + name))
+            assert mine.shape == theirs.shape and not np.array_equal(mine, theirs)
+            shutil.copyfile(os.path.join(other, other_base + name), os.path.join(cache, base + name))
+    elif damage == "in_range":
+        path = os.path.join(cache, base + "sample_index.npy")
+        sample_index = np.load(path)
+        sample_index[5, 1] += 3  # still inside its document
+        np.save(path, sample_index)
+    elif damage == "no_digests":
+        os.remove(os.path.join(cache, base + "digests.json"))
+    elif damage == "truncate":
         path = os.path.join(cache, base + "sample_index.npy")
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
