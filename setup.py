@@ -12,7 +12,7 @@ setup(
     install_requires=["torch>=2.1", "numpy"],
     extras_require={
         "progress": ["tqdm"],  # preprocessing progress bar (a plain line is printed without it)
-        "bench": ["matplotlib"],  # benchmark and bucket-sweep plots
+        "bench": ["matplotlib"],  # plots: the benchmarks', tools/plot_metrics.py's loss curves
         "tensorboard": ["tensorboard"],
         # Everything the Hugging Face paths need, one extra: --tokenizer-type HuggingFaceTokenizer (tokenizers),
         # tools/checkpoint_convert.py --to hf / --from hf (safetensors, tokenizers), loading the export
