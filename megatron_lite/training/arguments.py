@@ -12,6 +12,7 @@ function for the parser and a check_* function that validate_args or check_confi
 import argparse
 import math
 import os
+import shlex
 
 import torch
 
@@ -163,11 +164,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
+def as_flags(values: dict) -> str:
+    """{dest: value} as the flags that parse back to the same values, to paste into a command: a switch set
+    (True) bare, one not set (False) left out, every other value quoted for the shell where it needs it."""
+    return " ".join(f"--{key.replace('_', '-')}" + ("" if value is True else f" {shlex.quote(str(value))}")
+                    for key, value in values.items() if value is not False)
+
+
 def _preset_architecture(preset: dict) -> str:
     """The flags a preset sets beyond its size and the recipe, spelled as flags (' (--swiglu ...)')."""
-    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in preset.items()
-             if k not in RECIPE and k not in ARCHITECTURE_KEYS]
-    return f" ({' '.join(flags)})" if flags else ""
+    flags = as_flags({k: v for k, v in preset.items() if k not in RECIPE and k not in ARCHITECTURE_KEYS})
+    return f" ({flags})" if flags else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,8 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{k}: {v['num_layers']} layers, hidden {v['hidden_size']}, {v['num_attention_heads']} "
                        f"heads, seq {v['seq_length']}" + _preset_architecture(v)
                        for k, v in MODEL_PRESETS.items() if v)
-                   + "; all with the recipe "
-                   + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in RECIPE.items())
+                   + "; all with the recipe " + as_flags(RECIPE)
                    + ". none: Megatron's defaults, the architecture flags required")
     docs = field_docs(GPTConfig)
     add_config_arguments(g, GPTConfig, GPT_FLAGS, max_position_embeddings=dict(

@@ -270,6 +270,30 @@ def build_parser_help():
     return build_parser().format_help()
 
 
+def test_preset_start_up_line_pastes_back_as_flags(single_rank_group, capsys):
+    """The line '> --model-preset llama-tiny set the flags not given: ...', pasted after `--model-preset none`,
+    gives the run the same values. Would catch switches printed as '--swiglu True' (argparse: unrecognized
+    arguments: True) and values that do not parse back."""
+    import shlex
+
+    from megatron_lite.training import parse_args
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    argv = ["--mock-data", "--model-preset", "llama-tiny", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--train-iters", "1", "--eval-iters", "0", "--num-layers", "1", "--hidden-size", "32"]
+    pretrain_gpt.main(argv, world_size=1)
+    prefix = "> --model-preset llama-tiny set the flags not given: "
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(prefix)][0][len(prefix):]
+    assert "--swiglu " in line + " " and "True" not in line, line
+    preset = parse_args(argv, world_size=1)
+    pasted = parse_args(argv[:1] + ["--model-preset", "none"] + argv[3:] + shlex.split(line), world_size=1)
+    assert preset.preset_values and all(getattr(pasted, key) == value for key, value in preset.preset_values.items())
+    assert pasted.preset_values == {}
+
+
 def test_megatron_defaults_and_presets():
     """Every flag shared with Megatron-LM defaults to Megatron's value; a preset fills only the flags not
     given (and says which); --model-preset none keeps Megatron's. Would catch recipe values posing as
