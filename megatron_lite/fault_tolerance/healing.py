@@ -36,6 +36,11 @@ class Progress:
     steps_taken: int  # the optimizer's step() count matching this record
     losses: Optional[Dict[str, float]] = None  # the iteration's reported losses, when known
     last_saved: Optional[int] = None
+    # The rest of the iteration's log record, for a replacement rank 0 that logs it (the catch-up): the step's
+    # outcome is not in the optimizer's state, so it travels with the record.
+    grad_norm: Optional[float] = None
+    update_successful: bool = True  # False: fp16's loss scaler skipped the update ("skipped" in the record)
+    log_interval: Optional[dict] = None  # the log interval's sums before this iteration (TrainingLog.interval_state)
 
 
 @dataclass
@@ -60,14 +65,18 @@ def settled_progress(progress: Progress, staged: Optional[Progress], optimizer, 
     else the last committed one. The scheduler is brought to match: train_step steps it after a successful
     update, and the failure may have come in between (in the parameter all-gather); an update that fp16's
     loss scaler skipped leaves it where it was, as train_step does (the iteration still counts as done: its
-    loss scale was lowered and its samples consumed)."""
+    loss scale was lowered and its samples consumed). The step's outcome (skipped or not, the gradient norm) is
+    taken from the optimizer: the failure came before train_step returned it."""
     if optimizer.updating:
         raise LiveRecoveryImpossible("the optimizer update was torn (it raised half-way)")
     if staged is None or optimizer.steps_taken != staged.steps_taken:
         return progress
     if optimizer.last_step_successful and scheduler.num_steps < staged.scheduler["num_steps"]:
         scheduler.step()
-    return dataclasses.replace(staged, scheduler=scheduler.state_dict())
+    norm = optimizer.last_grad_norm  # this rank's step() was cut short before returning it
+    return dataclasses.replace(staged, scheduler=scheduler.state_dict(),
+                               grad_norm=None if norm is None else float(norm),
+                               update_successful=optimizer.last_step_successful)
 
 
 def heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Optional[Progress]:

@@ -65,6 +65,7 @@ class MegatronOptimizer(OptimizerStateMixin):
         self.steps_taken = 0  # step() calls that got past their decision (an overflow skip included)
         self.update_count = 0  # inner optimizer steps taken (overflow skips excluded); set again by a load
         self.last_step_successful = True
+        self.last_grad_norm = None  # the last step()'s gradient norm (a tensor; None: skipped or not computed)
         self._grad_staging = GradStaging()  # optimizer_cpu_offload: the host copies of the main grads
 
     # ------------------------------------------------------------------ protocol
@@ -126,6 +127,7 @@ class MegatronOptimizer(OptimizerStateMixin):
                 self.update_count += 1
             self.steps_taken += 1
             self.last_step_successful = not found_inf
+            self.last_grad_norm = grad_norm  # read by live recovery when a failure cuts step() short below
             self.updating = False
         self._grad_staging.clear()
         for p in self._main_params():

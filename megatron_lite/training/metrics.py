@@ -101,16 +101,29 @@ class TrainingLog:
         are kept, so a save in the middle of a log interval does not shrink ms/iteration."""
         self._start = time.perf_counter()
 
+    def interval_state(self) -> dict:
+        """The current log interval's sums (plain data): live recovery carries them across a re-forming, so that
+        the next line covers the whole interval, as the uninterrupted run's does."""
+        return {"losses": list(self._losses), "iterations": self._iterations, "skipped": self._skipped,
+                "nan": self._nan, "trained": self._trained}
+
+    def load_interval_state(self, state: dict):
+        """Continue the interval that interval_state() described (another log's, of the same run)."""
+        self._losses, self._iterations = list(state["losses"]), state["iterations"]
+        self._skipped, self._nan, self._trained = state["skipped"], state["nan"], state["trained"]
+
     def training(self, iteration: int, consumed: int, losses: Dict[str, float], lr: float, loss_scale: float,
-                 grad_norm: Optional[float], update_successful: bool, timed: bool = True):
+                 grad_norm: Optional[float], update_successful: bool, timed: bool = True, write: bool = True):
         """Record one iteration; at a log interval (and the last iteration) print Megatron's line. As in
         Megatron, the losses are averaged over the iterations that updated the model and whose loss was
         finite; skipped (fp16 overflow) and NaN iterations are counted instead. `timed` False: an iteration
         computed before this log existed (live recovery's catch-up), logged but left out of ms/iteration (a line
-        with no timed iteration has no time, throughput or MFU)."""
-        self.metrics.write({"iteration": iteration, "consumed_samples": consumed,
-                            **{_record_key(k): v for k, v in losses.items()}, "lr": lr, "loss_scale": loss_scale,
-                            "grad_norm": grad_norm, "skipped": not update_successful})
+        with no timed iteration has no time, throughput or MFU). `write` False: an iteration another log wrote
+        already (live recovery: a rank 0 that is gone): it only joins the interval's sums."""
+        if write:
+            self.metrics.write({"iteration": iteration, "consumed_samples": consumed,
+                                **{_record_key(k): v for k, v in losses.items()}, "lr": lr,
+                                "loss_scale": loss_scale, "grad_norm": grad_norm, "skipped": not update_successful})
         now = time.perf_counter()
         if timed:
             self._trained, self._iterations = self._trained + now - self._start, self._iterations + 1
@@ -123,6 +136,14 @@ class TrainingLog:
             self._losses.append(losses)
         if iteration % self.log_interval and iteration != self.train_iters:
             return
+        if write:
+            self._write_line(iteration, consumed, lr, loss_scale, grad_norm)
+        self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
+        self._trained = 0.0
+        self.restart_timer()
+
+    def _write_line(self, iteration: int, consumed: int, lr: float, loss_scale: float, grad_norm: Optional[float]):
+        """Megatron's line for the interval ending at `iteration`, and its timing record."""
         elapsed = self._trained / self._iterations if self._iterations else None
         utilization = mfu(self.flops, elapsed, self.device, self.dp) if elapsed is not None else None
         line = (f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
@@ -144,9 +165,6 @@ class TrainingLog:
             self.metrics.write({"iteration": iteration, "elapsed_ms_per_iteration": elapsed * 1000,
                                 "tokens_per_s": self.tokens_per_iteration / elapsed,
                                 **({"mfu": utilization} if utilization else {})})
-        self._losses, self._iterations, self._skipped, self._nan = [], 0, 0, 0
-        self._trained = 0.0
-        self.restart_timer()
 
     def validation(self, iteration: int, losses: Dict[str, float]):
         """Print the validation losses and their perplexities between dashed lines."""

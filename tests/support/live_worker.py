@@ -8,6 +8,7 @@ generation it is assigned to: a spurious re-forming shifts the numbers) when it 
     update             right after the local optimizer update, before the parameter all-gather
     save               the periodic checkpoint saved after the iteration
     evaluate           the evaluation after the iteration
+    log                the iteration's log record, after the iteration (the others complete it and go on)
     send / recv        healing: sending / receiving a shard to / from a replica (iteration ignored)
     hold               not a kill: the process waits, before it starts training, until rank 0 has logged
                        `iteration` (a replacement that comes back late, for elastic mode)
@@ -123,6 +124,9 @@ patch(live_training, "save_checkpoint",
       lambda root, iteration, *args, **kwargs: fault("save") == iteration and die("save"))
 patch(live_training, "evaluate_validation",
       lambda *args, **kwargs: fault("evaluate") == completed["steps"] and die("evaluate"))
+patch(live_training._LiveRun, "_log",  # not the catch-up's record (untimed), which a replacement writes
+      lambda self, progress, *args, **kwargs: kwargs.get("timed", True) and fault("log") == progress.iteration
+      and die("log"))
 patch(DistributedOptimizer, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
 patch(DistributedOptimizer, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
 pretrain_gpt.forward_step = forward_step

@@ -88,6 +88,7 @@ class _Optimizer:
 
     def __init__(self, steps_taken, successful=True, updating=False):
         self.steps_taken, self.last_step_successful, self.updating = steps_taken, successful, updating
+        self.last_grad_norm = None
         self.param_groups = [{"lr": 0.0}]
 
 
