@@ -32,6 +32,8 @@ exit with EXIT_FALLBACK after writing their last words, and the supervisor resta
 import dataclasses
 import gc
 import json
+import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import LastWords, checkpoint_args, lock_save_directory, save_checkpoint
+from ..checkpointing import LastWords, checkpoint_args, save_checkpoint
 from ..checkpointing.rng import get_rng_state
 from ..data import micro_batch_iterator
 from ..distributed import collectives
@@ -148,8 +150,6 @@ class _LiveRun:
         self.words = None
         device, train_ds = self._form_generation()
         args = self.args
-        if args.save:  # the generation's rank 0 holds it: a replaced rank 0 takes it once the dead one is gone
-            lock_save_directory(args.save)
         progress = self._resume(train_ds)
         rank, dp = dist.get_rank(), dist.get_world_size()
         self.log = open_training_log(args, device, dp,
@@ -217,13 +217,18 @@ class _LiveRun:
         """What the failure interrupted after an iteration completed: its log line (when the survivors
         completed it but it was never logged), its evaluation and its periodic save."""
         args = self.args
-        if progress.losses is not None and progress.iteration > self.membership.last_logged():
-            self._log(progress, None, True, timed=False)  # completed by the survivors, never logged
+        if progress.losses is not None:  # healed: the log takes up the interval where the healed state left it
+            if progress.log_interval is not None:
+                self.log.load_interval_state(progress.log_interval)
+            # The iteration joins the interval's sums; written only if rank 0 never wrote it (its survivors
+            # completed it, and rank 0 is new or failed first): then with its carried grad norm and skip.
+            self._log(progress, timed=False, write=progress.iteration > self.membership.last_logged())
         if progress.losses is not None and evaluation_due(args, progress.iteration, self.valid_ds) \
                 and progress.iteration > self.membership.last_evaluated():  # healed, its evaluation not logged
             self._evaluate(progress)
         if save_due(args, progress.iteration) and progress.last_saved != progress.iteration and progress.iteration > 0:
             _save(args, progress, self.model, self.optimizer, self.scheduler)  # interrupted by the failure: again
+        self.log.restart_timer()  # the recovery is not training time
 
     def _train_iteration(self, progress: Progress) -> Progress:
         """One iteration, its log line, its evaluation and its periodic save. Returns the new progress; on a
@@ -236,7 +241,8 @@ class _LiveRun:
             nonlocal staged
             scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
             staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size, get_rng_state(),
-                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved)
+                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved,
+                              log_interval=self.log.interval_state())
             if words is not None:
                 words.stage(staged.iteration, staged.consumed)
         try:
@@ -247,11 +253,11 @@ class _LiveRun:
             self.snapshot = take_snapshot(progress, staged, optimizer, scheduler)
             raise
         progress = dataclasses.replace(staged, scheduler=scheduler.state_dict(), steps_taken=optimizer.steps_taken,
-                                       losses=reported)
+                                       losses=reported, grad_norm=grad_norm, update_successful=ok)
         self.progress = progress
         if words is not None:
             words.commit()
-        self._log(progress, grad_norm, ok)
+        self._log(progress)
         if self.timings is not None:
             self.timings.mark("redone")
             self.recoveries.append(_report(self.timings, self.membership.generation))
@@ -267,12 +273,14 @@ class _LiveRun:
             self.log.restart_timer()  # the save's time is not training time (as in pretrain())
         return progress
 
-    def _log(self, progress: Progress, grad_norm: Optional[float], ok: bool, timed: bool = True):
-        """The iteration's log line; rank 0 then notes it in the store (a replacement rank 0 logs from there)."""
+    def _log(self, progress: Progress, timed: bool = True, write: bool = True):
+        """The iteration's record and log line; rank 0 then notes it in the store (a replacement rank 0 logs from
+        there). `write` False: only into the interval's sums (see TrainingLog.training)."""
         self.losses[progress.iteration] = progress.losses
         self.log.training(progress.iteration, progress.consumed, progress.losses, self.optimizer.param_groups[0]["lr"],
-                          self.optimizer.get_loss_scale().item(), grad_norm, ok, timed)
-        if dist.get_rank() == 0:
+                          self.optimizer.get_loss_scale().item(), progress.grad_norm, progress.update_successful,
+                          timed, write)
+        if write and dist.get_rank() == 0:
             self.membership.note_logged(progress.iteration)
 
     def _evaluate(self, progress: Progress):
@@ -341,8 +349,23 @@ def _report(timings: Timings, generation: int) -> dict:
     redone iteration completed (epoch seconds, one JSON line; the soak subtracts them)."""
     out = {"rank": dist.get_rank(), "generation": generation, "role": timings.role, "failed": timings.failed_at,
            **timings.marks}
-    print(f"[rank {out['rank']}] > recovered into generation {generation}: {json.dumps(out)}", flush=True)
+    _write_line(f"[rank {out['rank']}] > recovered into generation {generation}: {json.dumps(out)}")
     return out
+
+
+def _write_line(text: str):
+    """`text` as one line of standard output in a single write(): the ranks share the supervisor's output, and
+    a line written in pieces (print() writes the text and the newline apart when Python's output is unbuffered)
+    can be cut by another rank's, which breaks a record that tools parse."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured): nothing shares it
+        print(text, flush=True)
+        return
+    sys.stdout.flush()  # what was printed before comes first
+    data = (text + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _fall_back(reason: str):
