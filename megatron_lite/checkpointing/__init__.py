@@ -1,7 +1,8 @@
 """Checkpoints: saving and restoring a training state on every rank, in two formats, plus last words.
 
     save.py           save_checkpoint, PendingSave, refuse_to_shadow: the one sealing protocol (rank 0 makes
-                      the directory, every rank writes its part, agreed, rank 0 seals)
+                      the directory, every rank writes its part, agreed, rank 0 seals); lock_save_directory:
+                      one job per --save directory
     load.py           load_checkpoint: which checkpoint to load (survey, agreement across ranks, last words
                       before the periodic checkpoint, fallback), then its format's reader
     torch_format.py   the 'torch' format: one file with full tensors per parameter name, written by rank 0
@@ -9,7 +10,8 @@
     dcp_metadata.py   reading torch_dist's index (.metadata, a pickle) without running code
     experts.py        every expert-parallel position's experts in a 'torch' checkpoint
     last_words.py     LastWords: what the survivors of a failure write (no collective), and loading it
-    files.py          directory naming (periodic and last words), atomic writes, manifest, sealing, scans
+    files.py          directory naming (periodic and last words), atomic writes, manifest, sealing, scans,
+                      the --save directory's lock
     rng.py            get_rng_state / set_rng_state
     hf_convert.py     transformers GPT2LMHeadModel / LlamaForCausalLM <-> GPTModel: config and weights mapped in
                       memory (torch only; tools/checkpoint_convert.py reads and writes the files)
@@ -21,9 +23,9 @@ stands apart: only tools/checkpoint_convert.py imports it.
 from .last_words import LastWords
 from .load import load_checkpoint
 from .rng import get_rng_state, set_rng_state
-from .save import PendingSave, checkpoint_args, refuse_to_shadow, save_checkpoint
+from .save import PendingSave, checkpoint_args, lock_save_directory, refuse_to_shadow, save_checkpoint
 
 __all__ = [
-    "save_checkpoint", "load_checkpoint", "PendingSave", "refuse_to_shadow", "checkpoint_args", "LastWords",
-    "get_rng_state", "set_rng_state",
+    "save_checkpoint", "load_checkpoint", "PendingSave", "refuse_to_shadow", "lock_save_directory", "checkpoint_args",
+    "LastWords", "get_rng_state", "set_rng_state",
 ]

@@ -7,6 +7,8 @@
     SAVE/iter_0000200/manifest.json          size and sha256 of every file: written last inside the
                                              directory, so a directory with a manifest is complete
     SAVE/.tmp_iter_0000200_*/                a save in progress (or a crashed one, removed by the next save)
+    SAVE/job.lock                            locked by the job saving here ("pid 1234 on node7"), removed at
+                                             its end: one job per directory (lock_save_directory)
     SAVE/last_words/iter_0000123/            the survivors' last words of iteration 123 (last_words.py),
                                              removed once a periodic checkpoint at or after 123 is sealed
 
@@ -17,13 +19,23 @@ functions. Loading takes the newest directory that has a manifest (the tracker o
 every file against the manifest first: a flipped byte, a truncated or an empty file is an error naming the
 file, never a silently loaded state. Files and directories get the usual permissions of the process
 (umask), like the rest of the run's outputs. Nothing here communicates.
+
+One job writes into a --save directory at a time: the job's rank 0 holds a POSIX record lock on SAVE/job.lock
+(fcntl.lockf) while it trains, and a second job is refused naming the directory and the holder. The kernel
+drops the lock when the holding process ends, however it ends (a crash, SIGKILL), so a stale lock never blocks
+a restart; and a POSIX lock, unlike flock(), belongs to the process alone, not to the children it forks
+(DataLoader workers), so it is free the moment the holder is gone, e.g. for the rank 0 that the live-recovery
+supervisor starts in place of a killed one.
 """
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from typing import Callable, Dict, Optional, Tuple
 
@@ -34,6 +46,7 @@ MANIFEST_FILENAME = "manifest.json"
 # hf writes it, its value says where the weights came from): load.py loads it only with --finetune.
 WEIGHTS_ONLY_KEY = "weights_only"
 LAST_WORDS_DIRNAME = "last_words"
+LOCK_FILENAME = "job.lock"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -114,11 +127,25 @@ def new_directory(root: str, iteration: int) -> str:
         raise FileExistsError(f"{final} exists already: a checkpoint is never overwritten")
     for name in os.listdir(root):
         if name.startswith(".tmp_"):
-            path = os.path.join(root, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            _remove_stale(os.path.join(root, name))
     tmp_dir = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(final)}_", dir=root)
     os.chmod(tmp_dir, 0o777 & ~_umask())
     return tmp_dir
+
+
+def _remove_stale(path: str):
+    """Remove what a crashed save (or anything else) left under a temporary name: a directory with its contents,
+    anything else (a file, a symbolic link: never followed, whatever it points to) by unlinking it."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass  # gone already
+    except OSError as e:  # shutil's errors may name a file inside, or nothing at all
+        raise OSError(e.errno, f"cannot remove {path}, a temporary entry left in the --save directory by an "
+                               f"earlier save ({e.strerror or e}): remove it by hand") from e
 
 
 def seal_directory(root: str, iteration: int, tmp_dir: str):
@@ -154,6 +181,59 @@ def prune_last_words(root: str, upto: int):
     for iteration, path in last_words_entries(root).items():
         if iteration <= upto:
             shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ one job per directory
+_locked: Dict[str, int] = {}  # realpath of a --save directory -> the descriptor holding this process's lock on it
+
+
+def lock_save_directory(root: str):
+    """Lock the --save directory `root` for this process (see the module docstring), until
+    unlock_save_directory(root) or the end of the process. Locking a directory this process holds already
+    is a no-op. Raises ValueError naming `root` and the holder when another process holds it."""
+    os.makedirs(root, exist_ok=True)
+    key = os.path.realpath(root)
+    if key in _locked:  # a POSIX lock is the process's: a second descriptor's close() would drop it
+        return
+    path = os.path.join(root, LOCK_FILENAME)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot open the --save directory's lock file {path}: {e.strerror}") from e
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said which yet"
+            os.close(fd)  # this process holds no lock on the file: closing drops nothing
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise OSError(e.errno, f"cannot lock {path}: {e.strerror}") from e
+            raise ValueError(f"--save {root} is in use by another job ({holder} holds {path}): two jobs saving into "
+                             f"one directory overwrite and shadow each other's checkpoints. Wait for that job to "
+                             f"end, or save into another directory") from None
+        # The holder removes the file when it ends cleanly: a lock taken on a file removed meanwhile is no lock.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _locked[key] = fd
+
+
+def unlock_save_directory(root: str):
+    """Release this process's lock on `root` (lock_save_directory), removing the lock file; nothing to do when
+    it holds none. (A process that dies leaves the file, with its pid: the lock itself is gone.)"""
+    fd = _locked.pop(os.path.realpath(root), None)
+    if fd is not None:
+        try:  # removed while still locked: a job that opens the path from now on creates a new file
+            os.unlink(os.path.join(os.path.realpath(root), LOCK_FILENAME))
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -270,3 +270,93 @@ def test_torch_dist_load_warns_of_no_sharded_tensor_deprecation(tmp_path):
     catch the warning coming back (the filter around our DCP call dropped), or a file the load leaves open."""
     for _, _, caught in run_distributed(_rng_and_warnings_worker, 2, str(tmp_path), "torch_dist"):
         assert not [w for w in caught if "ShardedTensor" in w or w.startswith("ResourceWarning")], caught
+
+
+def test_stale_temporary_entries_of_any_kind_are_removed_and_links_never_followed(tmp_path):
+    """What a crashed save (or anything else) left under a temporary name in --save is removed by the next save:
+    a directory, a file, a FIFO, and symbolic links, which are unlinked and never followed. Would catch
+    `OSError: Cannot call rmtree on a symbolic link` (naming no path) on every later save, or a link's target
+    (outside the checkpoint) deleted with it."""
+    from megatron_lite.checkpointing import files
+
+    root, outside = tmp_path / "ck", tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "dir" / "keep.txt").write_text("precious")
+    (outside / "file.txt").write_text("precious")
+    root.mkdir()
+    os.symlink(outside / "dir", root / ".tmp_iter_0000001_link_to_dir")
+    os.symlink(outside / "file.txt", root / ".tmp_link_to_file")
+    os.symlink(tmp_path / "nowhere", root / ".tmp_dangling")
+    os.mkfifo(root / ".tmp_fifo")
+    (root / ".tmp_iter_0000001_crashed").mkdir()
+    os.symlink(outside / "dir", root / ".tmp_iter_0000001_crashed" / "inner_link")
+    tmp_dir = files.new_directory(str(root), 2)
+    assert os.listdir(root) == [os.path.basename(tmp_dir)]
+    assert (outside / "dir" / "keep.txt").read_text() == (outside / "file.txt").read_text() == "precious"
+
+
+def test_a_stale_temporary_entry_that_cannot_be_removed_is_named(tmp_path, monkeypatch):
+    """Would catch the save failing with the filesystem's bare error (`OSError: [Errno 16] Device or resource
+    busy`, no path), which leaves the user to guess what to remove."""
+    import errno
+    import shutil
+
+    from megatron_lite.checkpointing import files
+
+    stale = tmp_path / ".tmp_iter_0000001_crashed"
+    stale.mkdir()
+
+    def busy(path, *args, **kwargs):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+    monkeypatch.setattr(shutil, "rmtree", busy)
+    with pytest.raises(OSError, match=f"cannot remove {stale}.*remove it by hand"):
+        files.new_directory(str(tmp_path), 2)
+
+
+HOLD_LOCK = """
+import os, sys
+from megatron_lite.checkpointing import files
+files.lock_save_directory(sys.argv[1])
+child = os.fork()  # like a DataLoader worker: inherits the descriptors, and lives on after the parent dies
+if child == 0:
+    sys.stdin.read()
+    os._exit(0)
+print(os.getpid(), child, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_job_on_the_same_save_directory_is_refused_and_a_dead_holder_blocks_nothing(tmp_path):
+    """A job whose --save another live process holds stops on every rank, naming the directory and the holder's
+    pid and host; once the holder is killed (SIGKILL: no clean-up of its own) the directory is free at once,
+    even while a child process it forked lives on. Would catch two jobs writing into one directory (each
+    overwriting or shadowing the other's checkpoints), a lock that outlives a crash (a restart refused
+    forever), or one inherited by forked DataLoader workers (a replaced rank 0 refused while they linger)."""
+    import signal
+    import socket
+    import subprocess
+
+    from megatron_lite.checkpointing import files
+
+    save = str(tmp_path / "ck")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, save], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid, child = map(int, holder.stdout.readline().split())  # the lock is held from here on
+        outcomes = _run(TINY + ["--save", save])
+        for status, message in outcomes:
+            assert status == "error" and f"--save {save} is in use by another job" in message, message
+            assert f"pid {pid} on {socket.gethostname()}" in message, message
+        assert "ValueError" in outcomes[0][1] and "RuntimeError" in outcomes[1][1]
+        assert not os.path.exists(os.path.join(save, "iter_0000004"))
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(child, 0)  # the forked child is alive, and holds the same descriptors
+        files.lock_save_directory(save)  # this process now: the dead holder's lock is gone
+        files.unlock_save_directory(save)
+        status, _ = _run(TINY + ["--save", save])[0]
+        assert status == "ok" and not os.path.exists(os.path.join(save, files.LOCK_FILENAME))
+    finally:
+        holder.kill()
+        holder.stdin.close()  # ends the forked child
+        holder.wait()
