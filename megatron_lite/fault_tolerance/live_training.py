@@ -42,7 +42,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import LastWords, checkpoint_args, save_checkpoint
+from ..checkpointing import LastWords, checkpoint_args, lock_save_directory, save_checkpoint
 from ..checkpointing.rng import get_rng_state
 from ..data import micro_batch_iterator
 from ..distributed import collectives
@@ -150,6 +150,8 @@ class _LiveRun:
         self.words = None
         device, train_ds = self._form_generation()
         args = self.args
+        if args.save:  # the generation's rank 0 holds it: a replaced rank 0 takes it once the dead one is gone
+            lock_save_directory(args.save)
         progress = self._resume(train_ds)
         rank, dp = dist.get_rank(), dist.get_world_size()
         self.log = open_training_log(args, device, dp,

@@ -2,6 +2,7 @@
 
     pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func)
       initialize_megatron           process group, device, seed, tokenizer      (initialize.py)
+      lock_save_directory           --save: this job's alone until the end      (checkpointing/save.py)
       datasets, model               the providers (pretrain_gpt.py)
       setup_model_and_optimizer     DDP(model), get_megatron_optimizer, OptimizerParamScheduler
       load_checkpoint               with --load                                 (checkpointing/load.py)
@@ -32,7 +33,15 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import LastWords, checkpoint_args, load_checkpoint, refuse_to_shadow, save_checkpoint
+from ..checkpointing import (
+    LastWords,
+    checkpoint_args,
+    load_checkpoint,
+    lock_save_directory,
+    refuse_to_shadow,
+    save_checkpoint,
+)
+from ..checkpointing.files import unlock_save_directory
 from ..checkpointing.save import architecture_args
 from ..data import micro_batch_iterator
 from ..distributed import DistributedDataParallel, collectives
@@ -321,9 +330,25 @@ def pretrain(args, train_valid_test_datasets_provider: Callable, model_provider:
         flops_per_iteration: (args) -> model FLOPs of one iteration, for MFU (optional).
     Returns:
         {'iteration', 'losses': {iteration: reported losses}, 'valid_losses', 'skipped'}
+    Raises:
+        ValueError (RuntimeError on the other ranks) when another job holds the --save directory: rank 0
+        locks it from the start to the end of the run (checkpointing.lock_save_directory).
     """
+    try:
+        return _pretrain(args, train_valid_test_datasets_provider, model_provider, forward_step_func,
+                         flops_per_iteration)
+    finally:
+        if args.save:  # held by rank 0 (a no-op on the others); a process that dies releases it too
+            unlock_save_directory(args.save)
+
+
+def _pretrain(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
+              forward_step_func: Callable, flops_per_iteration: Optional[Callable]) -> dict:
+    """pretrain()'s run, inside the --save directory's lock."""
     device, tokenizer = initialize_megatron(args)
     rank, dp = dist.get_rank(), dist.get_world_size()
+    if args.save:  # one job per --save directory, from before anything is read or written there
+        lock_save_directory(args.save)
     if args.preset_values:
         print_rank_0(f"> --model-preset {args.model_preset} set the flags not given: {as_flags(args.preset_values)}")
     # A failure on any rank (say rank 0 cannot build the data) stops every rank now, not at a timeout.
