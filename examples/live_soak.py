@@ -50,7 +50,8 @@ def launch_live(directory: str, iters: int, save_interval: int, collective_timeo
            *MODEL, "--train-iters", str(iters), "--num-distributed-optimizer-instances", "2", "--save", directory,
            "--load", directory, "--save-interval", str(save_interval)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    return subprocess.Popen(cmd, stdout=open(os.path.join(directory, "log.txt"), "w"), stderr=subprocess.STDOUT,
+    # O_APPEND ("a", the directory is new): every write of the supervisor and its ranks lands whole at the end
+    return subprocess.Popen(cmd, stdout=open(os.path.join(directory, "log.txt"), "a"), stderr=subprocess.STDOUT,
                             env=env, cwd=REPO, start_new_session=True)
 
 
@@ -63,25 +64,33 @@ def processes(log: str) -> dict:
 
 
 def recoveries(log: str) -> dict:
-    """generation -> the ranks' recovery records (live_training._report). Found anywhere in the log, not
-    line by line: the ranks share one output file, and two records can end up on one line."""
+    """generation -> the ranks' recovery records (live_training._report). Each rank writes its record as one
+    line in one write(), but the ranks share the output with the supervisor and with native libraries (gloo's
+    warnings), so the records are found anywhere in the log, and one that is not whole JSON is left out."""
     out = {}
     for text in re.findall(r"> recovered into generation \d+: (\{[^{}]*\})", log):
-        record = json.loads(text)
-        out.setdefault(record["generation"], []).append(record)
+        try:
+            record = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "generation" in record:
+            out.setdefault(record["generation"], []).append(record)
     return out
 
 
 def split(records_of_generation: list, killed_at: float) -> dict:
-    """The recovery's phases in seconds (see the module docstring), over every rank of the generation."""
-    survivors = [r for r in records_of_generation if r["role"] == "survivor"]
+    """The recovery's phases in seconds (see the module docstring), over every rank of the generation. A phase
+    is None when a rank has no mark for its end: a generation with nothing to heal (a re-forming before any
+    rank held state starts afresh: no 'healed'), or no survivor (no 'failed')."""
+    def last(key, records):
+        values = [r.get(key) for r in records]
+        return max(values) if values and None not in values else None
+
     every = records_of_generation
-    detected = max(r["failed"] for r in survivors)
-    joined = max(r["joined"] for r in every)
-    healed = max(r["healed"] for r in every)
-    redone = max(r["redone"] for r in every)
-    return {"detection": round(detected - killed_at, 2), "join": round(joined - detected, 2),
-            "heal": round(healed - joined, 2), "redo": round(redone - healed, 2)}
+    ends = [killed_at, last("failed", [r for r in every if r.get("role") == "survivor"]), last("joined", every),
+            last("healed", every), last("redone", every)]
+    return {phase: None if start is None or end is None else round(end - start, 2)
+            for phase, start, end in zip(("detection", "join", "heal", "redo"), ends, ends[1:])}
 
 
 def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, collective_timeout: float,
@@ -107,7 +116,7 @@ def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, c
             before = records(metrics)
             first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "an iteration")
             seconds = time.time() - killed_at
-            generation = before_generation
+            generation = None  # a double failure ends in a whole-job restart: no recovery record
             if len(ranks) == 1:  # the recovery's records (the generation that healed: a spurious timeout while
                 # healing adds one) reach the log before the next kill
                 generation = wait_for(lambda: max(recoveries(open(log_path).read()), default=0) > before_generation
