@@ -13,7 +13,7 @@ hook on every parameter and owns what happens to the gradients from then on, eac
 import contextlib
 import functools
 import types
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -119,11 +119,12 @@ class GradHooksMixin:
         finally:
             self.is_last_microbatch = True
 
-    def start_grad_sync(self):
-        """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce)."""
+    def start_grad_sync(self, *unused):
+        """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce).
+        Positional arguments (megatron-core's signature: a hook's arguments) are ignored."""
         self.grad_sync.launch_rest()
 
-    def finish_grad_sync(self, force_all_reduce: bool = False):
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
         """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean (with the
         distributed optimizer: in this rank's shard of every bucket).
 
@@ -133,8 +134,10 @@ class GradHooksMixin:
 
         `force_all_reduce` (megatron-core's argument): with the distributed optimizer, every rank ends with
         the whole reduced gradient, not just its shard (buckets not launched yet are all-reduced, the others'
-        reduced shards all-gathered). Not with ZeRO-2/3, which keep no full gradients.
+        reduced shards all-gathered). Not with ZeRO-2/3, which keep no full gradients. None is False, as in
+        megatron-core (Optional[bool]).
         """
+        force_all_reduce = bool(force_all_reduce)
         if self._grads.finalized:
             return
         if force_all_reduce and self.ddp_config.sharding.gradients:
@@ -149,6 +152,10 @@ class GradHooksMixin:
             pending = self.grad_sync.pending
             if pending and not self.ddp_config.find_unused_parameters:
                 unused_error = unused_parameters_message(self._launch_order, pending, self.param_to_name)
+        # ZeRO-3: first issue the parameter gathers this rank skipped (a branch it did not run), before blocking
+        # on the gradient collectives: a peer may be waiting for one of them in its backward, and only then
+        # issue the gradient collectives this rank would wait for.
+        self.param_sync.end_backward()
         # Communicate even when about to raise: a peer that saw every gradient is already waiting in
         # these collectives and must not hang.
         self.grad_sync.finish(force_all_reduce)

@@ -100,5 +100,8 @@ class ParamGather:
     def grad_arrived(self, bucket: Bucket, index: int):
         pass
 
+    def end_backward(self):
+        pass
+
     def end_iteration(self):
         pass

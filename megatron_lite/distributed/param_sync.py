@@ -11,6 +11,8 @@ what the config shards (`DistributedDataParallelConfig.sharding`):
     finish()             complete pending gathers             complete gathers in flight
     begin/end_forward    nothing                              gather the root / close the forward phase
     grad_arrived         nothing                              release a unit whose backward is done
+    end_backward         nothing                              issue the gathers this rank skipped, release
+                                                              (before the gradient collectives are waited for)
     end_iteration        nothing                              release all, check the gather sequence
     full_parameters      nothing (whole already)              gather every unit inside the context
     state_dict           module.state_dict()                  read unit by unit, copied

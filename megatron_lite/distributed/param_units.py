@@ -224,6 +224,14 @@ class ParamUnits(ParamGuardsMixin):
             if id(bucket) not in self._persistent_ids:
                 bucket.release_params()
 
+    def end_backward(self):
+        """finish_grad_sync, before it waits for any gradient collective: complete the open phases, so that this
+        rank issues the gathers it skipped (a branch it did not run, units past its prefetch window). A peer
+        that did run that branch waits for one of those gathers in its backward, before it issues the gradient
+        collectives this rank is about to wait for: deferred to end_iteration, both would wait forever."""
+        self._complete("forward")
+        self._complete("backward")
+
     def end_iteration(self, check: bool = True):
         """finish_grad_sync: complete the open phases and release everything. With `check`, compare the
         gathers every rank issued in this iteration (one small all-reduce) and raise on every rank if they

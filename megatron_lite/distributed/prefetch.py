@@ -6,7 +6,11 @@ happens to reach the modules in. So gathers are never issued in the order they a
 dispatches every item of the fixed order up to i and a window past it (the prefetch), and the caller then
 waits for i. An item a rank never needs is still dispatched when the schedule is completed (`dispatch_all`).
 How far the window reaches changes only when a gather is issued, never which gathers or in which order, so
-any window is safe.
+any window is safe, on one condition: a rank completes the round before it blocks on anything else (another
+rank may be waiting for an item this rank has not dispatched yet, and only then reach what this rank waits
+for). ZeRO-3 completes its backward round at the start of finish_grad_sync, before the gradient collectives
+are waited for: with the window of a round at 0, or shorter than a branch this rank skipped, completing it
+later deadlocked.
 
 Served by the distributed optimizer's deferred all-gather (param_gather.py; items: buckets in forward
 order) and by ZeRO-3's units (param_units.py; items: unit indices, one schedule per forward and backward).

@@ -23,8 +23,9 @@ class Branchy(nn.Module):
         return self.head(self.blocks[branch](torch.tanh(self.trunk(x))))
 
 
-def _branch_worker(widths, strategy, steps=3, bucket_size=40):
-    """megatron_lite and torch DDP + AdamW on the same model, rank r taking branch (r + step) % 2."""
+def _branch_worker(widths, strategy, steps=3, bucket_size=40, prefetch_bucket_size=None):
+    """megatron_lite and torch DDP + AdamW on the same model, rank r taking the first block at even r + step and
+    the last one at odd (the blocks in between, if any, run on no rank)."""
     import copy
 
     import torch.distributed as dist
@@ -42,14 +43,14 @@ def _branch_worker(widths, strategy, steps=3, bucket_size=40):
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=bucket_size,
-        find_unused_parameters=True))
+        find_unused_parameters=True, prefetch_bucket_size=prefetch_bucket_size))
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
                                                  use_distributed_optimizer=strategy != "no_shard"), ddp)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
     gen = torch.Generator().manual_seed(10 + rank)
     for step in range(steps):
         x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
-        branch = (rank + step) % 2
+        branch = (len(widths) - 1) * ((rank + step) % 2)
         ddp.zero_grad_buffer()
         ((ddp(x, branch) - y) ** 2).mean().backward()
         ddp.finish_grad_sync()
@@ -63,15 +64,20 @@ def _branch_worker(widths, strategy, steps=3, bucket_size=40):
     return {n: (ours[n] - theirs[n]).abs().max().item() for n in ours}
 
 
+@pytest.mark.parametrize("prefetch", [None, 0, 10 ** 9], ids=["prefetch_default", "prefetch_0", "prefetch_all"])
 @pytest.mark.parametrize("bucket_size", [40, 10_000], ids=["bucket_per_param", "bucket_per_unit"])
-@pytest.mark.parametrize("widths", [(8, 8), (8, 12)], ids=["equal_branches", "unequal_branches"])
-def test_zero3_rank_dependent_branches_match_torch_ddp(widths, bucket_size):
+@pytest.mark.parametrize("widths", [(8, 8), (8, 12), (8, 8, 8, 8)],
+                         ids=["equal_branches", "unequal_branches", "far_branches"])
+def test_zero3_rank_dependent_branches_match_torch_ddp(widths, bucket_size, prefetch):
     """Would catch ZeRO-3 gathers that pair different units across ranks when ranks use different blocks
     (equal sizes: silently wrong parameters; unequal sizes: a gloo size mismatch), and units released in
     backward before all their gradients were computed (a unit unused in the first iteration expects 0; a
     bucket of several parameters released at its first gradient: the unit's first layer then back-propagates
-    through the placeholder)."""
-    for diffs in run_distributed(_branch_worker, 2, widths, "optim_grads_params", 3, bucket_size):
+    through the placeholder). Under every prefetch window (prefetch_bucket_size None, 0, everything): would
+    catch a rank that issues the gathers of the branch it skipped only after waiting for the gradient
+    collectives, while its peer waits for one of them in its backward (a gloo timeout: the window 0 with
+    two blocks, the default window with the first and last of four)."""
+    for diffs in run_distributed(_branch_worker, 2, widths, "optim_grads_params", 3, bucket_size, prefetch):
         assert max(diffs.values()) == 0.0, diffs
 
 
