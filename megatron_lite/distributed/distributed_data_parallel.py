@@ -232,12 +232,16 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
         return output
 
     # ---------------------------------------------------------------- parameter all-gather
-    def start_param_sync(self, force_sync: bool = False):
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """All-gather every bucket's updated parameter shards (called by the DistributedOptimizer).
 
         With overlap_param_gather (unless `force_sync`) nothing is sent yet: the forward pre-hooks dispatch
         and wait for the gathers as forward reaches the buckets (param_gather.py). ZeRO-3: the stale full
         parameters are released, and the units gather the new shards on demand (param_units.py).
+
+        megatron-core's signature: positional arguments (a hook's) are ignored, and `force_dispatch` is
+        accepted with nothing to override: it only lifts megatron-core's overlap of the gather with the
+        optimizer step, which megatron-lite does not have (a call always starts the gathers).
         """
         self.param_sync.start(force_sync)
 

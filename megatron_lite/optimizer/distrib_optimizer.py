@@ -116,10 +116,14 @@ class DistributedOptimizer(MegatronOptimizer):
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
-    def _copy_model_params_to_main_params(self):
-        # Each rank its own shards: ZeRO-1/2 read the full parameters' ranges, ZeRO-3 the shards it keeps.
+    def _copy_model_params_to_main_params(self, values=None):
+        # Each rank its own shards: ZeRO-1/2 read the full parameters' ranges, ZeRO-3 the shards it keeps;
+        # given values, their same ranges (also into an fp32 main param that is the model's own shard).
         for i, s in enumerate(self.shards):
-            copy_model_to_main(s.params, self.main_of[i])
+            if values is None:
+                copy_model_to_main(s.params, self.main_of[i])
+            else:
+                self.main_of[i].data.copy_(values[s.model_param].reshape(-1)[s.param_start:s.param_end])
 
     # ------------------------------------------------------------------ state (see sharded_state.py)
     @property

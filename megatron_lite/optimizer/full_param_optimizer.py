@@ -47,9 +47,12 @@ class _FullParamOptimizer(MegatronOptimizer):
         for model_param, main in self.main_of.items():
             copy_main_to_model(main, model_param.data)
 
-    def _copy_model_params_to_main_params(self):
+    def _copy_model_params_to_main_params(self, values=None):
         for model_param, main in self.main_of.items():
-            copy_model_to_main(model_param.data, main)
+            if values is None:
+                copy_model_to_main(model_param.data, main)
+            else:  # also into an fp32 main param that is the model's own tensor
+                main.data.copy_(values[model_param].reshape(main.shape))
 
     def _main_shards(self):
         # Every rank steps every parameter, whole.

@@ -184,22 +184,74 @@ class MegatronOptimizer(OptimizerStateMixin):
     def _copy_main_params_to_model_params(self):
         raise NotImplementedError
 
-    def _copy_model_params_to_main_params(self):
+    def _copy_model_params_to_main_params(self, values: Optional[Dict[torch.nn.Parameter, torch.Tensor]] = None):
+        """The main params from the model's parameters or, with `values`, from values[param] (whole
+        parameters, any dtype and device), in whatever part of each parameter this optimizer steps."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def reload_model_params(self):
+    def reload_model_params(self, state_dict: Optional[dict] = None):
         """Take the model's current parameters as the main params (megatron-core's call after weights were
         written into the model behind the optimizer's back, e.g. model.load_state_dict for fine-tuning):
         fp16/bf16 models have fp32 main copies, which the next step() would otherwise write back over
         the new weights. fp32 main params are the model's own storage: nothing to copy. The optimizer state
         (moments, step counts, loss scale) is kept, as in megatron-core; build a new optimizer for a fresh
         one. Local (no collective): every rank must hold the new weights of its own parameters or shards.
+
+        Args:
+            state_dict: megatron-core's optional argument: take the main params from its tensors instead
+                of the model's (e.g. a checkpoint's fp32 weights, more precise than a bf16 model's). Its
+                forms are megatron-core's: the model's state dict (keys: the parameter names, `module.`
+                prefixes ignored), {'model': that}, or one per model chunk {'model0': ..., 'model1': ...}
+                ('model_0', ... as NeMo writes). The model keeps its weights until the next step() writes
+                the main params into it, except where an fp32 main param is the model's own tensor.
+        Raises:
+            TypeError / ValueError naming what is missing: a state dict without one of the trained
+            parameters, or with another shape for it.
         """
+        values = None if state_dict is None else self._values_by_param(state_dict)
         for chunk in self.model_chunks:
             chunk.finish_param_sync()  # a pending all-gather must not land after the copy
         with self.update_lock:  # a last-words record reads the main params under it
-            self._copy_model_params_to_main_params()
+            self._copy_model_params_to_main_params(values)
+
+    def _values_by_param(self, state_dict) -> Dict[torch.nn.Parameter, torch.Tensor]:
+        """Trained parameter -> its tensor in reload_model_params' `state_dict` (megatron-core's forms)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"reload_model_params(state_dict): a dict of tensors, got {type(state_dict).__name__}")
+        chunks = self.model_chunks
+        prefix = "model" if "model0" in state_dict else "model_" if "model_0" in state_dict else None
+        if prefix is not None:
+            missing = [f"{prefix}{i}" for i in range(len(chunks)) if f"{prefix}{i}" not in state_dict]
+            if missing:
+                raise ValueError(f"reload_model_params(state_dict): no {missing} for the optimizer's "
+                                 f"{len(chunks)} model chunks")
+            per_chunk = [state_dict[f"{prefix}{i}"] for i in range(len(chunks))]
+        else:
+            per_chunk = [state_dict["model"] if isinstance(state_dict.get("model"), dict) else state_dict]
+            if len(chunks) != 1:
+                raise ValueError(f"reload_model_params(state_dict): the optimizer has {len(chunks)} model chunks; "
+                                 f"give one state dict per chunk, {{'model0': ..., 'model1': ...}}")
+        values = {}
+        for i, (chunk, entries) in enumerate(zip(chunks, per_chunk)):
+            by_name = {_without_module_prefix(key): value for key, value in entries.items()}
+            for param, name in chunk.param_to_name.items():
+                value = by_name.get(name)
+                where = f"{prefix}{i}." if prefix else ""
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(f"reload_model_params(state_dict): no tensor for the trained parameter "
+                                     f"{where}{name}")
+                if value.shape != param.shape:
+                    raise ValueError(f"reload_model_params(state_dict): {where}{name} has shape "
+                                     f"{tuple(value.shape)}, the model's is {tuple(param.shape)}")
+                values[param] = value
+        return values
+
+
+def _without_module_prefix(key: str) -> str:
+    while key.startswith("module."):  # a state dict of the wrapper (megatron-core strips these too)
+        key = key[len("module."):]
+    return key
 
 
 def qualified_param_names(model_chunks) -> Dict[torch.nn.Parameter, str]:

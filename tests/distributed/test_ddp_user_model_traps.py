@@ -283,6 +283,53 @@ def test_megatron_core_loop_calls(strategy):
         assert torch.equal(results[0]["force"], results[1]["force"])
 
 
+def _megatron_call_shapes_worker(strategy):
+    """megatron-core 0.16's call shapes of the loop calls, against the plain calls' results: start_grad_sync with
+    a hook's arguments, finish_grad_sync(force_all_reduce=None), start_param_sync(*args, force_sync=...,
+    force_dispatch=...), reload_model_params(state_dict=None), and fp32 local accumulation given as a list."""
+    import torch.distributed as dist
+    from ddp_testing import make_model
+
+    rank = dist.get_rank()
+    x = torch.randn(4, 8) + rank
+    results = {}
+    for shape in ("plain", "megatron-core"):
+        core = shape == "megatron-core"
+        ddp = _wrap(make_model(), strategy)
+        opt = _optimizer(ddp, strategy)
+        ddp.zero_grad_buffer()
+        ddp(x).square().mean().backward()
+        if core:
+            ddp.start_grad_sync(None, "a hook's arguments")
+            ddp.finish_grad_sync(force_all_reduce=None)
+        else:
+            ddp.finish_grad_sync()
+        grads = [b.grad_data.clone() for b in ddp.param_and_grad_buffers if b.grad_data is not None]  # ZeRO-2/3: none
+        opt.step()
+        if core:
+            ddp.start_param_sync(None, force_sync=True, force_dispatch=True)
+            ddp.start_param_sync(force_dispatch=True)
+            opt.reload_model_params(state_dict=None)
+        ddp.finish_param_sync()
+        with ddp.full_parameters():
+            results[shape] = grads, {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    ddp = _wrap(make_model(dtype=torch.bfloat16), strategy, param_name_patterns_for_fp32_local_accumulation=["all"])
+    dtypes = {p.main_grad.dtype for p in ddp.module.parameters()}
+    return results, dtypes
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_megatron_core_call_shapes(strategy):
+    """Would catch a TypeError for a call megatron-core 0.16 accepts (start_grad_sync(*hook_args),
+    start_param_sync(..., force_dispatch=True), reload_model_params(state_dict=None), the fp32 local accumulation
+    patterns as a list), or finish_grad_sync(force_all_reduce=None) meaning anything but the default."""
+    for results, dtypes in run_distributed(_megatron_call_shapes_worker, 2, strategy):
+        (plain_grads, plain_weights), (core_grads, core_weights) = results["plain"], results["megatron-core"]
+        assert len(plain_grads) == len(core_grads) and all(map(torch.equal, plain_grads, core_grads))
+        assert all(torch.equal(plain_weights[k], core_weights[k]) for k in plain_weights)
+        assert dtypes == {torch.float32}
+
+
 def test_num_buckets_sets_the_bucket_size():
     """Would catch DistributedDataParallelConfig.num_buckets (--ddp-num-buckets) missing or combined with
     bucket_size silently."""

@@ -79,6 +79,53 @@ def test_reload_model_params_starts_from_the_loaded_weights(strategy, dtype_name
         assert kept == dict(params=True, moments=True, step=True), kept
 
 
+def _reload_from_state_dict_worker(strategy, dtype_name):
+    """The model gets the new weights rounded to bf16, the optimizer reload_model_params(state_dict) with them
+    in fp32, in each of megatron-core's forms. Returns per form whether every main param equals the fp32 value
+    bitwise, and the errors of a state dict without a parameter, with a wrong shape, and of a list."""
+    from ddp_testing import make_model
+    from optim_testing import full_state
+
+    dtype = getattr(torch, dtype_name)
+    new = {k: v.double().mul(1 + 2 ** -12).float() for k, v in make_model(NEW_WEIGHTS_SEED).state_dict().items()}
+    forms = {"plain": new, "model": {"model": new}, "model0": {"model0": new}, "model_0": {"model_0": new},
+             "module. prefix": {f"module.{k}": v for k, v in new.items()}}
+    out = {}
+    for form, state_dict in forms.items():
+        ddp, opt = _build(strategy, dtype)
+        ddp.load_state_dict({k: v.bfloat16().to(dtype) for k, v in new.items()})  # rounded, as a bf16 model's
+        opt.reload_model_params(state_dict)
+        after = full_state(opt)
+        out[form] = all(torch.equal(after[name]["param"], new[name]) for name in after)
+    ddp, opt = _build(strategy, dtype)
+    name = next(iter(new))
+    for case, state_dict in {"missing": {k: v for k, v in new.items() if k != name},
+                             "shape": {**new, name: new[name].reshape(-1)[:-1]}, "type": list(new.values())}.items():
+        try:
+            opt.reload_model_params(state_dict)
+            out[case] = None
+        except (TypeError, ValueError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_reload_model_params_from_a_state_dict(strategy, dtype_name):
+    """megatron-core's reload_model_params(state_dict): the main params (fp32) take the state dict's values,
+    not the model's (for bf16, rounded ones), in megatron-core's forms of the argument. Would catch the
+    TypeError of a reload without the argument, the state dict ignored (bf16: main params rounded), a shard
+    cut from the wrong range of the parameter, or a state dict lacking a parameter accepted silently."""
+    from ddp_testing import make_model
+
+    name = next(iter(make_model(NEW_WEIGHTS_SEED).state_dict()))
+    for out in run_distributed(_reload_from_state_dict_worker, 2, strategy, dtype_name):
+        assert all(out[form] for form in ("plain", "model", "model0", "model_0", "module. prefix")), out
+        assert out["missing"].startswith("ValueError") and f"trained parameter {name}" in out["missing"]
+        assert out["shape"].startswith("ValueError") and "has shape" in out["shape"]
+        assert out["type"].startswith("TypeError") and "a dict of tensors" in out["type"]
+
+
 # ------------------------------------------------------------------------------------------ pretrain_gpt.py
 TINY = tiny_pretrain_flags(mock_data=None, train_iters=None, hidden_size="64", num_attention_heads="4", seq_length="64",
                            log_interval="4", eval_iters="1", lr="3e-3", min_lr="3e-4", lr_warmup_iters="2",
