@@ -1,20 +1,26 @@
 """The live-recovery supervisor: starts the ranks, and when one dies restarts that rank only.
 
     python -m megatron_lite.fault_tolerance.launch --nproc-per-node 4 [--max-replacements 20]
-        [--collective-timeout 3] [--join-timeout 60] [--max-restarts 1]
+        [--collective-timeout 30] [--join-timeout 60] [--max-restarts 1]
         [--min-instances 1 [--replacement-timeout 10]] pretrain_gpt.py ARGS...
 
 torchrun's agent cannot do this: on a worker's failure it stops every local worker and restarts them all
 (torch.distributed.elastic's LocalElasticAgent; `--max-restarts` counts those whole-group restarts), which
-is the restart-everything path (docs/fault_tolerance.md). This supervisor keeps torchrun's conventions (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the workers' environment; a c10d TCPStore it hosts) and adds
-the generation keys of membership.py:
+is the restart-everything path (docs/fault_tolerance.md). This supervisor keeps torchrun's conventions: the
+workers' environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_NAME,
+MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID / _RESTART_COUNT / _MAX_RESTARTS / _USE_AGENT_STORE; OMP_NUM_THREADS=1,
+said once, when it is unset and there are several ranks: the thread count changes a run's bits), a c10d
+TCPStore it hosts, and SIGTERM / SIGINT / SIGHUP / SIGQUIT forwarded to the workers (SIGKILL 30 s later),
+then exit code 1; and it adds the generation keys of membership.py:
 
     a worker exits 0            done (the job ends when every rank is done)
     a worker dies (a signal)    generation += 1, gen_<g>/replaced = [rank]; a process for that rank only: a
                                 warm spare (--spares, started ahead with torch imported) or a new one
     a rank reports trouble      (a collective failed, no process died within --trouble-grace seconds):
-                                generation += 1 with no replacement, every rank re-forms the groups
+                                a member that has not reported and whose heartbeat is older than
+                                --collective-timeout does not answer (SIGSTOP, a hang): it is killed
+                                (SIGKILL) and replaced as a dead one; if every member answers, generation
+                                += 1 with no replacement, every rank re-forms the groups
     elastic (--min-instances)   a replacement not back (its process not ready to join) --replacement-timeout
                                 seconds after the death: generation += 1 with the complete instances only
                                 (shrink; its instance partners wait, alive, to be admitted); once every rank
@@ -25,8 +31,13 @@ the generation keys of membership.py:
                                 stopped
     a worker exits 3            live recovery is impossible (both holders of a shard lost), or a worker
     (EXIT_FALLBACK) or 1        raised an error of its own (a bug, a NaN: a new process would meet it again):
-                                every worker is stopped (SIGTERM: last words) and the whole job restarted,
-                                which resumes with --load, up to --max-restarts times (torchrun's behaviour)
+                                once every other member has written its last words (reported the failed
+                                collective) or exited, every worker is stopped and the whole job restarted,
+                                which resumes with --load from those last words, up to --max-restarts times
+                                (torchrun's behaviour)
+    a worker exits 1 before     a deterministic refusal at start-up (a ValueError in the set-up: every
+    this start of the job       start would meet it again): the supervisor stops the others and exits 1
+    logged an iteration
     a worker exits 2            a usage error (argparse: the command line is wrong): every process started
     (EXIT_USAGE)                with it would fail alike, so the supervisor stops the others and exits 2
 """
@@ -38,6 +49,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import torch.distributed as dist
 
@@ -51,6 +63,27 @@ EXIT_USAGE = 2
 FINISH_GRACE_S = 30.0
 """Seconds the supervisor waits, after training finished, for the ranks that were not training to exit."""
 
+STOP_TIMEOUT_S = 30.0
+"""Seconds between the signal that stops the workers and SIGKILL (torchrun's agent waits as long)."""
+
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""What torchrun's agent forwards to its workers before it exits (TORCHELASTIC_SIGNALS_TO_HANDLE's default)."""
+
+
+class SignalReceived(Exception):
+    """The supervisor got one of FORWARDED_SIGNALS: stop the workers with it, then exit 1 (as torchrun)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"got {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_signal(signum, frame):
+    for name in FORWARDED_SIGNALS:  # the first one only: the stop that follows must not be interrupted
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    raise SignalReceived(signum)
+
 
 class Supervisor:
     """The workers of one job and the store of their generations (see the module docstring)."""
@@ -61,6 +94,9 @@ class Supervisor:
         self.max_replacements, self.max_restarts, self.trouble_grace_s = max_replacements, max_restarts, trouble_grace_s
         self.replacement_timeout_s = replacement_timeout_s
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.restarts = 0  # whole-job restarts so far (TORCHELASTIC_RESTART_COUNT)
+        self.logged_at_start = 0  # the store's logged_count when this start of the job began
         self.generation = -1  # the first is 0
         self.members = list(range(world_size))  # the ranks training in the current generation
         self.workers = {}  # rank -> Popen
@@ -76,11 +112,20 @@ class Supervisor:
         print(f"[supervisor] {text}", flush=True)
 
     def _env(self, **extra) -> dict:
+        """A worker's environment: torchrun's variables (one node, one role; torch.distributed.elastic's
+        LocalElasticAgent sets the same names) and the live-recovery ones of membership.py."""
         elastic = {} if self.config.min_instances is None else {
             membership.ENV_MIN_INSTANCES: str(self.config.min_instances)}
-        return {**os.environ, "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-                membership.ENV_STORE: f"127.0.0.1:{self.store.port}",
+        size = str(self.world_size)
+        torchrun = {"WORLD_SIZE": size, "LOCAL_WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_RANK": "0",
+                    "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(self.store.port), "TORCHELASTIC_RUN_ID": self.run_id,
+                    "TORCHELASTIC_RESTART_COUNT": str(self.restarts),
+                    "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+                    # The store at MASTER_ADDR/PORT is the supervisor's: an env:// rendezvous connects to it.
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+        return {**os.environ, **torchrun, membership.ENV_STORE: f"127.0.0.1:{self.store.port}",
                 membership.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
                 membership.ENV_JOIN_TIMEOUT: str(self.config.join_timeout_s), **elastic, **extra}
 
@@ -92,7 +137,8 @@ class Supervisor:
             self.workers[rank] = proc
             self.say(f"rank {rank}: pid {proc.pid} (generation {self.generation}, warm spare {spare})")
         else:
-            env = self._env(RANK=str(rank), LOCAL_RANK=str(rank), **{membership.ENV_GENERATION: str(self.generation)})
+            env = self._env(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank),
+                            **{membership.ENV_GENERATION: str(self.generation)})
             self.workers[rank] = subprocess.Popen([sys.executable, *self.command], env=env)
             self.say(f"rank {rank}: pid {self.workers[rank].pid} (generation {self.generation})")
         self.pending[rank] = self.workers[rank].pid
@@ -139,25 +185,66 @@ class Supervisor:
         self.stop_all()
         self.workers, self.pending = {}, {}
         self.store.delete_key("finished")  # a restarted job trains anew
+        self.logged_at_start = self.logged_count()
         self.open_generation(range(self.world_size), range(self.world_size))
         # A starting job waits for every rank (--join-timeout): only a rank lost while training can be late.
         self.pending_since = {}
 
-    def stop_all(self):
-        for _, proc in self.spares:
-            proc.kill()
-            proc.wait()
+    def stop_all(self, signum: int = signal.SIGTERM):
+        """Stop every process (spares too) with `signum`, and with SIGKILL those still there STOP_TIMEOUT_S
+        later (torchrun's agent does the same). SIGCONT after it: a stopped process gets the signal at once."""
+        procs = [proc for _, proc in self.spares] + list(self.workers.values())
         self.spares = []
-        for proc in self.workers.values():
+        for proc in procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for proc in self.workers.values():
+                proc.send_signal(signum)
+                proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def logged_count(self) -> int:
+        """Iterations logged since the supervisor started (membership.note_logged)."""
+        return int(self.store.get("logged_count")) if self.store.check(["logged_count"]) else 0
+
+    def reported(self, rank: int) -> bool:
+        """Whether `rank` reported a failed collective in the current generation (membership.report_trouble)."""
+        return self.store.check([f"gen_{self.generation}/trouble/{rank}"])
+
+    def silent_for(self, rank: int) -> float:
+        """Seconds since `rank`'s last heartbeat (0 when it has none yet: nothing to judge by)."""
+        key = f"heartbeat/{rank}"
+        return time.time() - float(self.store.get(key)) if self.store.check([key]) else 0.0
+
+    def live_members(self):
+        """The members of the current generation whose processes are running and ready (not done, not still
+        starting)."""
+        return [r for r in self.members if r not in self.done and r not in self.pending
+                and self.workers[r].poll() is None]
+
+    def unresponsive(self):
+        """The live members that have not reported the failed collective and show no sign of life (no
+        heartbeat for --collective-timeout seconds): stopped or hung, their peers wait for them in vain."""
+        return [r for r in self.live_members()
+                if not self.reported(r) and self.silent_for(r) > self.config.collective_timeout_s]
+
+    def await_last_words(self, failed):
+        """Before a whole-job restart: let every other live member finish its failure path (last words, then
+        the report of the failed collective) or exit, as torchrun's SIGTERM lets pretrain()'s ranks write
+        theirs. A rank's collective fails at once when the failed rank's process is gone, at the collective
+        timeout when it waits on a hung one; a rank that reports nothing by then is stopped without."""
+        deadline = time.monotonic() + self.config.collective_timeout_s + self.trouble_grace_s
+        waiting = [r for r in self.live_members() if r not in failed]
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.02)
+            waiting = [r for r in waiting if not self.reported(r) and self.workers[r].poll() is None]
+        if waiting:
+            self.say(f"rank(s) {waiting} did not report a failed collective within "
+                     f"{self.config.collective_timeout_s + self.trouble_grace_s:.0f} s: stopped without last words")
 
     def note_standby(self):
         """Replacements that are ready to join (their pid in standby/<rank>) are no longer pending."""
@@ -204,7 +291,7 @@ class Supervisor:
         return len(self.done) == self.world_size
 
     def run(self) -> int:
-        replacements = restarts = 0
+        replacements = 0
         self.start_all()
         trouble_since = finished_since = None
         while not self.finished():
@@ -219,7 +306,7 @@ class Supervisor:
                     self.say(f"training finished; stopping rank(s) {sorted(set(self.workers) - self.done)}")
                     self.stop_all()
                     return 0
-            dead, fallback = [], False
+            dead, failed = [], []
             for rank, proc in self.workers.items():
                 code = proc.poll()
                 if code is None or rank in self.done:
@@ -229,19 +316,27 @@ class Supervisor:
                              "its message above): giving up")
                     self.stop_all()
                     return code
+                if code == 1 and self.logged_count() == self.logged_at_start:
+                    # An error before this start of the job trained at all (a refusal of the arguments, the
+                    # data, the checkpoint): every start would meet it again, as every rank would.
+                    self.say(f"rank {rank} exited with code 1 before the job logged an iteration (an error at "
+                             "start-up, see its message above): giving up")
+                    self.stop_all()
+                    return 1
                 if code == 0:
                     self.done.add(rank)
                 elif code in (EXIT_FALLBACK, 1):  # 1: this rank's own error (a Python exception), not a loss
-                    fallback = True
+                    failed.append(rank)
                 else:
                     dead.append(rank)
-            if fallback:
-                if restarts >= self.max_restarts:
+            if failed:
+                if self.restarts >= self.max_restarts:
                     self.say("live recovery is impossible and no restart is left (--max-restarts): giving up")
                     self.stop_all()
                     return 1
-                restarts += 1
-                self.say(f"live recovery is impossible: restarting the whole job ({restarts}/{self.max_restarts})")
+                self.await_last_words(failed)
+                self.restarts += 1
+                self.say(f"live recovery is impossible: restarting the whole job ({self.restarts}/{self.max_restarts})")
                 self.start_all()
                 continue
             if dead:
@@ -260,8 +355,16 @@ class Supervisor:
                 trouble_since = None
             elif self.store.check([f"gen_{self.generation}/trouble"]):
                 trouble_since = trouble_since or time.monotonic()
-                if time.monotonic() - trouble_since > self.trouble_grace_s:  # no process died: re-form only
-                    self.open_generation([])
+                if time.monotonic() - trouble_since > self.trouble_grace_s:  # no process died
+                    hung = self.unresponsive()
+                    for rank in hung:  # replaced as dead ones: the next round sees them killed
+                        self.say(f"rank {rank} (pid {self.workers[rank].pid}) does not answer: no failed collective "
+                                 f"reported, no heartbeat for {self.silent_for(rank):.0f} s (--collective-timeout "
+                                 f"{self.config.collective_timeout_s:g}): killing it (SIGKILL) to replace it")
+                        self.workers[rank].kill()
+                        self.workers[rank].wait()
+                    if not hung:
+                        self.open_generation([])  # every member answers: re-form only
                     trouble_since = None
             else:
                 self.tend_elastic()
@@ -272,7 +375,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks (one node)")
     parser.add_argument("--collective-timeout", type=float, default=LiveConfig.collective_timeout_s,
-                        help="seconds before a collective fails (see membership.LiveConfig)")
+                        help="seconds before a collective fails, and without a heartbeat before a rank that does "
+                             "not answer (SIGSTOP, a hang) is replaced; above the longest wait at a collective of a "
+                             "healthy run on a loaded machine (see membership.LiveConfig)")
     parser.add_argument("--join-timeout", type=float, default=LiveConfig.join_timeout_s,
                         help="seconds a rank waits for the next generation and its ranks")
     parser.add_argument("--max-replacements", type=int, default=20, help="ranks replaced live, in all")
@@ -282,7 +387,8 @@ def main(argv=None) -> int:
                         help="warm spare processes (torch imported, waiting for a rank): a replacement then skips "
                              "the start-up of a Python process; 0: start the replacement afresh")
     parser.add_argument("--trouble-grace", type=float, default=2.0,
-                        help="seconds between a rank's failed collective and a re-forming without a death")
+                        help="seconds between a rank's failed collective and a re-forming without a death (or the "
+                             "replacement of a member that does not answer)")
     parser.add_argument("--min-instances", type=int, default=None,
                         help="elastic mode (torchft's min_replicas, torchrun's --nnodes MIN:MAX, in distributed-"
                              "optimizer instances): when a replacement is not back within --replacement-timeout, "
@@ -305,12 +411,28 @@ def main(argv=None) -> int:
     except ValueError as e:  # its message names the field: say it with the flag's name
         parser.error(str(e).replace("min_instances", "--min-instances").replace("collective_timeout_s",
                      "--collective-timeout").replace("join_timeout_s", "--join-timeout"))
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node > 1:
+        # torchrun's default: several ranks with a thread per core each would oversubscribe the cores (and the
+        # thread count changes a run's bits: the same flags under torchrun and here must give the same losses).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        print(f"[supervisor] OMP_NUM_THREADS is not set: each of the {args.nproc_per_node} workers gets "
+              "OMP_NUM_THREADS=1, as under torchrun (set it yourself to tune the threads per worker)", flush=True)
     supervisor = Supervisor(args.command, args.nproc_per_node, config, args.max_replacements, args.max_restarts,
                             args.trouble_grace, args.spares, args.replacement_timeout)
+    handled = {getattr(signal, name): signal.signal(getattr(signal, name), _raise_signal)
+               for name in FORWARDED_SIGNALS if hasattr(signal, name)}
+    stop_with = signal.SIGTERM
     try:
         return supervisor.run()
+    except SignalReceived as e:
+        supervisor.say(f"{e}: forwarding it to the workers (SIGKILL after {STOP_TIMEOUT_S:.0f} s), then exiting 1 "
+                       "as torchrun does")
+        stop_with = e.signum
+        return 1
     finally:
-        supervisor.stop_all()
+        supervisor.stop_all(stop_with)
+        for signum, previous in handled.items():
+            signal.signal(signum, previous)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ rank only. Every rank forms the process group of generation g on its own key spa
     gen_<g>/ready                  last member or    "1": formed; "closed": the supervisor shrank it before it
                                    supervisor        formed (compare_set: the first writer wins)
     gen_<g>/trouble                a rank            "a collective of generation g failed" (see launch.py)
+    gen_<g>/trouble/<rank>         that rank         the same, per rank: who has answered (a rank that has not,
+                                                     its heartbeat stale, is hung: the supervisor replaces it)
+    heartbeat/<rank>               every process     time.time(), every HEARTBEAT_S from a thread of its own
+                                                     (a process stopped or wedged stops beating)
     gen_<g>/leave_at               supervisor        elastic grow: the members of g leave after this iteration
     standby/<rank>                 every process     its pid, once it is ready to join (the supervisor's
                                                      "the replacement came back")
@@ -19,6 +23,8 @@ rank only. Every rank forms the process group of generation g on its own key spa
     instance_size                  every rank        ranks per distributed-optimizer instance (elastic: the
                                                      supervisor shrinks and grows by whole instances)
     last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
+    logged_count                   rank 0            counter, +1 per iteration logged (the supervisor: has this
+                                                     start of the job trained at all?)
     last_evaluated                 rank 0            the last evaluation logged (an interrupted one is redone)
     finished                       rank 0            training ended at this iteration: ranks waiting to be
                                                      admitted (elastic) exit
@@ -43,6 +49,9 @@ wins: a generation is either formed (every member trains in it) or closed (every
 import datetime
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -56,6 +65,7 @@ ENV_JOIN_TIMEOUT = "MEGATRON_LITE_LIVE_JOIN_TIMEOUT"
 ENV_SPARE = "MEGATRON_LITE_LIVE_SPARE"  # a warm spare's id: it waits for the rank it is to replace
 ENV_MIN_INSTANCES = "MEGATRON_LITE_LIVE_MIN_INSTANCES"  # elastic mode: the fewest instances to train with
 EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts the whole job (--load)
+HEARTBEAT_S = 1.0  # every process writes heartbeat/<rank> this often, from a thread of its own
 
 
 class GenerationSuperseded(RuntimeError):
@@ -75,11 +85,14 @@ class JobFinished(Exception):
 class LiveConfig:
     """The live-recovery timeouts (launch.py's flags, passed to the workers in their environment)."""
 
-    collective_timeout_s: float = 3.0
+    collective_timeout_s: float = 30.0
     """A collective waiting longer than this fails (every gloo group's timeout): how a peer that hangs without
     dying is detected (a dead one is at once; a survivor that leaves frees its groups, which releases the
-    peers blocked on it). It must exceed the longest gap between two ranks' arrivals at one collective in a
-    healthy run (a periodic save, a slow evaluation); a spurious timeout costs a re-forming."""
+    peers blocked on it), and how long a rank may show no sign of life (its heartbeat) before the supervisor
+    replaces it. It must exceed the longest gap between two ranks' arrivals at one collective in a healthy
+    run (a periodic save, a slow evaluation, a loaded machine); a spurious timeout costs a re-forming. 3 s
+    fired 0-4 times per 40 iterations of the tests' tiny GPT with 4 ranks on 2 loaded cores; 30 s keeps a
+    hang's detection bounded (torch's own gloo default is 30 minutes)."""
     join_timeout_s: float = 60.0
     """How long a rank waits for a new generation (the supervisor noticing the death) and for every rank of
     it to arrive (the replacement starting). Past it the rank gives up live recovery (EXIT_FALLBACK)."""
@@ -160,14 +173,27 @@ class Membership:
         config = LiveConfig.from_env()
         store = connect_store(os.environ[ENV_STORE], config.join_timeout_s)
         if ENV_SPARE in os.environ:
-            key = f"spare_{os.environ[ENV_SPARE]}/assign"
-            while not store.check([key]):
+            key, supervisor = f"spare_{os.environ[ENV_SPARE]}/assign", os.getppid()
+            while True:
+                try:
+                    if store.check([key]):
+                        break
+                except dist.DistError:
+                    time.sleep(1.0)  # the store's socket closes before the dying supervisor's children move
+                    if os.getppid() == supervisor:
+                        raise
+                if os.getppid() != supervisor:
+                    print(f"[spare {os.environ[ENV_SPARE]}] > the supervisor (pid {supervisor}) is gone: exiting",
+                          file=sys.stderr, flush=True)
+                    sys.exit(1)
                 time.sleep(0.005)
             assignment = json.loads(store.get(key))
-            os.environ.update({"RANK": str(assignment["rank"]), "LOCAL_RANK": str(assignment["rank"]),
+            rank = str(assignment["rank"])
+            os.environ.update({"RANK": rank, "LOCAL_RANK": rank, "ROLE_RANK": rank,
                                ENV_GENERATION: str(assignment["generation"])})
-        return cls(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                   int(os.environ.get(ENV_GENERATION, "0")), config)
+        rank = int(os.environ["RANK"])
+        _watch_supervisor(rank, config)
+        return cls(store, rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")), config)
 
     def current_generation(self) -> int:
         return _int_key(self.store, "generation")
@@ -246,8 +272,10 @@ class Membership:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
     def note_logged(self, iteration: int):
-        """Rank 0, after logging an iteration: a replacement of rank 0 then knows what is in the log already."""
+        """Rank 0, after logging an iteration: a replacement of rank 0 then knows what is in the log already
+        (and the supervisor that this start of the job trains: an error before it is not retried)."""
         self.store.set("last_logged", str(iteration))
+        self.store.add("logged_count", 1)
 
     def last_logged(self) -> int:
         return last_logged(self.store)
@@ -263,7 +291,9 @@ class Membership:
 
     def report_trouble(self):
         """Tell the supervisor a collective of this generation failed (it starts a new generation even if no
-        process died, e.g. after a spurious timeout)."""
+        process died, e.g. after a spurious timeout). Per rank too: a member that never reports while its
+        heartbeat is stale does not answer, and the supervisor replaces it as a dead one."""
+        self.store.set(f"gen_{self.generation}/trouble/{self.rank}", "1")
         self.store.set(f"gen_{self.generation}/trouble", str(self.rank))
 
     def wait_for_next_generation(self, failed: bool = True) -> int:
@@ -282,3 +312,39 @@ class Membership:
                 raise TimeoutError(f"rank {self.rank}: waited {self.config.join_timeout_s} s for {what} "
                                    f"(--join-timeout)")
             time.sleep(0.01)
+
+
+def _watch_supervisor(rank: int, config: LiveConfig):
+    """This worker's side of the supervisor's liveness checks (main thread only; once per process):
+
+    - a heartbeat (heartbeat/<rank>, every HEARTBEAT_S, on a store connection of its own): a process that stops
+      beating (SIGSTOP, a wedged interpreter) while its peers report a failed collective is replaced;
+    - the supervisor gone without stopping this process (killed with SIGKILL: it had no chance to): this
+      process is reparented, says so and exits, instead of training on with no one to record it;
+    - SIGTERM (the supervisor stopping the job, e.g. because it got SIGTERM itself, as torchrun forwards it):
+      said in this rank's log, then the default action (the process ends with that signal).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    supervisor = os.getppid()
+
+    def on_sigterm(signum, frame):
+        print(f"[rank {rank}] > SIGTERM: this rank stops (the supervisor, pid {supervisor}, sends it when it stops "
+              "the job)", flush=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    store = connect_store(os.environ[ENV_STORE], config.join_timeout_s)
+
+    def beat():
+        while True:
+            if os.getppid() != supervisor:
+                print(f"[rank {rank}] > the supervisor (pid {supervisor}) is gone: stopping this rank (nothing is "
+                      "left to replace a rank or record the job's progress)", file=sys.stderr, flush=True)
+                os._exit(1)
+            try:
+                store.set(f"heartbeat/{rank}", repr(time.time()))
+            except Exception:  # noqa: BLE001 - a busy or vanished store: the parent check above decides
+                pass
+            time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="megatron_lite_heartbeat", daemon=True).start()

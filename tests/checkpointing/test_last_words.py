@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from distributed_helper import run_distributed
+from live_testing import wait_making_progress
 from optim_testing import full_state, states_equal
 from pretrain_testing import REPO
 
@@ -178,7 +179,8 @@ def test_rank_raising_an_exception_restarts_and_continues(soak, reference, tmp_p
     job = soak.launch(str(tmp_path / "job"), iters, 2, 10, str(tmp_path / "log.txt"),
                       script=os.path.join(REPO, "tests", "support", "pretrain_failing.py"),
                       env={"FAIL_RANK": "1", "FAIL_AT": "13"})
-    assert job.wait(timeout=300) == 0, open(tmp_path / "log.txt").read()[-3000:]
+    code = wait_making_progress(job, [str(tmp_path / "log.txt"), str(tmp_path / "job" / "metrics.jsonl")])
+    assert code == 0, open(tmp_path / "log.txt").read()[-3000:]
     log = open(tmp_path / "log.txt").read()
     assert "[rank 1] > wrote last words at iteration 12" in log and "injected failure" in log
     assert soak.loaded_from(log) == "last words" and "at iteration 12 " in log.split("> resumed from", 1)[1]

@@ -1,15 +1,21 @@
 """Shared pieces of the live-recovery tests (tests/training/test_live_recovery.py, test_elastic.py): the
 configuration, one supervisor run over tests/support/live_worker.py, and what is read back from its directory.
 
-Every run is held to one uninterrupted plain `pretrain()` of the same configuration (the `live_reference`
-fixture of tests/training/conftest.py, computed once per session on the session's pool of 4 ranks).
+Every run is held to one uninterrupted plain `torchrun pretrain_gpt.py` of the same flags (the `live_reference`
+fixture of tests/training/conftest.py, computed once per session): what a user compares with.
+
+Jobs are bounded by their progress, not by wall time (`wait_making_progress`): a run fails only when its
+output and metrics have not grown for STALL_S seconds, so a loaded machine slows the suite down but does not
+fail it, and a hang still ends.
 """
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from pretrain_testing import REPO, tiny_pretrain_flags
@@ -24,25 +30,78 @@ FLAGS = tiny_pretrain_flags(train_iters=str(ITERS), global_batch_size="16", log_
 evaluation (one global batch), then a periodic save."""
 
 
-def run_live(directory, faults, supervisor_flags=(), timeout_s=100):
-    """The supervisor's run in `directory`: (return code, {rank: [pids]}, {iteration: {losses}}, output)."""
-    # Every failure here is a killed process, which gloo reports at once: the collective timeout only bounds a
-    # hung peer, so it is long enough for the ranks' skew on a loaded machine (a spurious timeout would cost a
-    # re-forming after the trouble grace).
-    command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4",
-               "--collective-timeout", "10", "--join-timeout", "25", "--trouble-grace", "5", *supervisor_flags,
+STALL_S = 240.0
+"""A job whose output and metrics have not grown for this long is taken for hung (the slowest step of these
+jobs, a process start or a whole-job restart at load ~100 on 2 cores, is well below it)."""
+
+
+def job_env(**extra):
+    """The environment of a test job: the repository importable, and OMP_NUM_THREADS as the user's shell has
+    it (unset, usually): the launcher (torchrun, the supervisor) decides the workers' threads, as for a user."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return {**env, "PYTHONPATH": REPO, **extra}
+
+
+def start_job(command, log_path, env=None):
+    """`command` in its own process group (a hung job can be stopped whole), stdout and stderr to `log_path`."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or job_env(), cwd=REPO,
+                                start_new_session=True)
+
+
+def wait_making_progress(job, watched, stall_s=STALL_S, what="the job"):
+    """Wait for `job` (a Popen) to exit, as long as one of the `watched` files keeps growing (its log, its
+    metrics): fail, after stopping its process group, when none has grown for `stall_s` seconds. Returns the
+    exit code."""
+    sizes, last_progress = None, time.monotonic()
+    while job.poll() is None:
+        now = [os.path.getsize(f) if os.path.exists(f) else -1 for f in watched]
+        if now != sizes:
+            sizes, last_progress = now, time.monotonic()
+        elif time.monotonic() - last_progress > stall_s:
+            try:
+                os.killpg(job.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            job.wait()
+            tail = open(watched[0], errors="replace").read()[-4000:] if os.path.exists(watched[0]) else ""
+            pytest.fail(f"{what} made no progress for {stall_s:.0f} s ({', '.join(map(str, watched))} "
+                        f"unchanged); stopped. Its log ends:\n{tail}")
+        time.sleep(0.2)
+    return job.returncode
+
+
+def run_live(directory, faults, supervisor_flags=(), collective_timeout="10"):
+    """The supervisor's run in `directory`: (return code, {rank: [pids]}, {iteration: {losses}}, output).
+    `collective_timeout` None: the supervisor's default."""
+    # Most failures here are killed processes, which gloo reports at once: the collective timeout bounds a hung
+    # peer (the SIGSTOP fault's detection), so it is long enough for the ranks' skew on a loaded machine (a
+    # spurious timeout would cost a re-forming after the trouble grace).
+    timeout = [] if collective_timeout is None else ["--collective-timeout", collective_timeout]
+    command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4", *timeout,
+               "--join-timeout", "25", "--trouble-grace", "5", *supervisor_flags,
                WORKER, *FLAGS, "--save", str(directory), "--load", str(directory)]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "LIVE_FAULTS": faults}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as e:  # the supervisor stops its workers on the way out (stop_all)
-        pytest.fail(f"the live run did not finish within {timeout_s} s:\n{e.stdout}")
-    output = done.stdout + done.stderr
+    log_path = os.path.join(directory, "job.log")
+    job = start_job(command, log_path, job_env(LIVE_FAULTS=faults, LIVE_FAULTS_DIR=str(directory)))
+    code = wait_making_progress(job, [log_path, os.path.join(directory, "metrics.jsonl")], what="the live run")
+    output = open(log_path, errors="replace").read()
     pids = {}
     for rank, pid in re.findall(r"\[supervisor\] rank (\d+): pid (\d+)", output):
         pids.setdefault(int(rank), []).append(int(pid))
-    return done.returncode, pids, logged_losses(directory), output
+    return code, pids, logged_losses(directory), output
+
+
+def run_torchrun(directory, flags=FLAGS, nproc=4):
+    """`torchrun pretrain_gpt.py flags --save/--load directory` (no fault, the user's plain path); returns its
+    output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               os.path.join(REPO, "pretrain_gpt.py"), *flags, "--save", str(directory), "--load", str(directory)]
+    log_path = os.path.join(directory, "job.log")
+    code = wait_making_progress(start_job(command, log_path), [log_path, os.path.join(directory, "metrics.jsonl")],
+                                what="the torchrun job")
+    output = open(log_path, errors="replace").read()
+    assert code == 0, output
+    return output
 
 
 def logged_losses(directory, key="lm_loss"):

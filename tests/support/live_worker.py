@@ -5,6 +5,9 @@ LIVE_FAULTS="rank:iteration:phase:started;..." kills (SIGKILL, no clean-up) the 
 generation it is assigned to: a spurious re-forming shifts the numbers) when it reaches `phase` of `iteration`:
 
     forward_backward   the forward of the second micro-batch of the iteration (one backward done)
+    stop               not a kill: SIGSTOP there instead (a hung process; the supervisor must replace it)
+    raise              not a kill: a RuntimeError there instead (this rank's own error: exit 1)
+    delay              not a fault: DELAY_S seconds of sleep there (a rank slowed down by a loaded machine)
     update             right after the local optimizer update, before the parameter all-gather
     save               the periodic checkpoint saved after the iteration
     evaluate           the evaluation after the iteration
@@ -15,7 +18,9 @@ generation it is assigned to: a spurious re-forming shifts the numbers) when it 
     grow               not a kill: after `iteration`, the rank waits until the supervisor asks its generation
                        to leave for a grow (elastic mode: the held replacement is then surely back in time)
 
-`started` may also be "new": any process started for a generation after the first (not a warm spare).
+`started` may also be "new": any process but the first ones (a replacement, a warm spare or not). The
+stop and raise faults happen once per job (a marker file in LIVE_FAULTS_DIR): the processes that redo the
+iteration after them, "new" too, go on.
 """
 
 import os
@@ -39,11 +44,20 @@ def fault(phase: str):
     started = f"spare{spare}" if spare else os.environ.get(membership.ENV_GENERATION, "0")
     for spec in filter(None, os.environ.get("LIVE_FAULTS", "").split(";")):
         fault_rank, iteration, fault_phase, fault_started = spec.split(":")
-        if fault_started == "new" and not spare and started != "0":
+        if fault_started == "new" and started != "0":
             fault_started = started
         if (fault_rank, fault_phase, fault_started) == (os.environ.get("RANK"), phase, started):
             return int(iteration)
     return None
+
+
+def first_time(spec: str) -> bool:
+    """Whether this is the first time `spec` fires in the job (creates its marker in LIVE_FAULTS_DIR)."""
+    try:
+        os.close(os.open(os.path.join(os.environ["LIVE_FAULTS_DIR"], f"fired_{spec}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def wait_for(store, done, what: str):
@@ -78,8 +92,9 @@ def hold():
     print(f"[rank {os.environ['RANK']}] > injected fault: held until iteration {iteration} was logged", flush=True)
 
 
-completed = {"steps": 0, "micro_batches": 0}
+completed = {"steps": 0, "micro_batches": 0, "iteration": 0}
 original_forward_step = pretrain_gpt.forward_step
+DELAY_S = 5.0
 
 
 def die(phase: str):
@@ -100,6 +115,15 @@ def forward_step(data_iterator, model):
     completed["micro_batches"] += 1
     if fault("forward_backward") == completed["steps"] + 1 and completed["micro_batches"] == 2:
         die("forward_backward")
+    at = completed["iteration"] if completed["micro_batches"] == 2 else None  # stop, raise, delay: the iteration
+    if at is not None and fault("stop") == at and first_time(f"{os.environ['RANK']}_{at}_stop"):
+        print(f"[rank {os.environ['RANK']}] > injected fault: stopped (SIGSTOP) at forward_backward", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if at is not None and fault("raise") == at and first_time(f"{os.environ['RANK']}_{at}_raise"):
+        raise RuntimeError(f"injected exception on rank {os.environ['RANK']} at iteration {at}")
+    if at is not None and fault("delay") == at:
+        print(f"[rank {os.environ['RANK']}] > injected delay: {DELAY_S} s at forward_backward", flush=True)
+        time.sleep(DELAY_S)
     return original_forward_step(data_iterator, model)
 
 
@@ -127,6 +151,8 @@ patch(live_training, "evaluate_validation",
 patch(live_training._LiveRun, "_log",  # not the catch-up's record (untimed), which a replacement writes
       lambda self, progress, *args, **kwargs: kwargs.get("timed", True) and fault("log") == progress.iteration
       and die("log"))
+patch(live_training._LiveRun, "_train_iteration",  # the iteration it runs (steps_taken may differ after --load)
+      lambda self, progress: completed.update(iteration=progress.iteration + 1))
 patch(DistributedOptimizer, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
 patch(DistributedOptimizer, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
 pretrain_gpt.forward_step = forward_step
