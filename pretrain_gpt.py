@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run from a che
 
 import torch  # noqa: E402
 
-from megatron_lite.data import MockGPTDataset, build_datasets, ensure_builtin_dataset  # noqa: E402
+from megatron_lite.data import BlendedDataset, MockGPTDataset, build_datasets, ensure_builtin_dataset  # noqa: E402
 from megatron_lite.distributed import collectives, meta_device_init  # noqa: E402
 from megatron_lite.fault_tolerance import live_recovery_enabled, pretrain_live  # noqa: E402
 from megatron_lite.models import GPTModel, num_floating_point_operations  # noqa: E402
@@ -59,6 +59,16 @@ def model_provider(args) -> GPTModel:
     return model.compile_layers(**options)
 
 
+def describe_dataset(dataset) -> str:
+    """'GPTDataset', or a blend with its normalized weights: 'BlendedDataset of 0.3 A, 0.7 B' (an unweighted
+    blend's weights are its datasets' sample counts)."""
+    if not isinstance(dataset, BlendedDataset):
+        return type(dataset).__name__
+    total = sum(dataset.weights)
+    return (f"BlendedDataset{' weighted by size' if dataset.size is None else ''} of "
+            + ", ".join(f"{w / total:.4g} {d.indexed.prefix}" for w, d in zip(dataset.weights, dataset.datasets)))
+
+
 def train_valid_test_datasets_provider(args, tokenizer):
     """--mock-data, or megatron-core's GPT datasets of --data-path / --train-data-path ... (the built-in corpus
     when no data flag is given), as many samples as Megatron-LM asks for. Rank 0 builds first (the corpus,
@@ -67,21 +77,22 @@ def train_valid_test_datasets_provider(args, tokenizer):
         return (MockGPTDataset(tokenizer.vocab_size, args.seq_length, args.seed),
                 MockGPTDataset(tokenizer.vocab_size, args.seq_length, args.seed + 1), None)
     builtin = None
-    if not uses_dataset_files(args):
-        builtin = collectives.rank_zero_first(ensure_builtin_dataset, args.data_cache_path, tokenizer)
-    sizes = train_valid_test_num_samples(args)
+    if not uses_dataset_files(args):  # rank 0 says so before the first build, which takes some seconds
+        builtin = collectives.rank_zero_first(ensure_builtin_dataset, args.data_cache_path, tokenizer, print_rank_0)
+    sizes, left_out = train_valid_test_num_samples(args), {}
     datasets = collectives.rank_zero_first(build_datasets, gpt_dataset_config_from_args(args, tokenizer, builtin),
-                                           sizes)
+                                           sizes, left_out)
     for name, dataset, needed in zip(("train", "valid", "test"), datasets, sizes):
         if dataset is None:
             if name == "train":
-                raise ValueError("the train split holds no documents: give --split a larger train weight or "
-                                 "--train-data-path a dataset")
-            if name == "valid" and args.eval_iters > 0:  # asked for, so say why it does not happen
-                print_rank_0(f"> valid: none (no documents in the split, or too few tokens for one sample of "
-                             f"{args.seq_length}): no evaluation despite --eval-iters {args.eval_iters}")
+                raise ValueError(f"the train split holds no samples ({left_out['train']}): give --split a larger "
+                                 "train weight or --train-data-path a dataset")
+            # Say why a split is left out; for validation asked for, also that no evaluation happens.
+            print_rank_0(f"> {name}: none ({left_out[name]})" + (
+                f": no evaluation despite --eval-iters {args.eval_iters}" if name == "valid" and args.eval_iters > 0
+                else ""))
             continue
-        print_rank_0(f"> {name}: {len(dataset)} samples ({type(dataset).__name__}, index "
+        print_rank_0(f"> {name}: {len(dataset)} samples ({describe_dataset(dataset)}, index "
                      f"{'loaded from' if dataset.cache_hit else 'built into'} {args.data_cache_path})")
         # Megatron's unweighted blend stops at one epoch of each dataset; say so instead of running dry.
         used = needed if name == "train" else min(needed, args.eval_iters * args.global_batch_size)

@@ -20,7 +20,7 @@ import os
 import sys
 import sysconfig
 import warnings
-from typing import List
+from typing import Callable, List, Optional
 
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
@@ -168,7 +168,7 @@ def builtin_dataset_name(tokenizer) -> str:
     return f"stdlib_docs_v{CORPUS_VERSION}_py{python}_{type(tokenizer).__name__}_{digest}"
 
 
-def ensure_builtin_dataset(cache_dir: str, tokenizer) -> str:
+def ensure_builtin_dataset(cache_dir: str, tokenizer, log: Optional[Callable[[str], None]] = None) -> str:
     """The built-in corpus as an indexed dataset in `cache_dir`, built on first use.
 
     Safe under concurrency and interruption: each builder writes its own temporary files and renames
@@ -179,6 +179,9 @@ def ensure_builtin_dataset(cache_dir: str, tokenizer) -> str:
     Args:
         cache_dir: directory for the dataset (created if needed; '~' is expanded).
         tokenizer: the tokenizer to build it with.
+        log: called with one line before a build starts, saying what it does and about how long it takes
+            (importing some 200 modules to read their docstrings: 4 s of CPU time on CPython 3.11, byte-level
+            tokenization 0.1 s more); not called when the dataset is there already.
 
     Returns:
         The dataset prefix (open it with `IndexedDataset(prefix)`).
@@ -190,4 +193,8 @@ def ensure_builtin_dataset(cache_dir: str, tokenizer) -> str:
         IndexedDataset(prefix)
         return prefix
     except ValueError:  # missing or broken: (re)build
+        if log is not None:
+            log(f"> building the built-in corpus (the docstrings of the Python standard library, about 1.2 MB of "
+                f"text) into {prefix}.bin/.idx: once, about 5 s (longer on a busy machine or with a slow "
+                f"tokenizer)")
         return write_builtin_dataset(prefix, tokenizer)

@@ -200,6 +200,34 @@ def test_pretrain_with_a_weighted_blend_and_workers(corpora, tmp_path):
     assert "> train: " in outputs[0] and "(BlendedDataset" in outputs[0]
 
 
+def test_start_up_lines_name_the_blend_weights_and_a_split_left_out(tmp_path, single_rank_group, capsys):
+    """--data-path 0.3 A 0.7 B --split 90,8,2 where each dataset's test document holds one token. Would catch
+    the blend's weights missing from the dataset lines (a user cannot see what the run mixes), and the test
+    split dropped without a word (it is too small for one sample)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    prefixes = []
+    for name, seed in (("A", 0), ("B", 1)):
+        prefix, rng = str(tmp_path / name), np.random.RandomState(seed)
+        with IndexedDatasetBuilder(prefix, 500) as builder:  # documents 0..49 of 5-80 tokens, 50 of one
+            for _ in range(50):
+                builder.add_document(rng.randint(0, 499, size=rng.randint(5, 80)).tolist() + [499])
+            builder.add_document([499])
+        prefixes.append(prefix)
+    argv = tiny_pretrain_flags(mock_data=None, train_iters="2", eval_iters="1", eval_interval="2", split="90,8,2",
+                               tokenizer_type="NullTokenizer", vocab_size="500", data_cache_path=str(tmp_path / "c"))
+    pretrain_gpt.main(argv + ["--data-path", "0.3", prefixes[0], "0.7", prefixes[1]], world_size=1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("> train", "> valid",
+                                                                                        "> test"))]
+    assert len(lines) == 3, lines
+    for line in lines[:2]:
+        assert f"(BlendedDataset of 0.3 {prefixes[0]}, 0.7 {prefixes[1]}, index built into" in line, line
+    assert lines[2] == (f"> test: none (test split too small for --seq-length 32: documents 50..50 of {prefixes[0]} "
+                        "hold 1 tokens)"), lines[2]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--data-path", "0.3", "A", "0.7"], "--data-path .*3 values, but weights and prefixes must come in pairs"),
     (["--data-path", "-0.3", "A", "0.7", "B"], "--data-path: weight -0.3 for A must be a finite number > 0"),

@@ -294,6 +294,33 @@ def test_preset_start_up_line_pastes_back_as_flags(single_rank_group, capsys):
     assert pasted.preset_values == {}
 
 
+def test_first_build_of_the_builtin_corpus_is_announced(tmp_path, single_rank_group, capsys, monkeypatch):
+    """A run without data flags on an empty --data-cache-path says, before it collects and tokenizes the corpus
+    (some seconds), what it is doing, and a second run that finds the corpus does not. Would catch the
+    first run's seconds of silence before its first line (the collection is replaced by a small one here)."""
+    from megatron_lite.data import corpus
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+
+    def small_corpus():
+        print("<collecting>")
+        return [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(200)]
+
+    monkeypatch.setattr(corpus, "builtin_corpus_documents", small_corpus)
+    argv = tiny_pretrain_flags(mock_data=None, train_iters="1", data_cache_path=str(tmp_path))
+    for run in range(2):
+        pretrain_gpt.main(argv, world_size=1)
+        out = capsys.readouterr().out
+        if run == 0:
+            announced = out.index("> building the built-in corpus (the docstrings of the Python standard library")
+            assert announced < out.index("<collecting>") < out.index("> train:"), out
+            assert f"into {tmp_path}{os.sep}stdlib_docs_" in out and "about 5 s" in out
+        else:
+            assert "<collecting>" not in out and "built-in corpus" not in out, out
+
+
 def test_megatron_defaults_and_presets():
     """Every flag shared with Megatron-LM defaults to Megatron's value; a preset fills only the flags not
     given (and says which); --model-preset none keeps Megatron's. Would catch recipe values posing as
