@@ -1,7 +1,18 @@
-"""What a live recovery leaves in the log (megatron_lite/fault_tolerance/), without processes: the step
-outcome a snapshot carries, TrainingLog's interval state taken up by a new log, and the soak's recovery records
-(examples/live_soak.py). The supervisor run that holds the log lines, records and RNG to an uninterrupted run's
-comes with the shared torchrun helper it needs.
+"""What a live recovery leaves in the log, and the RNG it restores (megatron_lite/fault_tolerance/).
+
+One supervisor run (dp=4, R=2, fp16 with its first two iterations skipped by the loss scaler, dropout on, a log
+line every 4 iterations) in which rank 0 is replaced twice, and one uninterrupted `torchrun pretrain_gpt.py` of
+the same flags. Rank 0 is the rank that writes the log: each replacement writes an iteration the survivors
+completed before it (the catch-up) and then the rest of an interval whose start an earlier rank 0 saw:
+
+    kill 1   rank 0 dies just before writing iteration 2 (a skipped one); the survivors have completed it
+    kill 2   its replacement dies right after its update of iteration 6 (before the parameter all-gather):
+             rank 1 failed in that all-gather with the update applied, so the iteration's outcome comes from
+             the optimizer, not from train_step's return
+
+The per-iteration records, the log lines (but their times), every loss, the final weights and every rank's
+torch generator are compared with the uninterrupted run's. Also the soak's recovery records
+(examples/live_soak.py) and the settled step outcome, without processes.
 """
 
 import json
@@ -9,8 +20,26 @@ import os
 import re
 import sys
 
+import live_testing
 import pytest
 import torch
+from live_testing import FLAGS as LIVE_FLAGS
+from live_testing import ITERS, check_exact, final_checkpoint, logged_losses, run_live, run_torchrun
+
+FLAGS = list(LIVE_FLAGS)
+FLAGS[FLAGS.index("--log-interval") + 1] = "4"
+FLAGS += ["--fp16", "--initial-loss-scale", str(2 ** 20), "--hysteresis", "1", "--hidden-dropout", "0.1",
+          "--attention-dropout", "0.1"]
+"""The live tests' configuration with a log line every 4 iterations, fp16 (2^20 overflows the first two
+iterations: skipped, with no grad norm) and dropout (a healed rank must draw the dead rank's masks)."""
+
+FAULTS = "0:2:log:0;0:6:update:new"
+
+
+def records(directory) -> list:
+    """The per-iteration records of the run's metrics.jsonl (not the timing or validation ones)."""
+    with open(os.path.join(directory, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "consumed_samples" in r]
 
 
 def log_lines(output) -> list:
@@ -18,6 +47,71 @@ def log_lines(output) -> list:
     lines = re.findall(r"iteration +\d+/ +\d+ \|[^\n]*", output)
     return [re.sub(r"elapsed time per iteration \(ms\): [\d.]+ \| throughput \(tokens/s\): \d+ \| ", "", line)
             for line in lines]
+
+
+def rng_states(directory) -> list:
+    """Every rank's torch generator in the final checkpoint (python's and numpy's are not seeded by the run)."""
+    common = torch.load(os.path.join(directory, f"iter_{ITERS:07d}", "common.pt"), weights_only=True)
+    return [state["torch"] for state in common["rng_state"]]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    output = run_torchrun(directory, FLAGS)
+    losses = {i: values.pop() for i, values in logged_losses(directory).items()}
+    valid = {i: values.pop() for i, values in logged_losses(directory, "valid_lm_loss").items()}
+    skipped = [r["iteration"] for r in records(directory) if r["skipped"]]
+    assert skipped == [1, 2] and sorted(losses) == list(range(1, ITERS + 1)), output  # the premise of the scenario
+    return directory, output, (losses, valid, final_checkpoint(directory))
+
+
+@pytest.fixture(scope="module")
+def rank_0_replaced_twice(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("rank_0_replaced_twice")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(live_testing, "FLAGS", FLAGS)
+        code, pids, losses, output = run_live(directory, FAULTS, supervisor_flags=["--spares", "0"])
+    assert code == 0, output
+    assert "killed at log" in output and "killed at update" in output and len(pids[0]) == 3, output
+    return directory, output, losses
+
+
+def test_catch_up_record_has_the_step_outcome(rank_0_replaced_twice, uninterrupted):
+    """Every iteration's record (losses, lr, loss scale, grad norm, skipped, consumed samples) equals the
+    uninterrupted run's, the catch-up records of iterations 2 (skipped by fp16) and 6 (the grad norm known to
+    the survivors' optimizer only) included. Would catch: the catch-up record written with `grad_norm: null`
+    and `skipped: false` (the step's outcome not carried in the survivors' snapshot), or the outcome of a step
+    cut short by the failure not taken from the optimizer."""
+    directory, output, _ = rank_0_replaced_twice
+    expected = {r["iteration"]: r for r in records(uninterrupted[0])}
+    seen = records(directory)
+    assert sorted({r["iteration"] for r in seen}) == list(range(1, ITERS + 1)), output
+    differing = [(r, expected[r["iteration"]]) for r in seen if r != expected[r["iteration"]]]
+    assert not differing, f"records differ from the uninterrupted run's: {differing}\n{output}"
+
+
+def test_log_lines_after_rank_0_is_replaced_equal_the_uninterrupted_runs(rank_0_replaced_twice, uninterrupted):
+    """The lines at iterations 4 and 8 (loss averaged over the interval's unskipped iterations, the number of
+    skipped iterations, grad norm, loss scale, learning rate) equal the uninterrupted run's although a new
+    rank 0 wrote each of them after a re-forming inside its interval. Would catch: the interval's sums lost in
+    a re-forming (a line averaging only the iterations since, 3.300885 printed for 3.289677), or a catch-up
+    iteration counted as not skipped."""
+    directory, output, _ = rank_0_replaced_twice
+    expected = log_lines(uninterrupted[1])
+    assert [line.split("|")[0] for line in expected] == [f"iteration        {i}/       8 " for i in (4, 8)]
+    assert log_lines(output) == expected, output
+
+
+def test_live_recovery_with_dropout_is_exact(rank_0_replaced_twice, uninterrupted):
+    """With dropout on, every loss (validation too), the final weights and every rank's torch generator equal
+    the uninterrupted run's. Would catch: a healed or replaced rank drawing other dropout masks than the dead
+    rank would have (its generator not restored to the iteration it resumes from, or restored from another
+    point), which the dropout-free live tests cannot see."""
+    directory, output, losses = rank_0_replaced_twice
+    check_exact(directory, uninterrupted[2], losses, output)
+    expected = rng_states(uninterrupted[0])
+    assert all(torch.equal(a, b) for a, b in zip(rng_states(directory), expected, strict=True)), output
 
 
 # ------------------------------------------------------------------------------------ without processes
