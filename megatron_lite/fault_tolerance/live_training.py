@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpointing import LastWords, checkpoint_args, lock_save_directory, save_checkpoint
+from ..checkpointing.files import unlock_save_directory
 from ..checkpointing.rng import get_rng_state
 from ..data import micro_batch_iterator
 from ..distributed import collectives
@@ -174,6 +175,8 @@ class _LiveRun:
         if args.save and progress.last_saved != progress.iteration:
             _save(args, progress, self.model, self.optimizer, self.scheduler)
         self.log.close()
+        if args.save:  # the job's saves are over (agreed by the last one): rank 0 releases it, as pretrain() does
+            unlock_save_directory(args.save)
         if dist.get_rank() == 0:
             self.membership.note_finished(progress.iteration)
         return {"iteration": progress.iteration, "losses": self.losses, "valid_losses": self.valid_losses,

@@ -118,12 +118,15 @@ def test_shrink_then_grow(tmp_path, live_reference):
     instance {2, 3}. Would catch: the survivors waiting for the replacement instead of shrinking, a shrunk job
     training on other samples or another batch size (the losses would differ far beyond an ulp), a healthy
     process restarted, a rank renumbered onto another shard position, a parked rank not admitted or not healed,
-    the grow losing or repeating an iteration, a periodic save during the shrink missing."""
+    the grow losing or repeating an iteration, a periodic save during the shrink missing, the --save lock not
+    handed over (rank 2 takes it as the small job's rank 0, then the replaced rank 0 after the grow: a refusal)
+    or left behind at the end."""
     reference_dir, expected_losses, expected_valid, _ = live_reference
     faults = "0:2:forward_backward:0;0:4:hold:new;2:5:grow:0;3:5:grow:0"
     code, pids, losses, output = run_live(tmp_path, faults, ["--spares", "0", "--min-instances", "1",
                                                              "--replacement-timeout", "1"])
     assert code == 0, output
+    assert not os.path.exists(tmp_path / "job.lock"), output  # released by the last rank 0 at the end
     assert re.search(r"generation \d+: replaced \[\], members \[2, 3\] \(shrink: rank\(s\) \[0\]", output), output
     grow = re.search(r"generation (\d+): replaced \[\] \(grow: .* after iteration (\d+)\)", output)
     assert grow and grow.group(2) == "7", output  # rank 0 of the small job had logged 5 when it was asked
