@@ -34,6 +34,11 @@ STALL_S = 240.0
 """A job whose output and metrics have not grown for this long is taken for hung (the slowest step of these
 jobs, a process start or a whole-job restart at load ~100 on 2 cores, is well below it)."""
 
+PROGRESS_BOUNDED = pytest.mark.timeout(0)
+"""For a test whose waits are all bounded by progress (wait_making_progress, or STALL_S): no pytest-timeout
+wall-time bound (pytest.ini's 300 s, which a live run's fixture, counted in its first test, exceeds on a loaded
+machine). A hang still ends: the job stops growing its log."""
+
 
 def job_env(**extra):
     """The environment of a test job: the repository importable, and OMP_NUM_THREADS as the user's shell has

@@ -17,7 +17,7 @@ import time
 
 import pytest
 from distributed_helper import run_distributed
-from live_testing import ITERS, logged_losses, run_live
+from live_testing import ITERS, PROGRESS_BOUNDED, logged_losses, run_live
 from pretrain_testing import REPO
 
 from megatron_lite.distributed.layout import default_bucket_size
@@ -109,6 +109,7 @@ def model_weights(directory):
     return checkpoint_convert.read(directory)["model"]
 
 
+@PROGRESS_BOUNDED
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the supervisor's workers are killed by signal")
 def test_shrink_then_grow(tmp_path, live_reference):
     """Rank 0 is killed during iteration 2 and its replacement comes back only once iteration 4 is logged

@@ -19,7 +19,15 @@ import sys
 import time
 
 import pytest
-from live_testing import STALL_S, check_exact, job_env, run_live, start_job, wait_making_progress
+from live_testing import (
+    PROGRESS_BOUNDED,
+    STALL_S,
+    check_exact,
+    job_env,
+    run_live,
+    start_job,
+    wait_making_progress,
+)
 from pretrain_testing import REPO
 
 from megatron_lite.fault_tolerance import launch, membership
@@ -47,6 +55,7 @@ def single_failures(tmp_path_factory):
     return directory, run_live(directory, SINGLE_FAILURES)
 
 
+@PROGRESS_BOUNDED
 def test_kills_during_backward_update_and_save_are_recovered_live_and_exactly(single_failures, reference):
     """Rank 3 killed during the forward/backward of iteration 2, rank 1 during the evaluation after iteration 4,
     rank 0 right after its optimizer update of iteration 5 (before the parameter all-gather: the others may
@@ -67,6 +76,7 @@ def test_kills_during_backward_update_and_save_are_recovered_live_and_exactly(si
     check_exact(directory, reference, losses, output)
 
 
+@PROGRESS_BOUNDED
 def test_hung_rank_is_replaced_as_a_dead_one(single_failures):
     """In the same run, rank 1's replacement stops (SIGSTOP) in iteration 6: its peers' collectives time out
     (--collective-timeout 10), it reports nothing and its heartbeat is stale, so the supervisor kills it and
@@ -80,6 +90,7 @@ def test_hung_rank_is_replaced_as_a_dead_one(single_failures):
     assert "restarting the whole job" not in output and "--join-timeout" not in output, output
 
 
+@PROGRESS_BOUNDED
 def test_replacement_killed_while_healing(single_failures, reference):
     """In the same run, the replacement of rank 3 (the warm spare) dies while receiving its shard; a second
     replacement (a new process) heals, and the run still matches bitwise. Would catch: a survivor losing
@@ -94,6 +105,7 @@ def test_replacement_killed_while_healing(single_failures, reference):
     check_exact(directory, reference, losses, output)
 
 
+@PROGRESS_BOUNDED
 def test_double_failure_and_an_exception_fall_back_to_restarts(tmp_path, reference):
     """Rank 3 dies, then rank 1 (the other holder of its shard) dies while sending it to the replacement: no
     replica is left, the workers say so and the supervisor restarts the whole job, which resumes from the last
@@ -125,6 +137,7 @@ def no_fault(tmp_path_factory):
     return directory, run_live(directory, "1:3:delay:0", collective_timeout=None)
 
 
+@PROGRESS_BOUNDED
 def test_supervisor_run_is_torchruns_bit_for_bit(no_fault, reference):
     """Same flags, no fault: the supervisor's run logs torchrun's losses and writes its final checkpoint byte
     for byte, with OMP_NUM_THREADS unset in the caller's environment (both launchers then give each worker one
@@ -136,6 +149,7 @@ def test_supervisor_run_is_torchruns_bit_for_bit(no_fault, reference):
     check_exact(directory, reference, losses, output)
 
 
+@PROGRESS_BOUNDED
 def test_default_collective_timeout_outlasts_a_slow_rank(no_fault):
     """Rank 1 arrives 5 s late at iteration 3's collectives: the default --collective-timeout must not fire
     (the old 3 s did, here and on a loaded machine: an empty re-forming, 0-4 per 40 iterations). Would catch
@@ -207,6 +221,7 @@ def _wait_until(done, what, log_path, bound_s=STALL_S):
         time.sleep(0.1)
 
 
+@PROGRESS_BOUNDED
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_supervisor_stopped_by_a_signal_takes_its_workers(tmp_path, signum):
