@@ -35,8 +35,9 @@ then exit code 1; and it adds the generation keys of membership.py:
                                 collective) or exited, every worker is stopped and the whole job restarted,
                                 which resumes with --load from those last words, up to --max-restarts times
                                 (torchrun's behaviour)
-    a worker exits 1 before     a deterministic refusal at start-up (a ValueError in the set-up: every
-    this start of the job       start would meet it again): the supervisor stops the others and exits 1
+    a worker exits 1 (or any    a deterministic refusal at start-up (a ValueError in the set-up: every
+    code < 128 but 3) before    start would meet it again): the supervisor stops the others and exits
+    this start of the job       with that code
     logged an iteration
     a worker exits 2            a usage error (argparse: the command line is wrong): every process started
     (EXIT_USAGE)                with it would fail alike, so the supervisor stops the others and exits 2
@@ -316,13 +317,14 @@ class Supervisor:
                              "its message above): giving up")
                     self.stop_all()
                     return code
-                if code == 1 and self.logged_count() == self.logged_at_start:
-                    # An error before this start of the job trained at all (a refusal of the arguments, the
-                    # data, the checkpoint): every start would meet it again, as every rank would.
-                    self.say(f"rank {rank} exited with code 1 before the job logged an iteration (an error at "
+                if 0 < code < 128 and code != EXIT_FALLBACK and self.logged_count() == self.logged_at_start:
+                    # An error of its own (not a signal, not a failed live recovery) before this start of the
+                    # job trained at all (a refusal of the arguments, the data, the checkpoint): every start
+                    # would meet it again, as every rank would.
+                    self.say(f"rank {rank} exited with code {code} before the job logged an iteration (an error at "
                              "start-up, see its message above): giving up")
                     self.stop_all()
-                    return 1
+                    return code
                 if code == 0:
                     self.done.add(rank)
                 elif code in (EXIT_FALLBACK, 1):  # 1: this rank's own error (a Python exception), not a loss
