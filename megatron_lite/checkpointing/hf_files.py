@@ -3,7 +3,8 @@
     config.json                       a JSON object
     model.safetensors.index.json      {"weight_map": {tensor name: shard file}}: when present, only the shards it
                                       names are read, each tensor from the shard it names (as transformers loads);
-                                      other *.safetensors files are left alone (stale shards, stray copies)
+                                      other *.safetensors files are left alone (stale shards, stray copies), but
+                                      model.safetensors, which transformers would load instead, is refused
     *.safetensors                     without an index: all of them
     tokenizer.json                    checked by the caller (build_tokenizer) before it is copied
 
@@ -19,6 +20,7 @@ from typing import Dict, List, NamedTuple, Tuple
 import torch
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"  # an unsharded save
 # The safetensors dtypes imported (as float32): floating point ones. Integers, bool and the float8 formats
 # (quantized checkpoints, whose scales live in other tensors) are not weights GPTModel can take as they are.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -79,6 +81,10 @@ def headers(directory: str) -> Tuple[Dict[str, Header], List[str]]:
         for file in files:
             if file not in present:
                 raise ValueError(f"{index_path} names the shard {file}, which {directory} does not hold")
+        if SINGLE in present and SINGLE not in wanted:  # transformers reads model.safetensors before any index
+            raise ValueError(f"{directory} holds both {SINGLE} and {INDEX}, which does not name it: transformers "
+                             f"loads {SINGLE} and ignores the index, so which weights are the model is unclear: "
+                             f"remove the stale one ({SINGLE}, or the index and its shards)")
     elif not present:
         raise ValueError(f"--input {directory} has no *.safetensors file (pickled pytorch_model.bin is not read: "
                          f"save the model with save_pretrained(..., safe_serialization=True))")

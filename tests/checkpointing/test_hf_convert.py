@@ -401,6 +401,37 @@ def test_import_reads_the_shards_the_index_names_and_refuses_a_tensor_in_two_fil
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
 
 
+def test_import_refuses_model_safetensors_next_to_an_index_that_does_not_name_it(tmp_path, capsys):
+    """A directory with model.safetensors and a model.safetensors.index.json whose shards hold other weights
+    (here a zeroed embedding): transformers loads model.safetensors and ignores the index, so the import must not
+    quietly take the shards' weights; it is refused, naming both files. An index that names model.safetensors
+    itself (one shard) is read as before. Would catch the index followed with model.safetensors only listed as
+    unread: rc 0 and weights other than those from_pretrained gives for the same directory."""
+    from safetensors.torch import save_file
+
+    directory, config, tensors = _hf_dir(tmp_path / "both")
+    names = sorted(tensors)
+    stale = {**tensors, "transformer.wte.weight": torch.zeros_like(tensors["transformer.wte.weight"])}
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: stale[n] for n in part}, os.path.join(directory, file))
+    index = {"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}
+    (tmp_path / "both" / hf_files.INDEX).write_text(json.dumps(index))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert torch.equal(hf.transformer.wte.weight, tensors["transformer.wte.weight"])  # model.safetensors, not the index
+    assert _import(directory, tmp_path / "o1") == 2
+    assert f"holds both model.safetensors and {hf_files.INDEX}" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists()
+
+    for file in shards:
+        os.remove(os.path.join(directory, file))
+    index["weight_map"] = {n: "model.safetensors" for n in names}
+    (tmp_path / "both" / hf_files.INDEX).write_text(json.dumps(index))
+    payload = checkpoint_convert.import_hf(directory)
+    _, expected = hf_convert.from_hf(config, tensors)
+    assert all(torch.equal(payload["model"][k], v) for k, v in expected.items())
+
+
 @pytest.mark.parametrize("dtype, stored", [(torch.int64, "I64"), (torch.int32, "I32"), (torch.bool, "BOOL"),
                                            (torch.uint8, "U8")])
 def test_import_refuses_integer_and_bool_weights(tmp_path, capsys, dtype, stored):
