@@ -222,22 +222,21 @@ def hf_tokenizer(directory: str, payload: dict):
 def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> list:
     """The imported checkpoint in `output`, with `tokenizer` (hf_tokenizer's) copied next to the checkpoints and
     recorded in it. Returns the pretrain_gpt.py flags that read the tokenizer, its path as `output` spells it
-    (the checkpoint records the absolute one). A failed write leaves no copied tokenizer behind."""
+    (the checkpoint records the absolute one). The tokenizer is copied only once the checkpoint is written: a
+    failed write leaves `output` as it was (a tokenizer.json already there untouched)."""
     created = not os.path.isdir(output)
     os.makedirs(output, exist_ok=True)
     target = os.path.join(output, "tokenizer.json")
-    copied = tokenizer and not os.path.exists(target)  # a file already there is replaced, never removed
+    if tokenizer:
+        payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(target))
     try:
-        if tokenizer:
-            shutil.copyfile(tokenizer, target)
-            payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(target))
         write(output, payload, ckpt_format)
     except BaseException:
-        if copied and os.path.isfile(target):
-            os.remove(target)
         if created and not os.listdir(output):
             os.rmdir(output)
         raise
+    if tokenizer:
+        shutil.copyfile(tokenizer, target)
     return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target] if tokenizer else []
 
 

@@ -544,3 +544,24 @@ def test_import_prints_the_paths_as_given(tmp_path, capsys, monkeypatch):
     assert str(tmp_path) not in printed, printed
     args = _newest(tmp_path / "out")["args"]
     assert args["tokenizer_model"] == str(tmp_path / "out" / "tokenizer.json")
+
+
+def test_a_failed_write_leaves_the_output_as_it_was(tmp_path, monkeypatch):
+    """The checkpoint's write fails (a full disk, here an OSError planted in write()): a new --output is not left
+    behind, and one that already held a tokenizer.json still holds that file unchanged. Would catch the
+    directory's tokenizer copied over before the write and left replaced (or a copied one left) after it failed."""
+    directory, _, _ = _hf_dir(tmp_path / "hf", tokenizer="ByteLevelTokenizer")
+
+    def full_disk(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint_convert, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _import(directory, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "tokenizer.json").write_text("the user's own file")
+    with pytest.raises(OSError, match="No space left"):
+        _import(directory, tmp_path / "kept")
+    assert os.listdir(tmp_path / "kept") == ["tokenizer.json"]
+    assert (tmp_path / "kept" / "tokenizer.json").read_text() == "the user's own file"
