@@ -270,7 +270,7 @@ def test_error_at_start_up_stops_the_job(capfd):
     assert sup.run() == 1
     assert sorted(started) == [0, 1]
     out, err = capfd.readouterr()
-    assert err.count("ValueError: refused at start-up") == 2, out + err
+    assert 1 <= err.count("ValueError: refused at start-up") <= 2, out + err  # the other rank may be stopped first
     assert "an error at start-up" in out, out
 
 
