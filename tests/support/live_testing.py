@@ -59,20 +59,23 @@ def wait_making_progress(job, watched, stall_s=STALL_S, what="the job"):
     metrics): fail, after stopping its process group, when none has grown for `stall_s` seconds. Returns the
     exit code."""
     sizes, last_progress = None, time.monotonic()
-    while job.poll() is None:
-        now = [os.path.getsize(f) if os.path.exists(f) else -1 for f in watched]
-        if now != sizes:
-            sizes, last_progress = now, time.monotonic()
-        elif time.monotonic() - last_progress > stall_s:
+    try:
+        while job.poll() is None:
+            now = [os.path.getsize(f) if os.path.exists(f) else -1 for f in watched]
+            if now != sizes:
+                sizes, last_progress = now, time.monotonic()
+            elif time.monotonic() - last_progress > stall_s:
+                tail = open(watched[0], errors="replace").read()[-4000:] if os.path.exists(watched[0]) else ""
+                pytest.fail(f"{what} made no progress for {stall_s:.0f} s ({', '.join(map(str, watched))} "
+                            f"unchanged); stopped. Its log ends:\n{tail}")
+            time.sleep(0.2)
+    finally:  # a stall, or the test interrupted (Ctrl-C, pytest-timeout): no process of the job is left behind
+        if job.poll() is None:
             try:
                 os.killpg(job.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             job.wait()
-            tail = open(watched[0], errors="replace").read()[-4000:] if os.path.exists(watched[0]) else ""
-            pytest.fail(f"{what} made no progress for {stall_s:.0f} s ({', '.join(map(str, watched))} "
-                        f"unchanged); stopped. Its log ends:\n{tail}")
-        time.sleep(0.2)
     return job.returncode
 
 
