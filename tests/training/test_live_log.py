@@ -24,7 +24,15 @@ import live_testing
 import pytest
 import torch
 from live_testing import FLAGS as LIVE_FLAGS
-from live_testing import ITERS, check_exact, final_checkpoint, logged_losses, run_live, run_torchrun
+from live_testing import (
+    ITERS,
+    PROGRESS_BOUNDED,
+    check_exact,
+    final_checkpoint,
+    logged_losses,
+    run_live,
+    run_torchrun,
+)
 
 FLAGS = list(LIVE_FLAGS)
 FLAGS[FLAGS.index("--log-interval") + 1] = "4"
@@ -77,6 +85,7 @@ def rank_0_replaced_twice(tmp_path_factory):
     return directory, output, losses
 
 
+@PROGRESS_BOUNDED  # the supervisor and torchrun jobs: bounded by their progress (live_testing)
 def test_catch_up_record_has_the_step_outcome(rank_0_replaced_twice, uninterrupted):
     """Every iteration's record (losses, lr, loss scale, grad norm, skipped, consumed samples) equals the
     uninterrupted run's, the catch-up records of iterations 2 (skipped by fp16) and 6 (the grad norm known to
@@ -91,6 +100,7 @@ def test_catch_up_record_has_the_step_outcome(rank_0_replaced_twice, uninterrupt
     assert not differing, f"records differ from the uninterrupted run's: {differing}\n{output}"
 
 
+@PROGRESS_BOUNDED  # the supervisor and torchrun jobs: bounded by their progress (live_testing)
 def test_log_lines_after_rank_0_is_replaced_equal_the_uninterrupted_runs(rank_0_replaced_twice, uninterrupted):
     """The lines at iterations 4 and 8 (loss averaged over the interval's unskipped iterations, the number of
     skipped iterations, grad norm, loss scale, learning rate) equal the uninterrupted run's although a new
@@ -103,6 +113,7 @@ def test_log_lines_after_rank_0_is_replaced_equal_the_uninterrupted_runs(rank_0_
     assert log_lines(output) == expected, output
 
 
+@PROGRESS_BOUNDED  # the supervisor and torchrun jobs: bounded by their progress (live_testing)
 def test_live_recovery_with_dropout_is_exact(rank_0_replaced_twice, uninterrupted):
     """With dropout on, every loss (validation too), the final weights and every rank's torch generator equal
     the uninterrupted run's. Would catch: a healed or replaced rank drawing other dropout masks than the dead
