@@ -84,16 +84,39 @@ def records(metrics: str) -> list:
     return [r for r in lines if "lm_loss" in r]  # one per iteration (timing records at log intervals aside)
 
 
-def wait_for(predicate, job, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if job.poll() is not None:
-            raise RuntimeError(f"the job ended (code {job.returncode}) while waiting for {what}")
+STALL_S = 240.0
+"""A job whose log and metrics have not grown for this long is taken for hung (its slowest step, a process
+start or a whole-job restart, takes seconds, a minute at most on heavily loaded cores)."""
+
+
+def wait_for(predicate, job, watched: list, what: str, stall_s: float = STALL_S):
+    """Poll `predicate` until it returns a true value, which is returned; `predicate` None: wait for the job to
+    exit, and return its code. Bounded by the job's progress, not by wall time: a TimeoutError only when none of
+    the `watched` files (its log, its metrics) has grown for `stall_s` seconds, so a loaded machine slows the
+    soak down but does not fail it, and a hung job still ends it."""
+    sizes, last_progress = None, time.monotonic()
+    while True:
+        if predicate is None:
+            if job.poll() is not None:
+                return job.returncode
+        else:
+            value = predicate()
+            if value:
+                return value
+            if job.poll() is not None:
+                raise RuntimeError(f"the job ended (code {job.returncode}) while waiting for {what}")
+        now = [os.path.getsize(f) if os.path.exists(f) else -1 for f in watched]
+        if now != sizes:
+            sizes, last_progress = now, time.monotonic()
+        elif time.monotonic() - last_progress > stall_s:
+            raise TimeoutError(f"waiting for {what}: the job made no progress for {stall_s:.0f} s "
+                               f"({', '.join(watched)} unchanged)")
         time.sleep(0.02)
-    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def outputs(directory: str) -> list:
+    """What a job in `directory` writes as it makes progress: its log and its metrics."""
+    return [os.path.join(directory, "log.txt"), os.path.join(directory, "metrics.jsonl")]
 
 
 def reference_losses(out: str, iters: int, instances: int, nproc: int = WORLD) -> dict:
@@ -102,7 +125,7 @@ def reference_losses(out: str, iters: int, instances: int, nproc: int = WORLD) -
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     job = launch(directory, iters, instances, iters, os.path.join(directory, "log.txt"), nproc=nproc)
-    if job.wait(timeout=600) != 0:
+    if wait_for(None, job, outputs(directory), "the reference run") != 0:
         raise RuntimeError(f"the reference run failed: see {directory}/log.txt")
     return {r["iteration"]: r["lm_loss"] for r in records(os.path.join(directory, "metrics.jsonl"))}
 
@@ -117,9 +140,11 @@ def trial(out: str, name: str, iters: int, instances: int, save_interval: int, k
     metrics = os.path.join(directory, "metrics.jsonl")
     job = launch(directory, iters, instances, save_interval, log_path)
     try:
-        wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, 300,
+        watched = outputs(directory)
+        wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, watched,
                  f"iteration {kill_at}")
-        pids = wait_for(lambda: (lambda p: p if len(p) == WORLD else None)(worker_pids(job)), job, 30, "the workers")
+        pids = wait_for(lambda: (lambda p: p if len(p) == WORLD else None)(worker_pids(job)), job, watched,
+                        "the workers")
         for rank in ranks:
             os.kill(pids[rank], signal.SIGKILL)
         killed_at = time.time()
@@ -127,9 +152,9 @@ def trial(out: str, name: str, iters: int, instances: int, save_interval: int, k
         completed = before[-1]["iteration"]
         # The restarted job logs again: an iteration that is not after the last one seen, or a new line
         # once it passes it.
-        first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "the restarted job")
+        first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, watched, "the restarted job")
         recovery_s = time.time() - killed_at
-        code = job.wait(timeout=600)
+        code = wait_for(None, job, watched, "the end of the job")
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -161,7 +186,8 @@ def main():
     parser.add_argument("--live", action="store_true",
                         help="the live-recovery soak (examples/live_soak.py): one job under the supervisor that "
                              "restarts only the killed rank, then the same kills restarting everything")
-    parser.add_argument("--collective-timeout", type=float, default=3.0, help="--live: the supervisor's flag")
+    parser.add_argument("--collective-timeout", type=float, default=None,
+                        help="--live: the supervisor's flag (default: the supervisor's default)")
     parser.add_argument("--elastic-kills", type=int, default=3,
                         help="--live: kills in the elastic job (shrink, then grow back); 0: no elastic job")
     parser.add_argument("--restart-kills", type=int, default=None,

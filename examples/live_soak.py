@@ -36,16 +36,18 @@ import subprocess
 import sys
 import time
 
-from fault_tolerance_soak import MODEL, REPO, WORLD, records, reference_losses, trial, wait_for
+from fault_tolerance_soak import MODEL, REPO, WORLD, outputs, records, reference_losses, trial, wait_for
 
 ELASTIC = ["--min-instances", "1", "--replacement-timeout", "0.5", "--spares", "0"]
 """The supervisor's flags of the elastic job."""
 
 
-def launch_live(directory: str, iters: int, save_interval: int, collective_timeout: float,
+def launch_live(directory: str, iters: int, save_interval: int, collective_timeout,
                 supervisor_flags=()) -> subprocess.Popen:
+    """The live job; `collective_timeout` None: the supervisor's default."""
+    timeout = [] if collective_timeout is None else ["--collective-timeout", str(collective_timeout)]
     cmd = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", f"--nproc-per-node={WORLD}",
-           "--collective-timeout", str(collective_timeout), "--max-restarts", "1", *supervisor_flags,
+           *timeout, "--max-restarts", "1", *supervisor_flags,
            os.path.join(REPO, "pretrain_gpt.py"),
            *MODEL, "--train-iters", str(iters), "--num-distributed-optimizer-instances", "2", "--save", directory,
            "--load", directory, "--save-interval", str(save_interval)]
@@ -102,10 +104,11 @@ def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, c
     log_path = os.path.join(directory, "log.txt")
     metrics = os.path.join(directory, "metrics.jsonl")
     job = launch_live(directory, iters, save_interval, collective_timeout)
+    watched = outputs(directory)
     rows = []
     try:
         for kill_at, ranks in kills:
-            wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, 300,
+            wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, watched,
                      f"iteration {kill_at}")
             with open(log_path) as f:
                 text = f.read()
@@ -114,17 +117,17 @@ def live_job(out: str, name: str, iters: int, save_interval: int, kills: list, c
                 os.kill(before_pids[rank][-1], signal.SIGKILL)
             killed_at = time.time()
             before = records(metrics)
-            first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "an iteration")
+            first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, watched, "an iteration")
             seconds = time.time() - killed_at
             generation = None  # a double failure ends in a whole-job restart: no recovery record
             if len(ranks) == 1:  # the recovery's records (the generation that healed: a spurious timeout while
                 # healing adds one) reach the log before the next kill
                 generation = wait_for(lambda: max(recoveries(open(log_path).read()), default=0) > before_generation
-                                      and max(recoveries(open(log_path).read())), job, 60, "the recovery record")
+                                      and max(recoveries(open(log_path).read())), job, watched, "the recovery record")
             rows.append({"kill": len(rows), "rank": ",".join(map(str, ranks)), "completed": before[-1]["iteration"],
                          "resumed": first["iteration"] - 1, "seconds": round(seconds, 2), "killed_at": killed_at,
                          "pids_before": before_pids, "generation": generation})
-        code = job.wait(timeout=600)
+        code = wait_for(None, job, watched, "the end of the job")
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -150,24 +153,26 @@ def elastic_job(out: str, iters: int, save_interval: int, kills: list, collectiv
     os.makedirs(directory)
     log_path, metrics = os.path.join(directory, "log.txt"), os.path.join(directory, "metrics.jsonl")
     job = launch_live(directory, iters, save_interval, collective_timeout, ELASTIC)
+    watched = outputs(directory)
     grows = lambda: re.findall(r"generation (\d+): replaced \[\] \(grow: .* after iteration (\d+)\)",  # noqa: E731
                                open(log_path).read())
     rows = []
     try:
         for kill_at, rank in kills:
-            wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, 300,
+            wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, watched,
                      f"iteration {kill_at}")
             grown = len(grows())
             os.kill(processes(open(log_path).read())[rank][-1], signal.SIGKILL)
             killed_at, before = time.time(), records(metrics)
-            first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, 300, "an iteration")
+            first = wait_for(lambda: (records(metrics)[len(before):] or [None])[0], job, watched, "an iteration")
             shrunk_s = time.time() - killed_at
-            generation, leave_at = map(int, wait_for(lambda: grows()[grown:] and grows()[grown], job, 300, "the grow"))
-            wait_for(lambda: len(recoveries(open(log_path).read()).get(generation, [])) == WORLD, job, 300,
+            generation, leave_at = map(int, wait_for(lambda: grows()[grown:] and grows()[grown], job, watched,
+                                                     "the grow"))
+            wait_for(lambda: len(recoveries(open(log_path).read()).get(generation, [])) == WORLD, job, watched,
                      "the grown job")  # every rank's record of the grow: the next kill comes after it
             rows.append({"kill": len(rows), "rank": rank, "completed": before[-1]["iteration"],
                          "resumed": first["iteration"] - 1, "shrunk_s": round(shrunk_s, 2), "leave_at": leave_at})
-        code = job.wait(timeout=600)
+        code = wait_for(None, job, watched, "the end of the job")
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

@@ -156,7 +156,7 @@ def reference(soak, tmp_path_factory):
     return soak.reference_losses(str(tmp_path_factory.mktemp("last_words_reference")), ITERS, 2)
 
 
-@PROGRESS_BOUNDED  # the soak bounds its own waits (600 s each), above pytest.ini's 300 s
+@PROGRESS_BOUNDED  # the soak bounds its waits by the job's progress (fault_tolerance_soak.wait_for)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks to kill through /proc")
 def test_killed_rank_restarts_and_continues_bit_identically(soak, reference, tmp_path):
     """torchrun --max-restarts 1, dp=4, R=2: rank 2 is killed with SIGKILL; the job restarts by itself, resumes
@@ -171,7 +171,7 @@ def test_killed_rank_restarts_and_continues_bit_identically(soak, reference, tmp
     assert row["from"] == "periodic" and row["identical"] and "survived on no rank" in row["note"], row
 
 
-@PROGRESS_BOUNDED  # the soak bounds its own waits (600 s each), above pytest.ini's 300 s
+@PROGRESS_BOUNDED  # the soak bounds its waits by the job's progress (fault_tolerance_soak.wait_for)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun job")
 def test_rank_raising_an_exception_restarts_and_continues(soak, reference, tmp_path):
     """A rank dies of an exception in iteration 13's forward (tests/support/pretrain_failing.py): it writes its

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import live_testing
 import pytest
@@ -182,6 +183,39 @@ def test_soak_reads_the_recovery_records_whatever_the_shared_log_holds():
     assert sorted(r["rank"] for r in found[2]) == [1, 2, 3] and [r["rank"] for r in found[3]] == [0]
     assert soak.split(found[2], 9.5) == {"detection": 0.5, "join": 1.0, "heal": 1.0, "redo": 1.5}
     assert soak.split(found[3], 19.0) == {"detection": 1.0, "join": 1.0, "heal": None, "redo": None}
+
+
+def test_soak_waits_are_bounded_by_progress_and_use_the_supervisors_default_timeout(tmp_path, monkeypatch):
+    """examples/fault_tolerance_soak.py's waits (live_soak.py's too): a job whose log keeps growing is waited for
+    past the stall bound; one whose log stops growing ends the wait (TimeoutError); an exited job's code is
+    returned. The live job gets the supervisor's default --collective-timeout. Would catch: fixed wall-time
+    bounds (60, 300, 600 s), which a loaded machine exceeds with no fault, and the old `--collective-timeout 3`,
+    which fires there with no fault (issue 32 items 13, 17)."""
+    soak = _live_soak()
+    log = tmp_path / "log.txt"
+
+    class Job:
+        returncode = None
+
+        def poll(self):
+            return self.returncode
+
+    start = time.monotonic()
+
+    def grows_then_done():
+        with open(log, "a") as f:
+            f.write("line\n")
+        return time.monotonic() - start > 0.6 and "done"
+    assert soak.wait_for(grows_then_done, Job(), [str(log)], "progress", stall_s=0.2) == "done"
+    with pytest.raises(TimeoutError, match="no progress for 0 s"):
+        soak.wait_for(lambda: False, Job(), [str(log)], "a stalled job", stall_s=0.2)
+    ended = Job()
+    ended.returncode = 3
+    assert soak.wait_for(None, ended, [str(log)], "the end") == 3
+    started = []
+    monkeypatch.setattr(soak.subprocess, "Popen", lambda cmd, **kwargs: started.append(cmd))
+    soak.launch_live(str(tmp_path), 10, 5, None)
+    assert "--collective-timeout" not in started[0] and "megatron_lite.fault_tolerance.launch" in started[0]
 
 
 def test_recovery_record_is_written_whole_in_one_write(single_rank_group, tmp_path, monkeypatch):
