@@ -25,7 +25,9 @@ One job writes into a --save directory at a time: the job's rank 0 holds a POSIX
 drops the lock when the holding process ends, however it ends (a crash, SIGKILL), so a stale lock never blocks
 a restart; and a POSIX lock, unlike flock(), belongs to the process alone, not to the children it forks
 (DataLoader workers), so it is free the moment the holder is gone, e.g. for the rank 0 that the live-recovery
-supervisor starts in place of a killed one.
+supervisor starts in place of a killed one. On a filesystem without lock support (NFS without a lock daemon:
+ENOLCK; some FUSE mounts: EOPNOTSUPP, ENOSYS) the job trains unguarded after a warning that names the directory;
+the call is non-blocking, but a hard-mounted NFS whose lock server does not answer can still block in it.
 """
 
 import errno
@@ -37,6 +39,7 @@ import re
 import shutil
 import socket
 import tempfile
+import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 CHECKPOINT_VERSION = 2  # stored in both formats' state; 2: a manifest with checksums (and the torch_dist format)
@@ -184,6 +187,9 @@ def prune_last_words(root: str, upto: int):
 
 
 # ------------------------------------------------------------------------------------------ one job per directory
+# lockf's errors where the filesystem has no (working) lock support: NFS without a lock daemon (ENOLCK), some
+# FUSE and object-store mounts (EOPNOTSUPP, ENOSYS)
+_NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 _locked: Dict[str, int] = {}  # realpath of a --save directory -> the descriptor holding this process's lock on it
 
 
@@ -206,6 +212,11 @@ def lock_save_directory(root: str):
         except OSError as e:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said which yet"
             os.close(fd)  # this process holds no lock on the file: closing drops nothing
+            if e.errno in _NO_LOCK_SUPPORT:  # the guard is a safety net: train unguarded rather than not at all
+                warnings.warn(f"--save {root}: its filesystem does not support locks ({path}: {e.strerror}), so "
+                              f"nothing stops a second job from saving into this directory at the same time; "
+                              f"make sure only one job uses it", stacklevel=2)
+                return
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 raise OSError(e.errno, f"cannot lock {path}: {e.strerror}") from e
             raise ValueError(f"--save {root} is in use by another job ({holder} holds {path}): two jobs saving into "

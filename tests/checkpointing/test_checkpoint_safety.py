@@ -360,3 +360,24 @@ def test_a_second_job_on_the_same_save_directory_is_refused_and_a_dead_holder_bl
         holder.kill()
         holder.stdin.close()  # ends the forked child
         holder.wait()
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_a_save_directory_without_lock_support_trains_unguarded_with_a_warning(tmp_path, monkeypatch, code):
+    """On a filesystem that cannot lock (NFS without a lock daemon: ENOLCK; some FUSE mounts: EOPNOTSUPP,
+    ENOSYS) the --save lock warns, naming the directory, and the job goes on without it. Would catch a guard
+    that stops every job on such a filesystem ('cannot lock ...: No locks available') though nothing else
+    there needs locks."""
+    import errno
+    import fcntl
+
+    from megatron_lite.checkpointing import files
+
+    def no_locks(fd, operation, *args):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    save = str(tmp_path / "ck")
+    with pytest.warns(UserWarning, match=f"--save {save}: its filesystem does not support locks"):
+        files.lock_save_directory(save)
+    assert os.path.realpath(save) not in files._locked  # nothing held, nothing to release
+    files.unlock_save_directory(save)
