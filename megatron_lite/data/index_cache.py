@@ -5,7 +5,7 @@
     PATH_TO_CACHE/<md5 of the description>-GPTDataset-train-description.txt      the description (JSON)
                   <md5 of the description>-GPTDataset-train-document_index.npy   one .npy per array
                   <md5 ...>-GPTDataset-train-sample_index.npy, ...-shuffle_index.npy
-                  <md5 ...>-GPTDataset-train-digests.json    sha256 of each file above (megatron-lite's)
+                  <md5 ...>-GPTDataset-train-digests.json    sha256 and stat of each file (megatron-lite's)
 
 megatron-core's naming (`--data-cache-path`), with one file of megatron-lite's beside it: megatron-core
 reads the arrays of the four files it names and never this one, and the description stays the text whose
@@ -17,7 +17,15 @@ build at once (they write the same bytes) and a killed build leaves nothing half
 lets rank 0 build first while the other ranks wait (collectives.rank_zero_first); they then load. A set
 whose description differs, that has no digests (an older megatron-lite's, a partial copy), whose files do not
 match their digests, or whose arrays cannot be read or fail the caller's check is rebuilt and replaced, with
-a warning naming the file and the reason. Verifying reads every file once (sha256, some hundred MB/s).
+a warning naming the file and the reason.
+
+Verifying costs a stat per file, not a read: hashing every array on every load (each rank, each start) reads
+GBs at Megatron's scale, where the arrays are otherwise memory-mapped and read only where sampled. A file
+is hashed again only when its (size, mtime_ns, inode) differs from what was recorded when its sha256 was
+taken (a copy: another inode, or rewritten: another mtime), or when its mtime is not older than the digests
+file's own (git's "racy" rule: a change within the clock tick of the recorded one would keep its mtime).
+So a set copied elsewhere verifies in full on each load, and only a change that also resets the file's mtime
+to the recorded nanosecond (`touch -d`, deliberately) goes unseen.
 """
 
 import hashlib
@@ -72,8 +80,9 @@ def cached_indices(path_to_cache: Optional[str], description: Dict, kind: str, n
         os.makedirs(path_to_cache, exist_ok=True)
         for path, array in zip(paths, arrays):
             _write_atomically(path, lambda f, a=array: np.save(f, a, allow_pickle=False))
-        digests = {os.path.basename(path): _sha256(path) for path in paths}
-        digests[os.path.basename(description_path)] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        sha256 = {os.path.basename(path): _sha256(path) for path in paths}
+        sha256[os.path.basename(description_path)] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        digests = {"sha256": sha256, "stat": {os.path.basename(path): _stat(path) for path in paths}}
         _write_atomically(digests_path, lambda f: f.write(json.dumps(digests, indent=4).encode("utf-8")))
         _write_atomically(description_path, lambda f: f.write(text.encode("utf-8")))
     except OSError as e:
@@ -90,6 +99,12 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _stat(path: str) -> list:
+    """What changes when a file is rewritten or replaced: [size, mtime in ns, inode]."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def _load_problem(description_path: str, text: str, digests_path: str, paths: Sequence[str], check):
     """The loaded arrays (a tuple), None when there is no cache yet, or the reason it cannot be used."""
     if not os.path.isfile(description_path):
@@ -99,19 +114,26 @@ def _load_problem(description_path: str, text: str, digests_path: str, paths: Se
             return "its description differs from this run's"
     try:
         with open(digests_path, "rb") as f:
-            digests = json.loads(f.read().decode("utf-8"))
+            digests, digests_mtime = json.loads(f.read().decode("utf-8")), os.fstat(f.fileno()).st_mtime_ns
     except FileNotFoundError:
         return (f"{os.path.basename(digests_path)} is missing (written by a megatron-lite that kept no digests, "
                 "or a partial copy), so the arrays cannot be verified as this configuration's")
     except (OSError, ValueError) as e:
         return f"{os.path.basename(digests_path)} is unreadable ({e})"
+    if not (isinstance(digests, dict) and isinstance(digests.get("sha256"), dict)
+            and isinstance(digests.get("stat"), dict)):
+        return f"{os.path.basename(digests_path)} holds no sha256 and stat records"
     for path in [description_path, *paths]:
         name = os.path.basename(path)
+        recorded = digests["stat"].get(name)
         try:
+            if isinstance(recorded, list) and len(recorded) == 3 and recorded[1] < digests_mtime \
+                    and _stat(path) == recorded:
+                continue  # the file the sha256 was taken of, untouched since (module docstring)
             actual = _sha256(path)
         except OSError as e:
             return f"{name}: {e}"
-        if not isinstance(digests, dict) or digests.get(name) != actual:
+        if digests["sha256"].get(name) != actual:
             return (f"{name} is not the file written with this description (sha256 {actual[:12]}... differs "
                     f"from {os.path.basename(digests_path)}): copied from another configuration, or damaged")
     arrays = []

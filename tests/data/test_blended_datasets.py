@@ -147,6 +147,38 @@ def test_damaged_cache_is_rebuilt_with_a_warning(corpora, tmp_path, damage):
         assert build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0].cache_hit
 
 
+def test_an_unchanged_cache_loads_without_reading_its_arrays(corpora, tmp_path, monkeypatch):
+    """A set whose files are the ones its digests were taken of (same size, mtime and inode, older than the
+    digests file) loads without hashing its arrays; another configuration's arrays copied over them with
+    their times (shutil.copy2) or moved into their place are still hashed and refused. Would catch a load that
+    reads every array in full (each rank, each start: GBs at Megatron's scale, where the memory maps are read
+    only where sampled), or a cheap check that a copy keeping the file times slips past."""
+    from megatron_lite.data import index_cache
+
+    cache, other = str(tmp_path / "cache"), str(tmp_path / "other")
+    build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])
+    build_datasets(GPTDatasetConfig(random_seed=5, sequence_length=16, blend=([corpora[0]], None), split="90,8,2",
+                                    path_to_cache=other), [200, 20, 5])
+    for name in os.listdir(cache):  # as for a cache whose build (hashing GBs) took longer than a clock tick
+        if name.endswith("digests.json"):
+            later = os.stat(os.path.join(cache, name)).st_mtime_ns + 10**10
+            os.utime(os.path.join(cache, name), ns=(later, later))
+    hashed = []
+    real_sha256 = index_cache._sha256
+    monkeypatch.setattr(index_cache, "_sha256", lambda path: hashed.append(path) or real_sha256(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0].cache_hit
+    assert [path for path in hashed if path.endswith(".npy")] == []
+    base, other_base = _train_base(cache), _train_base(other)
+    shutil.copy2(os.path.join(other, other_base + "sample_index.npy"), os.path.join(cache, base + "sample_index.npy"))
+    with pytest.warns(UserWarning, match="sample_index.npy is not the file written with this description"):
+        assert not build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0].cache_hit
+    os.replace(os.path.join(other, other_base + "shuffle_index.npy"), os.path.join(cache, base + "shuffle_index.npy"))
+    with pytest.warns(UserWarning, match="shuffle_index.npy is not the file written with this description"):
+        assert not build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0].cache_hit
+
+
 def test_unwritable_cache_is_a_clear_error(corpora, tmp_path):
     """Would catch an OSError traceback from deep inside numpy instead of a message naming the flag."""
     blocker = tmp_path / "file"
