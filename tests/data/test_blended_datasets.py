@@ -171,7 +171,10 @@ def test_an_unchanged_cache_loads_without_reading_its_arrays(corpora, tmp_path, 
         assert build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0].cache_hit
     assert [path for path in hashed if path.endswith(".npy")] == []
     base, other_base = _train_base(cache), _train_base(other)
-    shutil.copy2(os.path.join(other, other_base + "sample_index.npy"), os.path.join(cache, base + "sample_index.npy"))
+    theirs, mine = os.path.join(other, other_base + "sample_index.npy"), os.path.join(cache, base + "sample_index.npy")
+    earlier = os.stat(mine).st_mtime_ns - 10**9  # written a second before ours (not in the same clock tick)
+    os.utime(theirs, ns=(earlier, earlier))
+    shutil.copy2(theirs, mine)  # in place (the same inode) and with its times
     with pytest.warns(UserWarning, match="sample_index.npy is not the file written with this description"):
         assert not build_datasets(config(([corpora[0]], None), cache), [200, 20, 5])[0].cache_hit
     os.replace(os.path.join(other, other_base + "shuffle_index.npy"), os.path.join(cache, base + "shuffle_index.npy"))
