@@ -148,7 +148,7 @@ class _LiveRun:
     def train_generation(self) -> dict:
         """Join the current generation and train in it to the end. Returns pretrain_live's summary; raises
         whatever interrupted the generation."""
-        self.words = None
+        self._drop_words()
         device, train_ds = self._form_generation()
         args = self.args
         if args.save:  # the generation's rank 0 holds it: a replaced rank 0 takes it once the dead one is gone
@@ -160,6 +160,9 @@ class _LiveRun:
         if args.save and args.last_words:
             self.words = LastWords(args.save, self.optimizer, self.scheduler, progress.iteration, progress.consumed,
                                    checkpoint_args(args))
+            # SIGTERM (the supervisor stopping the job, e.g. forwarding its own): this rank's last words, written
+            # from LastWords' watcher wherever the loop is (a collective included), as pretrain() under torchrun.
+            self.words.install()
         self._catch_up(progress)
         self.iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp,
                                              getattr(args, "num_workers", 0))
@@ -175,6 +178,7 @@ class _LiveRun:
         if args.save and progress.last_saved != progress.iteration:
             _save(args, progress, self.model, self.optimizer, self.scheduler)
         self.log.close()
+        self._drop_words()
         if args.save:  # the job's saves are over (agreed by the last one): rank 0 releases it, as pretrain() does
             unlock_save_directory(args.save)
         if dist.get_rank() == 0:
@@ -295,6 +299,13 @@ class _LiveRun:
         if dist.get_rank() == 0:
             self.membership.note_evaluated(progress.iteration)
 
+    def _drop_words(self):
+        """This generation's last words are no longer wanted: SIGTERM goes back to the worker's own handler
+        (membership: said in the log, then the default action)."""
+        if self.words is not None:
+            self.words.uninstall()
+        self.words = None
+
     def leave_generation(self, error: BaseException):
         """After a peer's failure interrupted this generation: keep this rank's consistent state (the
         snapshot), free the generation's process groups and wait for the supervisor's next generation."""
@@ -308,6 +319,7 @@ class _LiveRun:
         traceback.clear_frames(error.__traceback__)
         if self.model is not None:
             self.model.remove_grad_hooks()
+        self._drop_words()  # its SIGTERM watcher holds the optimizer, and with it the groups
         self.words = self.model = self.optimizer = self.scheduler = self.iterator = None
         collectives.forget_instance_groups()
         if dist.is_initialized():

@@ -54,13 +54,15 @@ def start_job(command, log_path, env=None):
                                 start_new_session=True)
 
 
-def wait_making_progress(job, watched, stall_s=STALL_S, what="the job"):
+def wait_making_progress(job, watched, stall_s=STALL_S, what="the job", until=None):
     """Wait for `job` (a Popen) to exit, as long as one of the `watched` files keeps growing (its log, its
     metrics): fail, after stopping its process group, when none has grown for `stall_s` seconds. Returns the
-    exit code."""
+    exit code; with `until` (a callable), returns None, the job left running, as soon as `until()` is true."""
     sizes, last_progress = None, time.monotonic()
     try:
         while job.poll() is None:
+            if until is not None and until():
+                return None
             now = [os.path.getsize(f) if os.path.exists(f) else -1 for f in watched]
             if now != sizes:
                 sizes, last_progress = now, time.monotonic()
@@ -70,7 +72,7 @@ def wait_making_progress(job, watched, stall_s=STALL_S, what="the job"):
                             f"unchanged); stopped. Its log ends:\n{tail}")
             time.sleep(0.2)
     finally:  # a stall, or the test interrupted (Ctrl-C, pytest-timeout): no process of the job is left behind
-        if job.poll() is None:
+        if job.poll() is None and not (until is not None and until()):
             try:
                 os.killpg(job.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -79,9 +81,10 @@ def wait_making_progress(job, watched, stall_s=STALL_S, what="the job"):
     return job.returncode
 
 
-def run_live(directory, faults, supervisor_flags=(), collective_timeout="10"):
+def run_live(directory, faults, supervisor_flags=(), collective_timeout="10", sigterm_at=None, log_name="job.log"):
     """The supervisor's run in `directory`: (return code, {rank: [pids]}, {iteration: {losses}}, output).
-    `collective_timeout` None: the supervisor's default."""
+    `collective_timeout` None: the supervisor's default. `sigterm_at`: a text; once the job's log holds it, the
+    supervisor gets SIGTERM (as from `timeout`, Slurm, Kubernetes). Output to `log_name` in `directory`."""
     # Most failures here are killed processes, which gloo reports at once: the collective timeout bounds a hung
     # peer (the SIGSTOP fault's detection), so it is long enough for the ranks' skew on a loaded machine (a
     # spurious timeout would cost a re-forming after the trouble grace).
@@ -89,9 +92,15 @@ def run_live(directory, faults, supervisor_flags=(), collective_timeout="10"):
     command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4", *timeout,
                "--join-timeout", "25", "--trouble-grace", "5", *supervisor_flags,
                WORKER, *FLAGS, "--save", str(directory), "--load", str(directory)]
-    log_path = os.path.join(directory, "job.log")
+    log_path = os.path.join(directory, log_name)
     job = start_job(command, log_path, job_env(LIVE_FAULTS=faults, LIVE_FAULTS_DIR=str(directory)))
-    code = wait_making_progress(job, [log_path, os.path.join(directory, "metrics.jsonl")], what="the live run")
+    watched = [log_path, os.path.join(directory, "metrics.jsonl")]
+    if sigterm_at is not None:
+        def logged():
+            return sigterm_at in open(log_path, errors="replace").read()
+        if wait_making_progress(job, watched, what="the live run", until=logged) is None:
+            os.kill(job.pid, signal.SIGTERM)
+    code = wait_making_progress(job, watched, what="the live run")
     output = open(log_path, errors="replace").read()
     pids = {}
     for rank, pid in re.findall(r"\[supervisor\] rank (\d+): pid (\d+)", output):

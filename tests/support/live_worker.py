@@ -8,6 +8,8 @@ generation it is assigned to: a spurious re-forming shifts the numbers) when it 
     stop               not a kill: SIGSTOP there instead (a hung process; the supervisor must replace it)
     raise              not a kill: a RuntimeError there instead (this rank's own error: exit 1)
     delay              not a fault: DELAY_S seconds of sleep there (a rank slowed down by a loaded machine)
+    wait               not a fault: the rank sleeps there (at most 120 s) until the job is stopped (the test sends
+                       the supervisor SIGTERM once it reads the line this prints)
     update             right after the local optimizer update, before the parameter all-gather
     save               the periodic checkpoint saved after the iteration
     evaluate           the evaluation after the iteration
@@ -124,6 +126,9 @@ def forward_step(data_iterator, model):
     if at is not None and fault("delay") == at:
         print(f"[rank {os.environ['RANK']}] > injected delay: {DELAY_S} s at forward_backward", flush=True)
         time.sleep(DELAY_S)
+    if at is not None and fault("wait") == at:
+        print(f"[rank {os.environ['RANK']}] > injected wait for SIGTERM at forward_backward", flush=True)
+        time.sleep(120)
     return original_forward_step(data_iterator, model)
 
 

@@ -132,21 +132,26 @@ def test_double_failure_and_an_exception_fall_back_to_restarts(tmp_path, referen
 @pytest.fixture(scope="module")
 def no_fault(tmp_path_factory):
     """A supervisor run with the defaults (--collective-timeout included) and no fault: rank 1 only sleeps
-    DELAY_S (5 s) in iteration 3, as a rank on a loaded machine falls behind."""
+    DELAY_S (5 s) in iteration 3, as a rank on a loaded machine falls behind. In iteration 6 (rank 2 waits there)
+    the supervisor gets SIGTERM, as from `timeout` or Slurm; the same command run again finishes the job.
+    Returns (directory, the stopped run, the restart)."""
     directory = tmp_path_factory.mktemp("no_fault")
-    return directory, run_live(directory, "1:3:delay:0", collective_timeout=None)
+    stopped = run_live(directory, "1:3:delay:0;2:6:wait:0", collective_timeout=None,
+                       sigterm_at="injected wait for SIGTERM")
+    return directory, stopped, run_live(directory, "", collective_timeout=None, log_name="restart.log")
 
 
 @PROGRESS_BOUNDED
 def test_supervisor_run_is_torchruns_bit_for_bit(no_fault, reference):
-    """Same flags, no fault: the supervisor's run logs torchrun's losses and writes its final checkpoint byte
-    for byte, with OMP_NUM_THREADS unset in the caller's environment (both launchers then give each worker one
-    thread). Would catch workers left at torch's default thread count (one per core: other bits on 23 of 40
-    iterations measured, and 4 ranks x 2 threads on 2 cores 2.6x slower)."""
-    directory, (code, pids, losses, output) = no_fault
+    """Same flags, no fault (but the SIGTERM and the restart of the next test): the supervisor's run logs
+    torchrun's losses and writes its final checkpoint byte for byte, with OMP_NUM_THREADS unset in the caller's
+    environment (both launchers then give each worker one thread). Would catch workers left at torch's default
+    thread count (one per core: other bits on 23 of 40 iterations measured, and 4 ranks x 2 threads on 2 cores
+    2.6x slower)."""
+    directory, (_, _, _, stopped), (code, pids, losses, output) = no_fault
     assert code == 0, output
     assert "[supervisor] OMP_NUM_THREADS is not set: each of the 4 workers gets OMP_NUM_THREADS=1" in output
-    check_exact(directory, reference, losses, output)
+    check_exact(directory, reference, losses, stopped + output)
 
 
 @PROGRESS_BOUNDED
@@ -154,10 +159,27 @@ def test_default_collective_timeout_outlasts_a_slow_rank(no_fault):
     """Rank 1 arrives 5 s late at iteration 3's collectives: the default --collective-timeout must not fire
     (the old 3 s did, here and on a loaded machine: an empty re-forming, 0-4 per 40 iterations). Would catch
     a default below the waits of a healthy run on a loaded machine."""
-    directory, (code, pids, losses, output) = no_fault
-    assert code == 0 and "injected delay" in output, output
+    directory, (code, pids, losses, output), _ = no_fault
+    assert "injected delay" in output, output
+    before_the_stop = output.split("[supervisor] got SIGTERM")[0]
     assert len(re.findall(r"\[supervisor\] generation \d+:", output)) == 1, output  # the start only
-    assert "failed (" not in output and all(len(p) == 1 for p in pids.values()), output
+    assert "failed (" not in before_the_stop and all(len(p) == 1 for p in pids.values()), output
+
+
+@PROGRESS_BOUNDED
+def test_sigterm_leaves_last_words_and_the_same_command_resumes_from_them(no_fault):
+    """The supervisor stopped by SIGTERM in iteration 6 (rank 2 waiting in its forward, the others blocked in a
+    collective with it) forwards it; every rank writes its last words at iteration 5, as pretrain()'s ranks do
+    under torchrun, the supervisor exits 1 as torchrun does, and the same command run again resumes from those
+    last words at iteration 5, not from the periodic checkpoint of iteration 4 (and matches the uninterrupted
+    run bitwise: the previous tests). Would catch the live loop without LastWords' SIGTERM watcher (the worker's
+    own SIGTERM handler ended the rank without last words)."""
+    directory, (code, _, _, output), (_, _, _, restart) = no_fault
+    assert code == 1 and "[supervisor] got SIGTERM: forwarding it to the workers" in output, output
+    for rank in range(4):
+        assert f"[rank {rank}] > wrote last words at iteration 5" in output, output
+    resumed = re.findall(r"> resumed from (\S+) at iteration (\d+)", restart)
+    assert len(resumed) == 1 and "last_words" in resumed[0][0] and resumed[0][1] == "5", restart
 
 
 # ---------------------------------------------------------------------------------------- the supervisor's edges
