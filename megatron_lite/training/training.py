@@ -28,7 +28,7 @@ One iteration (train_step)::
 """
 
 import contextlib
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -109,8 +109,9 @@ def _reduce_over_ranks(sums: Dict[str, torch.Tensor], group, ranks_divisor: int,
     return averages, (totals[-1] if extra is not None else None)
 
 
-def read_micro_batches(data_iterator, count: int, group) -> Optional[list]:
-    """The next `count` micro-batches of `data_iterator` (None: None), read on every rank of `group` at once.
+def read_micro_batches(data_iterator, count: int, group) -> Optional[Iterator]:
+    """The next `count` micro-batches of `data_iterator` (None: None), read on every rank of `group` at once,
+    as an iterator for forward_step: reading past them is a RuntimeError naming forward_step's contract.
 
     A rank whose read fails (a sample with a token id outside the vocabulary, a damaged file, the data running
     out) raises its error and every other rank a RuntimeError naming it, here, before the iteration's first
@@ -136,7 +137,14 @@ def read_micro_batches(data_iterator, count: int, group) -> Optional[list]:
             raise error
         raise RuntimeError(f"reading the data failed on data-parallel rank(s) {failed}: "
                            + "; ".join(f"rank {r}: {messages[r]}" for r in failed))
-    return batches
+    return _exactly(batches)
+
+
+def _exactly(batches: list) -> Iterator:
+    yield from batches
+    # A bare StopIteration out of train_step would name nothing.
+    raise RuntimeError(f"forward_step read more than the {len(batches)} micro-batch(es) read for it: it must take "
+                       f"one micro-batch per call, as Megatron's forward_step does (one next(data_iterator))")
 
 
 def train_step(forward_step_func: Callable, data_iterator, model, optimizer, scheduler, num_micro_batches: int,
@@ -157,8 +165,7 @@ def train_step(forward_step_func: Callable, data_iterator, model, optimizer, sch
     """
     per_token = model.ddp_config.calculate_per_token_loss
     group = model.data_parallel_group
-    batches = read_micro_batches(data_iterator, num_micro_batches, group)
-    data = None if batches is None else iter(batches)
+    data = read_micro_batches(data_iterator, num_micro_batches, group)
     model.zero_grad_buffer()
     optimizer.zero_grad()
     sums: Dict[str, torch.Tensor] = {}
@@ -205,9 +212,9 @@ def evaluate(forward_step_func: Callable, data_iterator, model, num_micro_batche
     group = model.data_parallel_group
     sums: Dict[str, torch.Tensor] = {}
     for start in range(0, num_micro_batches, read_ahead):
-        batches = read_micro_batches(data_iterator, min(read_ahead, num_micro_batches - start), group)
-        data = None if batches is None else iter(batches)
-        for _ in range(min(read_ahead, num_micro_batches - start)):
+        count = min(read_ahead, num_micro_batches - start)
+        data = read_micro_batches(data_iterator, count, group)
+        for _ in range(count):
             output, loss_func = forward_step_func(data, model)
             _accumulate(sums, loss_func(output)[-1])
     model.train()

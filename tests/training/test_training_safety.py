@@ -41,6 +41,36 @@ def test_nan_loss_on_one_rank_stops_every_rank_naming_it():
         assert params_finite  # stopped before the optimizer applied NaN gradients
 
 
+def _greedy_forward_step_worker():
+    from optim_testing import build
+
+    from megatron_lite.training import train_step
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    model, ddp, opt = build(dict(), dict(lr=1e-3))
+    sched = OptimizerParamScheduler(opt, 1e-3, 0.0, 0, 10, "constant")
+
+    def forward_step(data_iterator, model):  # two micro-batches per call: not Megatron's contract
+        x = torch.cat([next(data_iterator), next(data_iterator)])
+        return model(x), lambda output: (output.float().pow(2).mean(), {})
+
+    data = iter([torch.randn(4, 8) for _ in range(8)])
+    try:
+        train_step(forward_step, data, ddp, opt, sched, num_micro_batches=2)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_forward_step_reading_more_than_one_micro_batch_per_call_is_named():
+    """train_step reads the iteration's micro-batches before the first forward and hands forward_step an
+    iterator over exactly those. Would catch a forward_step that reads two per call (against Megatron's
+    contract) ending the run with a bare StopIteration that names nothing."""
+    for message in run_distributed(_greedy_forward_step_worker, 2):
+        assert message is not None and message.startswith("RuntimeError: forward_step read more than the 2 "
+                                                          "micro-batch(es) read for it"), message
+
+
 def _corpus_with_one_foreign_id(tmp_path, flags):
     """A dataset of 15 documents of ids below 1000 where one token is 1023 (NullTokenizer --vocab-size 1000 pads
     its embedding to 1024 rows), placed so that the first micro-step whose samples hold it gives it to
