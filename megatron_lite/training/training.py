@@ -12,7 +12,7 @@
 One iteration (train_step)::
 
     model.zero_grad_buffer(); optimizer.zero_grad()
-    data = iter(read_micro_batches(...))            # on every rank at once: a rank whose data fails (an id
+    data = read_micro_batches(...)                  # on every rank at once: a rank whose data fails (an id
                                                     # out of the vocabulary, the data running out) stops all
     for each of this rank's micro-batches:          # all but the last under model.no_sync()
         output, loss_func = forward_step_func(data, model)
