@@ -18,9 +18,11 @@ then exit code 1; and it adds the generation keys of membership.py:
                                 warm spare (--spares, started ahead with torch imported) or a new one
     a rank reports trouble      (a collective failed, no process died within --trouble-grace seconds):
                                 a member that has not reported and whose heartbeat is older than
-                                --collective-timeout does not answer (SIGSTOP, a hang): it is killed
-                                (SIGKILL) and replaced as a dead one; if every member answers, generation
-                                += 1 with no replacement, every rank re-forms the groups
+                                --collective-timeout, or that has not reported --collective-timeout +
+                                --trouble-grace after the first report, does not answer (SIGSTOP, a
+                                deadlock): it is killed (SIGKILL) and replaced as a dead one; once every
+                                member has reported, generation += 1 with no replacement, every rank
+                                re-forms the groups
     elastic (--min-instances)   a replacement not back (its process not ready to join) --replacement-timeout
                                 seconds after the death: generation += 1 with the complete instances only
                                 (shrink; its instance partners wait, alive, to be admitted); once every rank
@@ -227,11 +229,20 @@ class Supervisor:
         return [r for r in self.members if r not in self.done and r not in self.pending
                 and self.workers[r].poll() is None]
 
-    def unresponsive(self):
-        """The live members that have not reported the failed collective and show no sign of life (no
-        heartbeat for --collective-timeout seconds): stopped or hung, their peers wait for them in vain."""
+    def unresponsive(self, trouble_for_s: float):
+        """The live members that have not reported the failed collective, `trouble_for_s` seconds after the
+        first report, and either show no sign of life (no heartbeat for --collective-timeout seconds: stopped,
+        wedged) or have had --collective-timeout + --trouble-grace to report: a healthy rank reaches a collective
+        within the collective timeout, and one with the reporters fails at once (they freed their groups), so
+        such a rank is hung though its heartbeat thread still beats (a deadlock in Python, a wait that never
+        ends). Their peers wait for them in vain."""
+        late = trouble_for_s > self.config.collective_timeout_s + self.trouble_grace_s
         return [r for r in self.live_members()
-                if not self.reported(r) and self.silent_for(r) > self.config.collective_timeout_s]
+                if not self.reported(r) and (late or self.silent_for(r) > self.config.collective_timeout_s)]
+
+    def all_reported(self) -> bool:
+        """Every live member reported the failed collective of the current generation."""
+        return all(self.reported(r) for r in self.live_members())
 
     def await_last_words(self, failed):
         """Before a whole-job restart: let every other live member finish its failure path (last words, then
@@ -357,17 +368,21 @@ class Supervisor:
                 trouble_since = None
             elif self.store.check([f"gen_{self.generation}/trouble"]):
                 trouble_since = trouble_since or time.monotonic()
-                if time.monotonic() - trouble_since > self.trouble_grace_s:  # no process died
-                    hung = self.unresponsive()
+                trouble_for = time.monotonic() - trouble_since
+                if trouble_for > self.trouble_grace_s:  # no process died
+                    hung = self.unresponsive(trouble_for)
                     for rank in hung:  # replaced as dead ones: the next round sees them killed
                         self.say(f"rank {rank} (pid {self.workers[rank].pid}) does not answer: no failed collective "
-                                 f"reported, no heartbeat for {self.silent_for(rank):.0f} s (--collective-timeout "
+                                 f"reported {trouble_for:.0f} s after the first, its last heartbeat "
+                                 f"{self.silent_for(rank):.0f} s ago (--collective-timeout "
                                  f"{self.config.collective_timeout_s:g}): killing it (SIGKILL) to replace it")
                         self.workers[rank].kill()
                         self.workers[rank].wait()
-                    if not hung:
-                        self.open_generation([])  # every member answers: re-form only
-                    trouble_since = None
+                    if hung:
+                        trouble_since = None
+                    elif self.all_reported():  # every member answers: re-form only
+                        self.open_generation([])
+                        trouble_since = None
             else:
                 self.tend_elastic()
         return 0

@@ -280,6 +280,37 @@ def test_supervisor_stopped_by_a_signal_takes_its_workers(tmp_path, signum):
         assert "[rank 0] > the supervisor" in open(log_path).read()
 
 
+DEADLOCK_WORKER = f"""import sys, threading, time
+sys.path.insert(0, {REPO!r})
+from megatron_lite.fault_tolerance.membership import Membership
+m = Membership.from_env()
+m.join()  # a member of a formed generation (ready to join: no longer starting)
+if (m.rank, m.generation) == (1, 0):  # alive, its heartbeat thread beating, its main thread stuck
+    lock = threading.Lock()
+    lock.acquire()
+    print("[rank 1] deadlocked", flush=True)
+    lock.acquire(timeout=60)  # a deadlock that ends, so that the test ends without the fix too
+elif m.rank == 0:
+    while not m.store.check(["heartbeat/1"]):
+        time.sleep(0.01)
+    print(f"[rank 0] generation {{m.wait_for_next_generation()}}: replaced {{m.replaced()}}", flush=True)
+    m.join()  # with rank 1's replacement, which joined above
+"""
+
+
+def test_rank_hung_with_a_beating_heartbeat_is_replaced(capfd):
+    """Rank 1 deadlocks (its main thread waits on a lock; its heartbeat thread beats on) and rank 0 reports a
+    failed collective: rank 1 never reports, so --collective-timeout + --trouble-grace after the report it is
+    killed and replaced, as a SIGSTOPped rank is. Would catch the heartbeat alone deciding (the supervisor
+    re-forming without it: the survivors then wait for it until --join-timeout and the whole job restarts)."""
+    sup = launch.Supervisor(["-c", DEADLOCK_WORKER], 2, membership.LiveConfig(5.0, 60.0), 20, 1, 0.5, spares=0)
+    assert sup.run() == 0
+    out = capfd.readouterr().out
+    assert "[rank 1] deadlocked" in out, out
+    assert re.search(r"\[supervisor\] rank 1 \(pid \d+\) does not answer: .* killing it", out), out
+    assert "[rank 0] generation 1: replaced [1]" in out, out
+
+
 def test_error_at_start_up_stops_the_job(capfd):
     """A worker that raises before the job logged an iteration (a refusal of its arguments or data: every start
     would meet it again) ends the job with code 1 after one start, the error printed once per rank. Would catch
