@@ -24,8 +24,9 @@ GBs at Megatron's scale, where the arrays are otherwise memory-mapped and read o
 is hashed again only when its (size, mtime_ns, inode) differs from what was recorded when its sha256 was
 taken (a copy: another inode, or rewritten: another mtime), or when its mtime is not older than the digests
 file's own (git's "racy" rule: a change within the clock tick of the recorded one would keep its mtime).
-So a set copied elsewhere verifies in full on each load, and only a change that also resets the file's mtime
-to the recorded nanosecond (`touch -d`, deliberately) goes unseen.
+So a set copied elsewhere verifies in full on each load (the small description always does), and only a
+same-size file written into the same inode with exactly the recorded mtime goes unseen (its time reset by
+`touch -d`, or copied with its times from a file written in the same clock tick).
 """
 
 import hashlib
