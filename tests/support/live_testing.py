@@ -58,10 +58,11 @@ def wait_making_progress(job, watched, stall_s=STALL_S, what="the job", until=No
     """Wait for `job` (a Popen) to exit, as long as one of the `watched` files keeps growing (its log, its
     metrics): fail, after stopping its process group, when none has grown for `stall_s` seconds. Returns the
     exit code; with `until` (a callable), returns None, the job left running, as soon as `until()` is true."""
-    sizes, last_progress = None, time.monotonic()
+    sizes, last_progress, reached = None, time.monotonic(), False
     try:
         while job.poll() is None:
             if until is not None and until():
+                reached = True
                 return None
             now = [os.path.getsize(f) if os.path.exists(f) else -1 for f in watched]
             if now != sizes:
@@ -72,7 +73,7 @@ def wait_making_progress(job, watched, stall_s=STALL_S, what="the job", until=No
                             f"unchanged); stopped. Its log ends:\n{tail}")
             time.sleep(0.2)
     finally:  # a stall, or the test interrupted (Ctrl-C, pytest-timeout): no process of the job is left behind
-        if job.poll() is None and not (until is not None and until()):
+        if job.poll() is None and not reached:
             try:
                 os.killpg(job.pid, signal.SIGKILL)
             except ProcessLookupError:
