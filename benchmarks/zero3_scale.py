@@ -12,9 +12,9 @@ phase above the rank's RSS before the model existed):
 
 Theory, per rank (bytes; N parameters, d ranks, s = this rank's shard elements, about N / d):
 
-    build        8 s (parameter and gradient shards) + B (one bucket's full parameters and gradients, built
-                 one at a time) + T (the largest tensor of the replayed initialization)            + C
-    load         8 s (parameter and gradient shards) + 16 s (the pieces read: main params, Adam's moments and
+    build        4 s (parameter shards; gradient shards come with the first backward) + B (one bucket's
+                 shard, built one at a time) + T (the largest tensor of the replayed initialization) + C
+    load         4 s (parameter shards) + 16 s (the pieces read: main params, Adam's moments and
                  model shards; the first and last are copied in once every rank read all of its own, the moments
                  become the optimizer's state as they are)                                         + C
     iteration    16 s + W + A + O                                                                  + C
@@ -25,7 +25,7 @@ Theory, per rank (bytes; N parameters, d ranks, s = this rank's shard elements, 
                                                     whole iteration), the unit computing, the one prefetched
           gradients   3 R + (1 + IN_FLIGHT) U       the root's bucket and the tied embedding's two gradients
                                                     (input and output uses) that autograd sums before they are
-                                                    added in; the unit computing and ZERO2_BUCKETS_IN_FLIGHT
+                                                    added in; the unit computing and ZERO3_BUCKETS_IN_FLIGHT
                                                     reduce-scatters in flight
           scratch     (1 + IN_FLIGHT) U (d = 2: U / 2)  the reduce-scatters' received copies (gloo's all-gather
                                                     lands in place: no scratch; collectives.py)
@@ -49,7 +49,7 @@ gradients, Adam's two moments). Run from the repository root:
 
 At dp <= 4 with fp32 Adam the normal build cannot exceed a budget the training fits in: the sharded state alone
 is 16/d >= 4 B/param, the whole fp32 model's size, and the iterations add the window and activations to it. At
-dp=8 the sharded state is 2 B/param, the load 3 B/param, against the normal build's 4 B/param.
+dp=8 the sharded state is 2 B/param, the load 20/8 = 2.5 B/param, against the normal build's 4 B/param.
 """
 
 import argparse
@@ -72,7 +72,7 @@ from megatron_lite import (
 )
 from megatron_lite.checkpointing import load_checkpoint, save_checkpoint
 from megatron_lite.distributed import collectives
-from megatron_lite.distributed.grad_sync import ZERO2_BUCKETS_IN_FLIGHT
+from megatron_lite.distributed.grad_sync import ZERO3_BUCKETS_IN_FLIGHT
 from megatron_lite.distributed.prefetch import PREFETCH
 from megatron_lite.models import GPTConfig, GPTModel
 from megatron_lite.training.scheduler import OptimizerParamScheduler
@@ -140,17 +140,17 @@ def theory(ddp, shape, constant: int) -> dict:
     shard = sum(b.shard_size for b in units.all_buckets())
     unit = max(sum(b.grad_data.numel() for b in units.buckets[i]) for i in range(len(units.units))) * 4
     root = sum(b.grad_data.numel() for b in units.root) * 4
-    bucket = max(b.grad_data.numel() for b in units.all_buckets()) * 4 * 2
+    bucket = max(b.shard_size for b in units.all_buckets()) * 4
     largest = max(p.numel() for p in ddp.module.parameters()) * 4
     h, layers, vocab = shape["hidden_size"], shape["num_layers"], shape["vocab_size"]
     activations = shape["seq"] * (68 * h * layers + 8 * vocab)
     window = (root + (1 + PREFETCH) * unit  # parameters
-              + 3 * root + (1 + ZERO2_BUCKETS_IN_FLIGHT) * unit  # gradients
-              + (1 + ZERO2_BUCKETS_IN_FLIGHT) * (unit // 2 if world == 2 else unit))  # scratch
+              + 3 * root + (1 + ZERO3_BUCKETS_IN_FLIGHT) * unit  # gradients
+              + (1 + ZERO3_BUCKETS_IN_FLIGHT) * (unit // 2 if world == 2 else unit))  # scratch
     step = 8 * max(b.shard_size for b in units.all_buckets()) if shape.get("per_tensor_adam") else 4 * shard
     iteration = 16 * shard + window + activations + step + constant
     full = sum(p.numel() for p in ddp.module.parameters()) * 4
-    return {"build": 8 * shard + bucket + largest + constant, "load": 24 * shard + constant,
+    return {"build": 4 * shard + bucket + largest + constant, "load": 20 * shard + constant,
             "normal build": full + bucket + constant,
             "first iteration": iteration, "steady state": iteration,
             "terms": dict(shard_state=16 * shard, window=window, activations=activations, adam_step=step,

@@ -72,8 +72,10 @@ class Bucket:
         # megatron-core's map: parameter -> its (start, end) elements within the bucket.
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         # ZeRO-2 (sharding.gradients): grad_data has a storage of its own, grown when the first gradient
-        # arrives and freed once its reduce-scatter is done; what persists between iterations is this rank's
-        # reduced shard, grad_shard.
+        # arrives and freed once its reduce-scatter is done; this rank's reduced shard, grad_shard, has one
+        # too, grown by the first reduction of an iteration and freed by the next reset (zero_grad_buffer):
+        # it lives from finish_grad_sync to the optimizer's step, never before the first backward (FSDP2's
+        # sharded .grad, set to None by zero_grad, is alive for the same span).
         self.shards_grads = ddp_config.sharding.gradients
         self.shards_params = ddp_config.sharding.parameters
         # This rank's shard, inside the bucket: shard r of the group's equal shards (none without the
@@ -81,8 +83,10 @@ class Bucket:
         world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
         shard = shard_range(0, grad_data.numel(), world, rank) if ddp_config.use_distributed_optimizer else (0, 0)
         self.shard_offset, self.shard_size = shard[0], shard[1] - shard[0]
-        self.grad_shard = torch.zeros(self.shard_size, dtype=grad_data.dtype, device=grad_data.device) \
-            if self.shards_grads else None
+        self.grad_shard = None
+        if self.shards_grads:  # released at once by reset() below: torch.empty's pages are never touched
+            self.grad_shard = torch.empty(self.shard_size, dtype=grad_data.dtype, device=grad_data.device)
+            self._grad_shard_storage = ReleasableStorage(self.grad_shard)
         self._grad_storage = ReleasableStorage(grad_data)
         self._finished = False
         if self.shards_grads:
@@ -128,17 +132,24 @@ class Bucket:
         for param in self.extra_main_grads:
             param.main_grad.zero_()
         if self.shards_grads:
-            self.grad_shard.zero_()
+            self._grad_shard_storage.release()  # zeros until the first reduction (reduced_grad_shard)
             self._grad_storage.release()  # unreduced leftovers of an interrupted iteration, if any
 
     # ---------------------------------------------------------------- ZeRO-2 gradient storage
     @property
     def reduced_grad_shard(self) -> torch.Tensor:
         """This rank's shard of the bucket's reduced gradients (after finish_grad_sync): a view into
-        grad_data (ZeRO-1), or the persistent grad_shard (ZeRO-2)."""
+        grad_data (ZeRO-1), or grad_shard (ZeRO-2/3; zeros, grown here, when no reduction ran since the
+        last reset)."""
         if self.shards_grads:
+            self.ensure_grad_shard()
             return self.grad_shard
         return self.my_shard_of(self.grad_data)
+
+    def ensure_grad_shard(self):
+        """ZeRO-2/3: grow grad_shard back (zeroed) if reset() released it; views into it stay valid."""
+        if self._grad_shard_storage.regrow():
+            self.grad_shard.zero_()
 
     def ensure_grad_storage(self):
         """ZeRO-2: grow grad_data back (zeroed) before a gradient lands in it; main_grad views stay valid."""
@@ -252,7 +263,7 @@ class Bucket:
         self._finished = True
         if self.shards_grads:
             with torch.no_grad():
-                self.grad_shard.add_(self.my_shard_of(self.grad_data))
+                self.reduced_grad_shard.add_(self.my_shard_of(self.grad_data))
             self._grad_storage.release()
 
     # ---------------------------------------------------------------- ZeRO-3 parameter storage

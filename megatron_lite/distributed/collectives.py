@@ -174,7 +174,8 @@ class _SumOnWait:
         return True
 
     def is_completed(self):
-        return self._copies is None
+        """Whether the transfers are done (wait() then only sums, without blocking)."""
+        return self._copies is None or self._work.is_completed()
 
 
 def _broadcasts(group, tensors: List[torch.Tensor]) -> _Works:

@@ -44,7 +44,8 @@ class GradHooksMixin:
         config = self.ddp_config
         # The buckets' gradient collectives in one fixed launch order (grad_sync.py).
         registration = {p: i for i, p in enumerate(self.param_to_name)}
-        self.grad_sync = GradSyncSchedule(buckets, registration, config.sharding.gradients)
+        self.grad_sync = GradSyncSchedule(buckets, registration, config.sharding.gradients, config.sharding.parameters,
+                                          config.find_unused_parameters)
         self._launch_order: List[Bucket] = self.grad_sync.order
         # This iteration's gradient-sync state: whether finish_grad_sync ran, whether a backward ran since
         # zero_grad_buffer / finish_grad_sync. Updated from the grad hooks, so kept on a plain object:
@@ -86,6 +87,7 @@ class GradHooksMixin:
         report_ready = self._overlap and self.is_last_microbatch
         if report_ready:
             bucket.check_accepts_grad(index)  # before touching main_grad: it may be in flight
+            self.grad_sync.before_arrival(bucket)  # ZeRO-2/3: free what a finished collective holds first
         grad = param.grad
         if grad is not None:
             if grad.layout is not torch.strided:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import collectives
 from .bucket import Bucket
 from .distributed_data_parallel_config import DistributedDataParallelConfig, pattern_matches
-from .layout import compute_buffer_layout
+from .layout import compute_buffer_layout, shard_range
 
 __all__ = ["Bucket", "ParamAndGradBuffer"]
 
@@ -107,19 +107,32 @@ class ParamAndGradBuffer:
         self._param_to_name = param_to_name
         self.buckets = []
         for bucket_id, b in enumerate(layout.buckets):
-            grad_data = torch.zeros(b.numel, dtype=grad_dtype, device=device) if self.shards_grads \
+            # ZeRO-2/3's full-size storages are released by the Bucket before anything reads them (grown back
+            # zeroed, or gathered): empty, so that building never touches their pages.
+            grad_data = torch.empty(b.numel, dtype=grad_dtype, device=device) if self.shards_grads \
                 else self.grad_data[b.start:b.end]
             param_data = None
             if ddp_config.use_distributed_optimizer:
-                param_data = torch.zeros(b.numel, dtype=param_dtype, device=device) if shards_params \
+                param_data = torch.empty(b.numel, dtype=param_dtype, device=device) if shards_params \
                     else self.param_data[b.start:b.end]
+            # ZeRO-3: only this rank's shard of param_data is written (zeros, then the parameters' values that
+            # fall in it): the Bucket keeps that part as its param_shard and releases the rest unread.
+            mine = shard_range(0, b.numel, self.data_parallel_world_size, self.data_parallel_rank) \
+                if shards_params else (0, b.numel)
+            if shards_params:
+                param_data[mine[0]:mine[1]].zero_()
             extra_main_grads = {}  # param -> its slice of grad_data
             for index in b.param_indices:
                 param = self.params[index]
                 start, end, _ = layout.param_ranges[index]
                 if param_data is not None:
                     view = param_data[start - b.start:end - b.start].view(param.shape)
-                    view.copy_(param.data)
+                    if not shards_params:
+                        view.copy_(param.data)
+                    elif max(start - b.start, mine[0]) < min(end - b.start, mine[1]):
+                        # (a meta build's stride-0 placeholder flattens without a copy)
+                        low, high = max(start - b.start, mine[0]), min(end - b.start, mine[1])
+                        param_data[low:high].copy_(param.data.reshape(-1)[low - start + b.start:high - start + b.start])
                     param.data = view
                 param.main_grad = grad_data[start - b.start:end - b.start].view(param.shape)
                 if param in fp32_local_accumulation and grad_dtype != torch.float32:
@@ -175,7 +188,7 @@ class ParamAndGradBuffer:
                 param.main_grad.mul_(scaling_factor)
         if self.shards_grads:
             for bucket in self.buckets:
-                bucket.grad_shard.mul_(scaling_factor)
+                bucket.reduced_grad_shard.mul_(scaling_factor)
         else:
             self.grad_data.mul_(scaling_factor)
 

@@ -25,3 +25,15 @@ def test_zero3_scale_quick_reports_every_phase_of_every_rank():
         assert all(float(v) > 0 for v in line.groups()), line.group(0)
     assert "loss after loading" in out.stdout and "meta-built ZeRO-3: largest peak" in out.stdout
     assert "normally built, same training: peak per rank" in out.stdout
+
+
+def test_sharded_peak_memory_reports_every_phase_of_every_system():
+    """Catches benchmarks/sharded_peak_memory.py failing to build or train a system (megatron-lite's ZeRO-3,
+    FSDP2) in freshly spawned ranks with the allocator's environment, or a phase missing from its table."""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.sharded_peak_memory", "--size", "tiny",
+                          "--world-size", "2", "--steps", "2", "--allocator", "mmap64k", "--systems", "ml-zero3,fsdp2"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for system in ("ml-zero3", "fsdp2"):
+        row = re.search(rf"^\| mmap64k \| {system} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", out.stdout, re.M)
+        assert row and all(int(v) > 0 for v in row.groups()), (system, out.stdout)

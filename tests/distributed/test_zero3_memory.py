@@ -92,3 +92,47 @@ def test_first_iteration_is_bounded_like_the_steady_state():
         assert max(peaks) <= bound < whole_model / 2, (peaks, bound, whole_model)
     for peaks, unit, root in run_distributed(_peaks_worker, 2, 2):
         assert peaks[0] <= max(peaks[1:]) < 2 * (root + UNITS * unit), peaks
+
+
+def _grad_shard_bytes_worker(strategy):
+    """Bytes of the buckets' reduced-gradient shards (grad_shard) alive after the build, after the first
+    backward's finish_grad_sync, after the step, and after the next zero_grad_buffer(); and the bytes of this
+    rank's parameter shards."""
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Blocks(), DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=10 ** 6))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
+
+    def held():
+        return sum(b.grad_shard.untyped_storage().nbytes() for b in buckets)
+
+    sizes = {"built": held()}
+    ddp.zero_grad_buffer()
+    sizes["zeroed"] = held()
+    ddp(torch.randn(4, 8)).sum().backward()
+    ddp.finish_grad_sync()
+    sizes["reduced"] = held()
+    opt.step()
+    sizes["stepped"] = held()
+    ddp.zero_grad_buffer()
+    sizes["next iteration"] = held()
+    return sizes, sum(b.shard_size * b.grad_data.element_size() for b in buckets)
+
+
+def test_build_holds_no_gradient_shard_before_the_first_backward():
+    """Would catch ZeRO-2/3's reduced-gradient shards allocated at wrap time (or kept from one iteration's step
+    to the next one's backward): 4/d bytes per parameter held through the build, the forward and its
+    activations, where FSDP2 holds none (its sharded .grad exists from the backward to zero_grad)."""
+    for strategy in ("optim_grads_params", "optim_grads"):
+        for sizes, shard_bytes in run_distributed(_grad_shard_bytes_worker, 2, strategy):
+            assert shard_bytes > 0
+            assert sizes == {"built": 0, "zeroed": 0, "reduced": shard_bytes, "stepped": shard_bytes,
+                             "next iteration": 0}, (strategy, sizes, shard_bytes)
