@@ -423,6 +423,12 @@ def main(argv=None) -> int:
     if not 0 < args.replacement_timeout < args.join_timeout:
         parser.error(f"--replacement-timeout ({args.replacement_timeout} s) must be > 0 and shorter than "
                      f"--join-timeout ({args.join_timeout} s): the survivors give up waiting at the join timeout")
+    if args.join_timeout <= args.collective_timeout + args.trouble_grace:
+        # A rank that does not answer is replaced only --collective-timeout + --trouble-grace after the first
+        # report: with a shorter join timeout the survivors give up first and every hang restarts the whole job.
+        parser.error(f"--join-timeout ({args.join_timeout:g} s) must be longer than --collective-timeout + "
+                     f"--trouble-grace ({args.collective_timeout:g} + {args.trouble_grace:g} s): the survivors wait "
+                     "that long for a rank that does not answer to be replaced; raise --join-timeout")
     try:
         config = LiveConfig(args.collective_timeout, args.join_timeout, args.min_instances)
     except ValueError as e:  # its message names the field: say it with the flag's name

@@ -189,6 +189,20 @@ ENV_NAMES = ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK",
              "TORCHELASTIC_USE_AGENT_STORE")
 
 
+@pytest.mark.parametrize("flags", [["--collective-timeout", "60"], ["--join-timeout", "31"],
+                                   ["--trouble-grace", "40"]])
+def test_join_timeout_shorter_than_a_hung_ranks_replacement_is_refused(flags, capsys):
+    """A rank that does not answer is replaced --collective-timeout + --trouble-grace after the first report; a
+    --join-timeout no longer than that (e.g. --collective-timeout 60 with the default --join-timeout 60) made the
+    survivors give up first, so every hang restarted the whole job instead of being recovered live. Refused at
+    parse time, naming the three flags; the defaults (30 + 2 < 60) pass this check."""
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--nproc-per-node", "2", *flags, "pretrain_gpt.py"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--join-timeout" in err and "--collective-timeout + --trouble-grace" in err
+
+
 def test_workers_get_torchruns_environment(tmp_path, monkeypatch, capsys):
     """The variables torchrun's agent gives each worker, OMP_NUM_THREADS=1 with a notice when it is unset and
     left alone when it is set. Would catch a worker at the default thread count, or a script written for
