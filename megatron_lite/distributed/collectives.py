@@ -326,22 +326,37 @@ def broadcast_object(obj: Any, group=None, src_group_rank: int = 0) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ errors
-def run_collectively(fn: Callable, *args, group=None):
-    """`fn(*args)` on every rank; if it raises on any rank, every rank raises (naming the ranks) instead of
-    the others walking into the next collective and waiting there for the process-group timeout."""
+def run_collectively(fn: Callable, *args, group=None, what: Optional[str] = None, group_name: str = ""):
+    """`fn(*args)` on every rank of `group` at once; if it raises on any rank, every rank raises: that rank its
+    own error, the others a RuntimeError naming the failed ranks and their errors ("{what} failed on rank(s)
+    [1]: rank 1: ValueError: ..."), instead of walking into the next collective and waiting there for the
+    process-group timeout.
+
+    Costs one small all-reduce (a failure flag per rank); the messages are gathered only after a failure.
+
+    Args:
+        what: what failed, as the others' RuntimeError names it (default: fn's name).
+        group_name: the group the ranks are numbered in, named before "rank(s)" (e.g. "data-parallel").
+    """
     error = None
     try:
         result = fn(*args)
     except BaseException as e:  # re-raised below, on every rank (a Ctrl-C too: the others must hear of it)
         error = e
-    failures = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
+    # NCCL reduces CUDA tensors only (all_gather_object picks the current device the same way).
+    device = torch.device("cuda", torch.cuda.current_device()) if backend(group) == "nccl" else None
+    flags = torch.zeros(dist.get_world_size(group), device=device)
+    flags[dist.get_rank(group)] = float(error is not None)
+    all_reduce(flags, group)
+    failed = flags.nonzero().flatten().tolist()
+    if not failed:
+        return result
+    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
         raise error
-    failed = {rank: text for rank, text in enumerate(failures) if text is not None}
-    if failed:
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on rank(s) {sorted(failed)}: "
-                           + "; ".join(f"rank {r}: {t}" for r, t in failed.items()))
-    return result
+    ranks = f"{group_name} rank(s)" if group_name else "rank(s)"
+    raise RuntimeError(f"{what or getattr(fn, '__name__', fn)} failed on {ranks} {failed}: "
+                       + "; ".join(f"rank {r}: {messages[r]}" for r in failed))
 
 
 def rank_zero_first(fn: Callable, *args, group=None):

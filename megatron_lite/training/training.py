@@ -116,27 +116,13 @@ def read_micro_batches(data_iterator, count: int, group) -> Optional[Iterator]:
     A rank whose read fails (a sample with a token id outside the vocabulary, a damaged file, the data running
     out) raises its error and every other rank a RuntimeError naming it, here, before the iteration's first
     collective: otherwise the others would go on into a gradient reduction and die there seconds later of a
-    lost connection. Costs one small all-reduce; the messages are gathered only after a failure.
+    lost connection. Costs one small all-reduce (collectives.run_collectively); the messages are gathered only
+    after a failure.
     """
     if data_iterator is None:
         return None
-    error, batches = None, None
-    try:
-        batches = [next(data_iterator) for _ in range(count)]
-    except BaseException as e:  # communicate even when about to raise: the other ranks must hear of it
-        error = e
-    device = torch.device("cuda", torch.cuda.current_device()) if collectives.backend(group) == "nccl" else None
-    flags = torch.zeros(dist.get_world_size(group), device=device)
-    flags[dist.get_rank(group)] = float(error is not None)
-    collectives.all_reduce(flags, group)
-    failed = flags.nonzero().flatten().tolist()
-    if failed:
-        messages = collectives.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
-                                                 group)
-        if error is not None:
-            raise error
-        raise RuntimeError(f"reading the data failed on data-parallel rank(s) {failed}: "
-                           + "; ".join(f"rank {r}: {messages[r]}" for r in failed))
+    batches = collectives.run_collectively(lambda: [next(data_iterator) for _ in range(count)], group=group,
+                                           what="reading the data", group_name="data-parallel")
     return _exactly(batches)
 
 
