@@ -89,9 +89,11 @@ def run_live(directory, faults, supervisor_flags=(), collective_timeout="10", si
     # Most failures here are killed processes, which gloo reports at once: the collective timeout bounds a hung
     # peer (the SIGSTOP fault's detection), so it is long enough for the ranks' skew on a loaded machine (a
     # spurious timeout would cost a re-forming after the trouble grace).
-    timeout = [] if collective_timeout is None else ["--collective-timeout", collective_timeout]
+    # The join timeout must outlast the replacement of a rank that does not answer (collective timeout + trouble
+    # grace, launch's start-up check): 25 s beside our 10 s, the supervisor's default beside its default.
+    timeout = [] if collective_timeout is None else ["--collective-timeout", collective_timeout, "--join-timeout", "25"]
     command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4", *timeout,
-               "--join-timeout", "25", "--trouble-grace", "5", *supervisor_flags,
+               "--trouble-grace", "5", *supervisor_flags,
                WORKER, *FLAGS, "--save", str(directory), "--load", str(directory)]
     log_path = os.path.join(directory, log_name)
     job = start_job(command, log_path, job_env(LIVE_FAULTS=faults, LIVE_FAULTS_DIR=str(directory)))
