@@ -364,8 +364,9 @@ def rank_zero_first(fn: Callable, *args, group=None):
     result on every rank. A failure on rank 0 reaches every rank at once (the others do not start), and so
     does one on any other rank (e.g. a file that only it cannot read)."""
     first = dist.get_rank(group) == 0
-    result = run_collectively(fn if first else _nothing, *args, group=group)
-    later = run_collectively(_nothing if first else fn, *args, group=group)
+    what = getattr(fn, "__name__", fn)  # the others run _nothing: name the work that failed, not theirs
+    result = run_collectively(fn if first else _nothing, *args, group=group, what=what)
+    later = run_collectively(_nothing if first else fn, *args, group=group, what=what)
     return result if first else later
 
 

@@ -193,7 +193,10 @@ def _rank_zero_first_worker(failing_rank):
 def test_rank_zero_first_failure_on_any_rank_reaches_every_rank():
     """Would catch rank_zero_first agreeing only on rank 0's call: a rank failing in the later call (a file
     only it cannot read) would leave the others walking into the next collective, waiting there until the
-    process-group timeout, with the cause printed nowhere."""
+    process-group timeout, with the cause printed nowhere. And the others' error naming the work they did not
+    do ("_nothing failed on rank(s) [0]") instead of the work that failed ("build failed ...")."""
     for failing in (0, 1):
         results = run_distributed(_rank_zero_first_worker, 2, failing)
         assert all(f"injected: rank {failing}" in (error or "") and in_step == 2 for error, in_step in results)
+        other = results[1 - failing][0]
+        assert other.startswith(f"build failed on rank(s) [{failing}]"), other
