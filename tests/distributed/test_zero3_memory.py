@@ -136,3 +136,41 @@ def test_build_holds_no_gradient_shard_before_the_first_backward():
             assert shard_bytes > 0
             assert sizes == {"built": 0, "zeroed": 0, "reduced": shard_bytes, "stepped": shard_bytes,
                              "next iteration": 0}, (strategy, sizes, shard_bytes)
+
+
+def _step_without_backward_worker(strategy):
+    """A step with no backward after an iteration whose reduced shards were filled with NaN (what the released
+    storage may hold when it is grown again): its gradient norm and the parameters it leaves."""
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Blocks(), DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=10 ** 6))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, log_grad_norm=True,
+                                                 use_distributed_optimizer=True), [ddp])
+    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(4, 8)).sum().backward()
+    ddp.finish_grad_sync()
+    for bucket in buckets:
+        bucket.reduced_grad_shard.fill_(float("nan"))
+    ddp.zero_grad_buffer()  # frees the shards; the step below reads them before any reduction grows them
+    before = {k: v.clone() for k, v in ddp.state_dict().items()}
+    ok, norm, _ = opt.step()
+    after = ddp.state_dict()
+    return ok, norm, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_step_before_any_backward_reads_zero_gradient_shards():
+    """Would catch a gradient shard grown back without zeroing (ZeRO-2/3's shards are freed by zero_grad_buffer
+    and grown by whatever reads them first): a step with no backward since then (every parameter frozen for an
+    iteration, a schedule that steps without data) must see zeros, as ZeRO-1's zeroed buffer, not what the
+    storage held before."""
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        for ok, norm, unchanged in run_distributed(_step_without_backward_worker, 2, strategy):
+            assert (ok, norm, unchanged) == (True, 0.0, True), (strategy, ok, norm, unchanged)
