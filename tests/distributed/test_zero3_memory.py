@@ -94,10 +94,8 @@ def test_first_iteration_is_bounded_like_the_steady_state():
         assert peaks[0] <= max(peaks[1:]) < 2 * (root + UNITS * unit), peaks
 
 
-def _grad_shard_bytes_worker(strategy):
-    """Bytes of the buckets' reduced-gradient shards (grad_shard) alive after the build, after the first
-    backward's finish_grad_sync, after the step, and after the next zero_grad_buffer(); and the bytes of this
-    rank's parameter shards."""
+def _blocks_with_distributed_optimizer(strategy, **optimizer_fields):
+    """Blocks() wrapped with overlap under `strategy`, its distributed optimizer and its buckets."""
     from megatron_lite import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -108,8 +106,15 @@ def _grad_shard_bytes_worker(strategy):
     torch.manual_seed(0)
     ddp = DistributedDataParallel(Blocks(), DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=10 ** 6))
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
-    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True, **optimizer_fields), [ddp])
+    return ddp, opt, [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
+
+
+def _grad_shard_bytes_worker(strategy):
+    """Bytes of the buckets' reduced-gradient shards (grad_shard) alive after the build, after the first
+    backward's finish_grad_sync, after the step, and after the next zero_grad_buffer(); and the bytes of this
+    rank's parameter shards."""
+    ddp, opt, buckets = _blocks_with_distributed_optimizer(strategy)
 
     def held():
         return sum(b.grad_shard.untyped_storage().nbytes() for b in buckets)
@@ -141,19 +146,8 @@ def test_build_holds_no_gradient_shard_before_the_first_backward():
 def _step_without_backward_worker(strategy):
     """A step with no backward after an iteration whose reduced shards were filled with NaN (what the released
     storage may hold when it is grown again): its gradient norm and the parameters it leaves."""
-    from megatron_lite import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        OptimizerConfig,
-        get_megatron_optimizer,
-    )
-
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(Blocks(), DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=10 ** 6))
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, log_grad_norm=True,
-                                                 use_distributed_optimizer=True), [ddp])
-    buckets = [b for buffer in ddp.param_and_grad_buffers for b in buffer.buckets]
+    ddp, opt, buckets = _blocks_with_distributed_optimizer(strategy, weight_decay=0.0, clip_grad=1.0,
+                                                           log_grad_norm=True)
     ddp.zero_grad_buffer()
     ddp(torch.randn(4, 8)).sum().backward()
     ddp.finish_grad_sync()
