@@ -156,7 +156,7 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
         self.param_and_grad_buffers: List[ParamAndGradBuffer] = []
         self.expert_parallel_buffers: List[ParamAndGradBuffer] = []  # reduced over expert_data_parallel_group
         for (param_dtype, grad_dtype, expert), params in dtype_to_params.items():
-            params = persistent_params_together(params, unit_of, len(units))  # ZeRO-3: a bucket of their own
+            params = persistent_params_together(params, unit_of)  # ZeRO-3: a bucket of their own
             group, inter = (expert_data_parallel_group, None) if expert else (self.intra_instance_group,
                                                                                self.inter_instance_group)
             (self.expert_parallel_buffers if expert else self.param_and_grad_buffers).append(ParamAndGradBuffer(

@@ -2,10 +2,10 @@
 unit each parameter belongs to (param_units.py then gathers them).
 
     units           the outermost submodules named by fsdp_unit_modules (None: the children of every
-                    nn.ModuleList), in registration order: indices 0 .. n-1
-    root (n)        parameters outside every unit, or shared by two units or by a unit and the outside (a
+                    nn.ModuleList), in registration order: unit ids 0 .. n-1
+    ROOT_UNIT       parameters outside every unit, or shared by two units or by a unit and the outside (a
                     tied embedding / output layer): gathered for the whole forward and backward
-    persistent (n+1) parameters below param_persistence_threshold: whole on every rank, in buckets at the
+    PERSISTENT_UNIT parameters below param_persistence_threshold: whole on every rank, in buckets at the
                     end of their buffer (persistent_params_together)
 
 A name in fsdp_unit_modules that matches nothing is an error listing the model's candidate classes: silently
@@ -20,30 +20,34 @@ import torch
 
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 
+ROOT_UNIT = -1
+"""The unit id of the root's parameters (a module unit's id is its index, 0 .. n-1: never negative)."""
+PERSISTENT_UNIT = -2
+"""The unit id of the persistent parameters (below param_persistence_threshold)."""
+
 
 def units_of(module: torch.nn.Module, config: DistributedDataParallelConfig):
-    """(units, parameter -> unit index) for ZeRO-3 (find_units, unit_of_params; parameters with fewer than
-    config.param_persistence_threshold elements go to the persistent unit, len(units) + 1); ([], None) where
-    the strategy keeps whole parameters."""
+    """(units, parameter -> unit id) for ZeRO-3 (find_units, unit_of_params; parameters with fewer than
+    config.param_persistence_threshold elements go to PERSISTENT_UNIT); ([], None) where the strategy keeps
+    whole parameters."""
     if not config.sharding.parameters:
         return [], None
     units = find_units(module, config.fsdp_unit_modules)
     refuse_compiled_forward(modules_around(module, units))
     unit_of = unit_of_params(module, units)
-    persistent = len(units) + 1
-    return units, {p: persistent if p.numel() < config.param_persistence_threshold else unit
+    return units, {p: PERSISTENT_UNIT if p.numel() < config.param_persistence_threshold else unit
                    for p, unit in unit_of.items()}
 
 
-def persistent_params_together(params: List[torch.nn.Parameter], unit_of: Optional[Dict[torch.nn.Parameter, int]],
-                               num_units: int) -> List[torch.nn.Parameter]:
-    """`params` (a buffer's, in order) with the persistent ones (unit num_units + 1) moved, in their order, to
+def persistent_params_together(params: List[torch.nn.Parameter],
+                               unit_of: Optional[Dict[torch.nn.Parameter, int]]) -> List[torch.nn.Parameter]:
+    """`params` (a buffer's, in order) with the persistent ones (PERSISTENT_UNIT) moved, in their order, to
     the end: buckets never span two units, so small parameters scattered between large ones (biases, norms)
     would each close a bucket of their own. Unchanged when there are none."""
     if not unit_of:
         return list(params)
-    persistent = [p for p in params if unit_of[p] == num_units + 1]
-    return [p for p in params if unit_of[p] != num_units + 1] + persistent
+    persistent = [p for p in params if unit_of[p] == PERSISTENT_UNIT]
+    return [p for p in params if unit_of[p] != PERSISTENT_UNIT] + persistent
 
 
 def find_units(module: torch.nn.Module, class_names: Optional[Tuple[str, ...]]) -> List[torch.nn.Module]:
@@ -133,16 +137,16 @@ def _candidate_units(module: torch.nn.Module) -> str:
 
 
 def unit_of_params(module: torch.nn.Module, units: List[torch.nn.Module]) -> Dict[torch.nn.Parameter, int]:
-    """Parameter -> unit index; len(units) for the root unit, which also takes every parameter two units
+    """Parameter -> unit id: its unit's index, or ROOT_UNIT, which also takes every parameter two units
     share or a unit shares with a module outside every unit (a tied embedding / output layer): the root is
     gathered for the whole forward and backward, so each of its users finds the full values."""
     owner: Dict[torch.nn.Parameter, int] = {}
     for index, unit in enumerate(units):
         for p in unit.parameters():
-            owner[p] = index if p not in owner else len(units)
+            owner[p] = index if p not in owner else ROOT_UNIT
     in_unit = {id(m) for unit in units for m in unit.modules()}
     for sub in module.modules():
         if id(sub) not in in_unit:
             for p in sub.parameters(recurse=False):
-                owner[p] = len(units)
-    return {p: owner.get(p, len(units)) for p in module.parameters()}
+                owner[p] = ROOT_UNIT
+    return {p: owner.get(p, ROOT_UNIT) for p in module.parameters()}

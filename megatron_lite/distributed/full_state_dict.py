@@ -26,6 +26,8 @@ from typing import Iterator, Tuple
 
 import torch
 
+from .fsdp_units import PERSISTENT_UNIT, ROOT_UNIT
+
 
 def iter_state_dict(units, module: torch.nn.Module, prefix: str = "",
                     keep_vars: bool = False) -> Iterator[Tuple[str, object]]:
@@ -52,7 +54,7 @@ def iter_state_dict(units, module: torch.nn.Module, prefix: str = "",
         starts.append(index is not None and index != current)
         current = index if index is not None else current
     sequence = [index for index, start in zip(plan, starts) if start]
-    for index in (len(units.units) + 1, len(units.units)):  # persistent parameters, the root: kept throughout
+    for index in (PERSISTENT_UNIT, ROOT_UNIT):  # kept throughout
         units.gather_unit(index)
     issued, current = 0, None
     try:

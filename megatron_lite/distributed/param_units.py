@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
-from .fsdp_units import refuse_compiled_forward
+from .fsdp_units import PERSISTENT_UNIT, ROOT_UNIT, refuse_compiled_forward
 from .full_state_dict import iter_state_dict
 from .param_guards import ParamGuardsMixin
 from .prefetch import PrefetchSchedule
@@ -51,8 +51,8 @@ class ParamUnits(ParamGuardsMixin):
 
     Args:
         units: the unit modules, in forward (registration) order.
-        buckets_of_unit: per unit index (len(units) for the root, len(units) + 1 for the persistent
-            parameters, see fsdp_units.units_of), its buckets.
+        buckets_of_unit: per unit id (the unit's index; fsdp_units.ROOT_UNIT, fsdp_units.PERSISTENT_UNIT for
+            the root's and the persistent parameters, see fsdp_units.units_of), its buckets.
         group: the group the parameters are sharded over; gathers run on a group of their own with the same ranks.
             An expert bucket (expert_parallel.py) is sharded over its own group, bucket.data_parallel_group:
             its gathers, too, get a group of their own, and their sequence is checked over that group.
@@ -65,10 +65,13 @@ class ParamUnits(ParamGuardsMixin):
                  prefetch_bucket_size: Optional[int] = None, max_reuse_distance: Optional[int] = None):
         self.units = units
         self.buckets = buckets_of_unit
-        self.root = buckets_of_unit.get(len(units), [])
+        # Every unit id, in the one order full gathers are issued in (gather_all): the units, the root, the
+        # persistent parameters.
+        self.unit_ids = list(range(len(units))) + [ROOT_UNIT, PERSISTENT_UNIT]
+        self.root = buckets_of_unit.get(ROOT_UNIT, [])
         # Persistent parameters (param_persistence_threshold): gathered at the first forward, then kept
         # whole; after each optimizer step gathered again in place (start()), never released.
-        self.persistent = buckets_of_unit.get(len(units) + 1, [])
+        self.persistent = buckets_of_unit.get(PERSISTENT_UNIT, [])
         self._root_ids = {id(b) for b in self.root}
         self._kept_ids = self._root_ids | {id(b) for b in self.persistent}  # never released by a grad hook
         self._persistent_ids = {id(b) for b in self.persistent}
@@ -263,12 +266,12 @@ class ParamUnits(ParamGuardsMixin):
     def gather_all(self):
         """Every unit gathered, synchronously, in the fixed order (for full_parameters and the like)."""
         self.release_all()  # whatever a rank still holds: every rank then issues every gather
-        for index in sorted(self.buckets):
+        for index in self.unit_ids:
             self.gather_unit(index)
 
     def gather_unit(self, index: int):
-        """Unit `index`'s buckets gathered, synchronously (len(units): the root, len(units) + 1: the persistent
-        parameters; collective: every rank gathers the same units in the same sequence)."""
+        """Unit `index`'s buckets gathered, synchronously (ROOT_UNIT, PERSISTENT_UNIT too; collective: every
+        rank gathers the same units in the same sequence)."""
         for bucket in self.buckets.get(index, []):
             self._gather(bucket, async_op=False)
             bucket.wait_params()
@@ -277,7 +280,7 @@ class ParamUnits(ParamGuardsMixin):
     def release_unit(self, index: Optional[int]):
         """Release unit `index`'s buckets (None: nothing; the persistent ones are never released; inside
         full_parameters() nothing is released until it ends)."""
-        if index is not None and index != len(self.units) + 1 and not self.holding_all:
+        if index is not None and index != PERSISTENT_UNIT and not self.holding_all:
             for bucket in self.buckets.get(index, []):
                 bucket.release_params()
 
@@ -292,7 +295,7 @@ class ParamUnits(ParamGuardsMixin):
         full_parameters() nothing is released and the units' hooks gather nothing: every bucket is gathered
         again in place, now (the step is collective, so every rank is here)."""
         if self.holding_all:  # in gather_all()'s order: the same on every rank
-            self._refresh([b for index in sorted(self.buckets) for b in self.buckets[index]], async_op=False)
+            self._refresh([b for index in self.unit_ids for b in self.buckets.get(index, [])], async_op=False)
             return
         self.release_all()
         self._refresh_persistent(async_op=not force_sync)
