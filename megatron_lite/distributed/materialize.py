@@ -61,9 +61,11 @@ def meta_tensors(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor, torch
     """(qualified name, tensor, owning module, is a parameter) of every meta parameter and buffer, each once."""
     found, seen = [], set()
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for is_param, items in ((True, sub._parameters.items()), (False, sub._buffers.items())):
+        own = ((True, sub.named_parameters(recurse=False, remove_duplicate=False)),
+               (False, sub.named_buffers(recurse=False, remove_duplicate=False)))
+        for is_param, items in own:
             for name, t in items:
-                if t is not None and t.is_meta and id(t) not in seen:
+                if t.is_meta and id(t) not in seen:
                     seen.add(id(t))
                     found.append((f"{prefix}.{name}" if prefix else name, t, sub, is_param))
     return found

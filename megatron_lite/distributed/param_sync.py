@@ -49,12 +49,8 @@ def build_param_sync(module: torch.nn.Module, config: DistributedDataParallelCon
         buckets_of_unit: Dict[int, List[Bucket]] = {}
         for bucket in buckets:
             buckets_of_unit.setdefault(unit_of[bucket.params_list[0]], []).append(bucket)
-        param_units = ParamUnits(units, buckets_of_unit, group, config.prefetch_bucket_size,
-                                 config.max_reuse_distance)
-        param_units.guard_compiled_forward(module)
-        param_units.guard_state_dicts(module, param_to_bucket)
-        param_units.guard_inner_forward(module)
-        return param_units
+        return ParamUnits(module, units, buckets_of_unit, group, config.prefetch_bucket_size,
+                          config.max_reuse_distance)
     # The distributed optimizer's all-gathers run in forward order: the reverse of launch order.
     gather_order = launch_order[::-1] if config.use_distributed_optimizer else []
     param_gather = ParamGather(gather_order, param_to_bucket, config.overlap_param_gather)

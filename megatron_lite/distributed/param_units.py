@@ -26,7 +26,8 @@ last units of forward kept gathered for their backward instead of gathered again
 Which modules are units, and which unit each parameter belongs to, is decided once at wrap time
 (fsdp_units.py). `ParamUnits` answers the same calls from DistributedDataParallel as `ParamGather`
 (param_gather.py) does for the strategies that keep whole parameters; the hooks that refuse the released
-parameters' placeholders (state_dict(), model.module(x), a compiled forward) are its mixin, param_guards.py.
+parameters' placeholders (state_dict(), model.module(x), a compiled forward) are an object it holds,
+`ParamGuards` (param_guards.py), given the module, the units and the buckets they watch.
 """
 
 import contextlib
@@ -38,18 +39,19 @@ import torch.distributed as dist
 
 from . import collectives
 from .bucket import Bucket
-from .fsdp_units import PERSISTENT_UNIT, ROOT_UNIT, refuse_compiled_forward
+from .fsdp_units import PERSISTENT_UNIT, ROOT_UNIT
 from .full_state_dict import iter_state_dict
-from .param_guards import ParamGuardsMixin
+from .param_guards import ParamGuards
 from .prefetch import PrefetchSchedule
 
 __all__ = ["ParamUnits"]  # the units themselves are found in fsdp_units.py
 
 
-class ParamUnits(ParamGuardsMixin):
+class ParamUnits:
     """Gathers and releases the units' parameters around their forward and backward (see module docstring).
 
     Args:
+        module: the wrapped model (its guards' hooks are registered on it and its submodules).
         units: the unit modules, in forward (registration) order.
         buckets_of_unit: per unit id (the unit's index; fsdp_units.ROOT_UNIT, fsdp_units.PERSISTENT_UNIT for
             the root's and the persistent parameters, see fsdp_units.units_of), its buckets.
@@ -61,8 +63,9 @@ class ParamUnits(ParamGuardsMixin):
             its forward).
     """
 
-    def __init__(self, units: List[torch.nn.Module], buckets_of_unit: Dict[int, List[Bucket]], group,
-                 prefetch_bucket_size: Optional[int] = None, max_reuse_distance: Optional[int] = None):
+    def __init__(self, module: torch.nn.Module, units: List[torch.nn.Module],
+                 buckets_of_unit: Dict[int, List[Bucket]], group, prefetch_bucket_size: Optional[int] = None,
+                 max_reuse_distance: Optional[int] = None):
         self.units = units
         self.buckets = buckets_of_unit
         # Every unit id, in the one order full gathers are issued in (gather_all): the units, the root, the
@@ -103,11 +106,12 @@ class ParamUnits(ParamGuardsMixin):
         self._full_depth = 0  # nesting depth of full_parameters() (see holding_all)
         # Per sharding group, gathers issued this iteration: count and a rolling digest of their order.
         self._signature = {key: [0, 0] for key in self._gather_groups}
-        self._handles = []
-        self._around_units = []  # modules whose forward runs the units' hooks (guard_compiled_forward)
+        self.hook_handles = []
         for index, unit in enumerate(units):
-            self._handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
-            self._handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
+            self.hook_handles.append(unit.register_forward_pre_hook(self._pre_forward_hook(index)))
+            self.hook_handles.append(unit.register_forward_hook(self._post_forward_hook(index)))
+        # The hooks that refuse the released parameters' placeholders (param_guards.py).
+        self.guards = ParamGuards(module, units, self.root, self.all_buckets())
 
     # ---------------------------------------------------------------- gathering in a fixed order
     def _gather(self, bucket: Bucket, async_op: bool = True):
@@ -148,7 +152,7 @@ class ParamUnits(ParamGuardsMixin):
 
     def begin_forward(self):
         """Start of a forward (DistributedDataParallel.forward): a new forward and backward sequence."""
-        refuse_compiled_forward(self._around_units)
+        self.guards.check_not_compiled()
         self._complete("forward")  # a forward that raised half-way
         self._complete("backward")  # the previous micro-batch's
         for schedule in self._schedules.values():
@@ -317,6 +321,10 @@ class ParamUnits(ParamGuardsMixin):
     def finish(self):
         """Complete the gathers in flight."""
         self.wait_all()
+
+    def reading_placeholders(self):
+        """state_dict() of the modules is allowed inside, placeholders and all (ParamGuards.reading_placeholders)."""
+        return self.guards.reading_placeholders()
 
     def iter_state_dict(self, module: torch.nn.Module, prefix: str = "", keep_vars: bool = False):
         """`module.state_dict()`'s items, one unit gathered at a time, each valid until the next is requested
