@@ -24,6 +24,7 @@ from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology, shard_range
 from .main_params import copy_main_to_model, copy_model_to_main, main_params
 from .optimizer import MegatronOptimizer
+from .optimizer_state import MainShard
 from .sharded_state import flat_numel, flatten, unflatten
 
 
@@ -93,7 +94,9 @@ class DistributedOptimizer(MegatronOptimizer):
         for i, (s, main) in enumerate(zip(self.shards, main_params([s.params for s in self.shards], config))):
             self.main_of[i] = main
             groups[group_of[s.model_param]]["params"].append(main)
-        super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
+        main_shards = [MainShard(s.model_param, s.param_start, s.param_end, self.main_of[i])
+                       for i, s in enumerate(self.shards)]
+        super().__init__(make_inner(groups), config, model_chunks, grad_scaler, main_shards)
 
     # ------------------------------------------------------------------ step pieces
     def _prepare_for_step(self):
@@ -125,20 +128,19 @@ class DistributedOptimizer(MegatronOptimizer):
             else:
                 self.main_of[i].data.copy_(values[s.model_param].reshape(-1)[s.param_start:s.param_end])
 
-    # ------------------------------------------------------------------ state (see sharded_state.py)
+    # ------------------------------------------------------------------ state (see optimizer_state.py)
     @property
     def data_parallel_topology(self) -> DataParallelTopology:
         return self.model_chunks[0].data_parallel_topology
 
-    def _main_shards(self):
-        return [(s.model_param, s.param_start, s.param_end, self.main_of[i], s.params if self.params_sharded else None)
-                for i, s in enumerate(self.shards)]
+    def _model_shards(self):
+        return [s.params for s in self.shards] if self.params_sharded else None
 
     def _gathered(self, state):
         """Each value's whole fp32 parameters: every buffer assembled from the ranks' shards by one all-gather
         per bucket (the step's own collective: every element crosses the network once), cut by name."""
         keys = ["param", *state.state_keys]
-        # Aligned with self.shards (_main_shards' order); a moment no step created yet is gathered as zeros.
+        # Aligned with self.shards (the main shards' order); a moment no step created yet is gathered as zeros.
         flats = {key: self._gather_full([shard.tensors.get(key) for shard in state.shards]) for key in keys}
         steps = self.agreed_param_steps()  # one count, except for parameters that skipped steps
         out = {}
@@ -204,8 +206,7 @@ class DistributedOptimizer(MegatronOptimizer):
             raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
                              f"second moments); refusing to restore it")
         if not received.step:  # the replica never stepped: neither has this rank's state now
-            for main in self.main_of.values():
-                self.optimizer.state.pop(main, None)
+            self.shard_state.forget_moments()
             received = received.params_only()
         self._load_shards(received)
         for i, s in enumerate(self.shards):  # this rank's shard of the model only: no collective

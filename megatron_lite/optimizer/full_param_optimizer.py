@@ -6,6 +6,7 @@ Float16OptimizerWithFloat16Params keeps fp32 main copies of fp16/bf16 parameters
 
 from .main_params import copy_main_to_model, copy_model_to_main, main_params
 from .optimizer import MegatronOptimizer, qualified_param_names
+from .optimizer_state import MainShard
 
 
 class _FullParamOptimizer(MegatronOptimizer):
@@ -23,7 +24,8 @@ class _FullParamOptimizer(MegatronOptimizer):
         self.main_of = dict(zip(params, main_params(params, config)))
         self._step_grads = {}  # model param -> its fp32 gradient of this step (on the model's device)
         groups = [{**g, "params": [self.main_of[p] for p in g["params"]]} for g in model_param_groups]
-        super().__init__(make_inner(groups), config, model_chunks, grad_scaler)
+        main_shards = [MainShard(p, 0, p.numel(), main) for p, main in self.main_of.items()]  # every one whole
+        super().__init__(make_inner(groups), config, model_chunks, grad_scaler, main_shards)
 
     def _copy_model_grads_to_main_grads(self):
         skipped, self._step_grads = self._skipped(), {}
@@ -53,10 +55,6 @@ class _FullParamOptimizer(MegatronOptimizer):
                 copy_model_to_main(model_param.data, main)
             else:  # also into an fp32 main param that is the model's own tensor
                 main.data.copy_(values[model_param].reshape(main.shape))
-
-    def _main_shards(self):
-        # Every rank steps every parameter, whole.
-        return [(p, 0, p.numel(), main, None) for p, main in self.main_of.items()]
 
     def _gathered(self, state):
         """Every rank holds every parameter whole: its shards are the state dict's entries."""

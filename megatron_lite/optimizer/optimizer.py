@@ -1,6 +1,7 @@
-"""Megatron's optimizer protocol (MegatronOptimizer): the step every implementation shares. The non-sharded
+"""Megatron's optimizer protocol (MegatronOptimizer): the step every implementation shares, and the state
+methods (state_dict, sharded_state, the agreed step counts) over the ShardState it holds. The non-sharded
 implementations are in full_param_optimizer.py, the sharded one in distrib_optimizer.py; what they step
-(fp32 main params) is main_params.py, their state (described, saved, restored) optimizer_state.py.
+(fp32 main params) is main_params.py; the state of what they step (described, restored) optimizer_state.py.
 
     step():  main grads <- model main_grad      (alias for fp32; fp32 copy for fp16/bf16)
              collectives: fp16 inf/NaN check agreed by all ranks; global grad norm (and zero count)
@@ -13,17 +14,20 @@ import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import collectives
+from ..distributed.layout import DataParallelTopology
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .cpu_offload import GradStaging
 from .optimizer_config import OptimizerConfig
-from .optimizer_state import OptimizerStateMixin
+from .optimizer_state import MainShard, ShardState, cut_shards
+from .sharded_state import ShardedOptimizerState
 
 __all__ = ["MegatronOptimizer", "qualified_param_names"]
 
 
-class MegatronOptimizer(OptimizerStateMixin):
+class MegatronOptimizer:
     """Shared step() logic; subclasses decide what the main params are and how results reach the model.
 
     Args:
@@ -31,6 +35,8 @@ class MegatronOptimizer(OptimizerStateMixin):
         config: the OptimizerConfig.
         model_chunks: the DistributedDataParallel-wrapped model chunks.
         grad_scaler: loss scaler (fp16 only) or None.
+        main_shards: what the inner optimizer steps (MainShard), in its order; they and their state make
+            up `shard_state`.
     The main params (what the inner optimizer steps) are built by `main_param` in every subclass: the
     model's fp32 data itself, or an fp32 copy of fp16/bf16 data; the distributed optimizer does this for
     the rank's shards only.
@@ -39,7 +45,7 @@ class MegatronOptimizer(OptimizerStateMixin):
     sharded = False  # whether each rank holds only a shard of the main params / grads
     params_sharded = False  # whether the model, too, keeps only the rank's shards of its parameters (ZeRO-3)
 
-    def __init__(self, optimizer, config: OptimizerConfig, model_chunks, grad_scaler):
+    def __init__(self, optimizer, config: OptimizerConfig, model_chunks, grad_scaler, main_shards: List[MainShard]):
         self.optimizer = optimizer
         self.config = config
         self.model_chunks = model_chunks
@@ -67,6 +73,7 @@ class MegatronOptimizer(OptimizerStateMixin):
         self.last_step_successful = True
         self.last_grad_norm = None  # the last step()'s gradient norm (a tensor; None: skipped or not computed)
         self._grad_staging = GradStaging()  # optimizer_cpu_offload: the host copies of the main grads
+        self.shard_state = ShardState(optimizer, config.optimizer, main_shards, self.param_to_name, grad_scaler)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -188,6 +195,96 @@ class MegatronOptimizer(OptimizerStateMixin):
         """The main params from the model's parameters or, with `values`, from values[param] (whole
         parameters, any dtype and device), in whatever part of each parameter this optimizer steps."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ state (optimizer_state.py)
+    @property
+    def data_parallel_topology(self) -> DataParallelTopology:
+        """Who holds which shard: the distributed optimizer's instances; for the full-parameter optimizers
+        every rank a whole copy, i.e. one position held by every rank."""
+        world = dist.get_world_size(self.data_parallel_group)
+        return DataParallelTopology(world, world)
+
+    def sharded_state(self) -> ShardedOptimizerState:
+        """This rank's optimizer state as shards of named flat parameters (megatron-core's sharded_state_dict;
+        views of the live state, not copies). Local: no collective."""
+        return self.shard_state.describe(self.update_count, self._model_shards())
+
+    def _model_shards(self) -> Optional[List[torch.Tensor]]:
+        """ZeRO-3: the model's own copy of each main shard (ParamShard.model_data); None where the model
+        keeps whole parameters."""
+        return None
+
+    @torch.no_grad()
+    def load_sharded_state(self, state: ShardedOptimizerState, adopt: bool = False):
+        """Set this rank's main params, moments and step counts from `state` (a description of this rank's
+        layout: its shards are matched by (name, start)), then write the params into the model (for the
+        distributed optimizer a collective: the parameter all-gather). The common part is loaded by
+        load_common_state_dict(state.common, ...), first: it checks the kind and the hyperparameters.
+        With `adopt` the moments become the optimizer's state as they are where they are fp32 on its device
+        (no copy): for a caller that hands over tensors it read for this and keeps no other use of (the
+        torch_dist load: a second copy of the moments would be the load's peak)."""
+        self._load_shards(state, adopt)
+        self._copy_main_params_to_model_params()
+
+    def _load_shards(self, state: ShardedOptimizerState, adopt: bool = False):
+        """load_sharded_state's local part: the main params, moments and step counts (no collective)."""
+        self.shard_state.load(state, adopt)
+        self.update_count = state.step
+
+    @torch.no_grad()
+    def state_dict(self):
+        """DP-size- and layout-independent state (the 'torch' format): hyperparameters, per-name fp32 tensors,
+        loss scaler. Collective for the distributed optimizer (its shards are gathered)."""
+        return {**self.common_state_dict(), "state": self._gathered(self.sharded_state())}
+
+    def _gathered(self, state: ShardedOptimizerState) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Per parameter name: whole fp32 'param' and optimizer-state tensors (CPU copies), plus 'step'."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, hyperparameters: str = "check"):
+        """Restore the state; the hyperparameters stored with it meet this run's per `hyperparameters`
+        ('check', 'override' or 'checkpoint', see pick_hyperparameter). The learning rate is the
+        scheduler's business."""
+        missing = set(self.param_to_name.values()) - set(state_dict["state"])
+        if missing:
+            raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
+        self.load_common_state_dict(state_dict, hyperparameters)
+        self.load_sharded_state(cut_shards(state_dict["state"], self.sharded_state()))
+
+    def common_state_dict(self) -> dict:
+        """What every rank shares: kind, param-group hyperparameters, loss scaler (no tensors of params)."""
+        return self.shard_state.common_state_dict()
+
+    def load_common_state_dict(self, state_dict, hyperparameters: str = "check"):
+        """The kind check, group-level state with its hyperparameters (see load_state_dict), loss scaler."""
+        self.shard_state.load_common_state_dict(state_dict, hyperparameters)
+
+    def agreed_param_steps(self) -> Dict[str, int]:
+        """Every parameter's own step count (ShardedOptimizerState.own_step), on every rank: the largest over
+        the ranks holding a shard of it (one all-reduce). Collective."""
+        state, mine, agreed = self.sharded_state(), {}, {}
+        for shard in state.shards:
+            mine[shard.name] = state.own_step(shard)
+        # Expert parameters over their expert group only: other groups hold (and may name) other experts.
+        for expert, group in ((False, self.data_parallel_group), (True, self.expert_data_parallel_group)):
+            names = [name for p, name in self.param_to_name.items() if (p in self.expert_params) == expert]
+            if expert and not names:
+                continue
+            steps = torch.tensor([mine.get(name, 0) for name in names], dtype=torch.int64, device=self.device)
+            collectives.all_reduce(steps, group, op=collectives.MAX)
+            agreed.update(zip(names, steps.tolist()))
+        return agreed
+
+    def agreed_lagging_steps(self) -> Dict[str, int]:
+        """The entries of agreed_param_steps() that differ from the optimizer's step count. Collective."""
+        return {name: s for name, s in self.agreed_param_steps().items() if s != self.update_count}
+
+    def agreed_step(self) -> int:
+        """The optimizer's step count, the largest over the data-parallel ranks. Collective."""
+        step = torch.tensor(self.update_count, device=self.device)
+        collectives.all_reduce(step, self.data_parallel_group, op=collectives.MAX)
+        return int(step.item())
 
     @torch.no_grad()
     def reload_model_params(self, state_dict: Optional[dict] = None):

@@ -72,9 +72,9 @@ def _worker(root, instances):
     backward(ddp, opt, 2)
     words.stage(3, 24)
 
-    def peer_died():  # step() fails at its first operation, as a collective with a dead rank would
+    def peer_died():  # step() fails before the update, in a collective with a dead rank (the param gather's wait)
         raise RuntimeError("a peer died (simulated)")
-    opt._copy_model_grads_to_main_grads = peer_died
+    ddp.finish_param_sync = peer_died
     try:
         opt.step()
     except RuntimeError:

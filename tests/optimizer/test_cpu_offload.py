@@ -31,7 +31,7 @@ def _offload_worker(strategy, fraction, dtype_name):
              optimizer_offload_fraction=fraction),
         dtype=dtype,
     )
-    mains = [m for _, _, _, m, _ in opt._main_shards()]
+    mains = [s.main for s in opt.shard_state.main_shards]
     model_storage = {p.data_ptr() for p in model.parameters()} | {
         b.param_data.data_ptr() for b in ddp.param_and_grad_buffers if b.param_data is not None}
     copies = sum(1 for m in mains if m.data_ptr() not in model_storage and
