@@ -135,7 +135,7 @@ def train_step(ddp, optimizer, shape, step: int) -> float:
 # ------------------------------------------------------------------------------------------------ theory
 def theory(ddp, shape, constant: int) -> dict:
     """Bytes per phase (module docstring), from this rank's buckets."""
-    units = ddp.param_units
+    units = ddp.param_sync
     world = ddp.data_parallel_world_size
     shard = sum(b.shard_size for b in units.all_buckets())
     unit = max(sum(b.grad_data.numel() for b in units.buckets[i]) for i in range(len(units.units))) * 4

@@ -12,11 +12,12 @@ Key steps of one iteration (see docs/ddp_buffer_and_buckets.md for a worked exam
     model.finish_grad_sync()                 # launch what is left, wait for everything
     optimizer.step()
 
-This module builds the wrapper (buffers, buckets, the parameter side) and holds its forward and parameter-side
-calls. The gradient side of the protocol above (the hooks, no_sync, start/finish_grad_sync, zero_grad_buffer)
-is grad_hooks.py, a mixin of the wrapper. Buckets are launched in one fixed order (the order their gradients
-are expected in backward), never in the order they happen to complete: every rank then issues the same
-sequence of collectives even when autograd visits parameters in a rank-dependent order (grad_sync.py).
+This module builds the wrapper (buffers, buckets) and the two objects it holds: the gradient synchronization
+(`grad_sync`, grad_sync.py: the hooks and the gradient side of the protocol above, no_sync, start/finish_grad_sync,
+zero_grad_buffer) and the parameter synchronization (`param_sync`, param_sync.py). The wrapper's calls of the
+protocol are thin delegations to them. Buckets are launched in one fixed order (the order their gradients are
+expected in backward), never in the order they happen to complete: every rank then issues the same sequence of
+collectives even when autograd visits parameters in a rank-dependent order (grad_sync.py).
 
 A model built on the meta device (meta_init.py: `meta_device_init()`, or modules with `reset_parameters()`)
 is materialized here (materialize.py): every tensor gets storage on `init_device` (ZeRO-3: only this rank's
@@ -28,6 +29,7 @@ keeps) and picks the parameter synchronization object (param_sync.py) that every
 below goes to; the wrapper itself never asks which strategy it runs.
 """
 
+import contextlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -37,8 +39,7 @@ from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .expert_parallel import expert_topology, gradient_scaling_factors, is_expert_param
 from .fsdp_units import persistent_params_together, units_of
-from .grad_hooks import GradHooksMixin
-from .grad_sync import ZERO2_BUCKETS_IN_FLIGHT
+from .grad_sync import GradSync, launch_order
 from .layout import DataParallelTopology, default_bucket_size
 from .materialize import MetaMaterializer, has_meta_tensors
 from .model_checks import raise_if_unsupported_model
@@ -46,10 +47,10 @@ from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, fp32_local_accumu
 from .param_sync import ParamSync, build_param_sync
 from .replica_check import check_replicas_agree
 
-__all__ = ["DistributedDataParallel", "ZERO2_BUCKETS_IN_FLIGHT"]
+__all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module):
     """Wrap `module` for data-parallel training with Megatron's buffer/bucket scheme.
 
     Args:
@@ -131,15 +132,15 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
         check_replicas_agree(module, config, data_parallel_group, expert_data_parallel_group if has_experts else None)
         # named_parameters() yields a tied parameter once, under its first name.
         # (name, param, requires_grad at wrap time), frozen ones too: a later change is an error.
-        self._all_named_params = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
+        named_params = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.param_to_name: Dict[torch.nn.Parameter, str] = {}
         # Buffers per (param dtype, grad dtype, expert or not), as megatron-core's. The grad dtype is what the
         # buffer communicates; a parameter matched by param_name_patterns_for_fp32_local_accumulation keeps
         # that grad dtype but accumulates into an fp32 main_grad of its own (param_and_grad_buffer.py).
         fp32_accumulation = fp32_local_accumulation_params(
-            [(n, p) for n, p, _ in self._all_named_params], config, data_parallel_group)
+            [(n, p) for n, p, _ in named_params], config, data_parallel_group)
         dtype_to_params: Dict[Tuple[torch.dtype, torch.dtype, bool], List[torch.nn.Parameter]] = {}
-        for name, param, _ in self._all_named_params:
+        for name, param, _ in named_params:
             if not param.requires_grad:
                 continue
             param.grad_added_to_main_grad = False  # megatron-core's flag for fused weight-gradient layers
@@ -170,18 +171,22 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
         if materializer is not None:
             materializer.run(self._keep_initial_value)
 
-        # The gradient side: launch schedule, per-iteration state, one hook per parameter (grad_hooks.py).
-        all_buckets = [b for buffer in self.param_and_grad_buffers + self.expert_parallel_buffers
-                       for b in buffer.buckets]
-        self._register_grad_hooks(all_buckets)
         # broadcast_buffers: whether to copy rank 0's buffers before the next forward (torch DDP's rule, see
         # the config field); looked up per forward, since models may replace a buffer tensor.
         self._sync_buffers = config.broadcast_buffers and any(True for _ in module.buffers())
-        self._grads.buffers_stale = True
+        self._buffers_stale = True
 
+        # The buckets' gradient collectives in one fixed launch order (grad_sync.py); gathers in its reverse.
+        buffers = self.param_and_grad_buffers + self.expert_parallel_buffers
+        all_buckets = [b for buffer in buffers for b in buffer.buckets]
+        order = launch_order(all_buckets, list(self.param_to_name))
         # Gathers, releases and the hooks around forward and backward (param_sync.py).
-        self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, self._launch_order, units,
-                                                      unit_of, self.intra_instance_group)
+        self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, order, units, unit_of,
+                                                      self.intra_instance_group)
+        # The gradient side: one hook per parameter, this iteration's state, the launch schedule (grad_sync.py).
+        self.grad_sync = GradSync(module, config, buffers, self.param_to_bucket, self.param_to_name, named_params,
+                                  self.expert_params, order, self.param_sync, data_parallel_group,
+                                  expert_data_parallel_group)
 
     @torch.no_grad()
     def _keep_initial_value(self, tensor: torch.Tensor, value: torch.Tensor):
@@ -203,33 +208,64 @@ class DistributedDataParallel(GradHooksMixin, torch.nn.Module):
         outside full_parameters() see placeholders."""
         return self.ddp_config.sharding.parameters
 
-    # Read-only names kept for callers and tests of the strategy-specific objects.
-    zero3 = shards_params
-
-    @property
-    def param_units(self):
-        """ZeRO-3's ParamUnits (the parameter synchronization), or None where parameters are not sharded."""
-        return self.param_sync if self.shards_params else None
-
-    @property
-    def param_gather(self):
-        """The parameter synchronization (param_sync.py)."""
-        return self.param_sync
-
-    # ---------------------------------------------------------------- the public protocol (the gradient side:
-    # zero_grad_buffer, no_sync, start/finish_grad_sync, scale_gradients, check_ready_for_step in grad_hooks.py)
     def forward(self, *args, **kwargs):
-        if self._sync_buffers and self._grads.buffers_stale:
+        if self._sync_buffers and self._buffers_stale:
             collectives.broadcast_coalesced(list(self.module.buffers()), group=self.data_parallel_group)
-        self._grads.buffers_stale = torch.is_grad_enabled() and self.is_last_microbatch
+        self._buffers_stale = torch.is_grad_enabled() and self.grad_sync.is_last_microbatch
         self.param_sync.begin_forward()
-        if not self._grads.aliased:  # gradient_as_bucket_view: autograd accumulates into main_grad
-            for param in self._grad_views:
-                param.grad = param.main_grad
-            self._grads.aliased = True
+        self.grad_sync.begin_forward()  # gradient_as_bucket_view: autograd accumulates into main_grad
         output = self.module(*args, **kwargs)
         self.param_sync.end_forward()
         return output
+
+    # ---------------------------------------------------------------- gradient synchronization (grad_sync.py)
+    def zero_grad_buffer(self):
+        """Zero all main_grads and reset bucket state; call at the start of every iteration."""
+        self.grad_sync.reset()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Gradients of backward passes inside the context accumulate in main_grad; nothing is communicated."""
+        return self.grad_sync.no_sync()
+
+    def start_grad_sync(self, *unused):
+        """Launch the collectives of all buckets not launched yet (async with overlap_grad_reduce).
+        Positional arguments (megatron-core's signature: a hook's arguments) are ignored."""
+        self.grad_sync.start()
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        """Complete gradient synchronization; afterwards main_grad holds the data-parallel mean (with the
+        distributed optimizer: in this rank's shard of every bucket).
+
+        With overlap_grad_reduce, buckets still waiting for parameters mean some parameters got no
+        gradient in this iteration: an error naming them, unless `find_unused_parameters` is set, in
+        which case their (zero) contribution is communicated now.
+
+        `force_all_reduce` (megatron-core's argument): with the distributed optimizer, every rank ends with
+        the whole reduced gradient, not just its shard (buckets not launched yet are all-reduced, the others'
+        reduced shards all-gathered). Not with ZeRO-2/3, which keep no full gradients. None is False, as in
+        megatron-core (Optional[bool]).
+        """
+        self.grad_sync.finish(bool(force_all_reduce))
+
+    def scale_gradients(self, scaling_factor: float):
+        """Multiply every main_grad by `scaling_factor`."""
+        self.grad_sync.scale_gradients(scaling_factor)
+
+    def check_ready_for_step(self):
+        """Raise unless every gradient of this iteration's backward passes was synchronized (called by the
+        optimizer's step(): stepping on unreduced gradients silently makes the replicas diverge)."""
+        self.grad_sync.check_ready_for_step()
+
+    @property
+    def unused_params(self) -> frozenset:
+        """find_unused_parameters: the parameters no rank got a gradient for in the last iteration (the
+        optimizer leaves them alone, as torch's optimizers skip a parameter whose .grad is None)."""
+        return self.grad_sync.unused_params
+
+    def remove_grad_hooks(self):
+        """Unregister the gradient-ready hooks from the parameters (live recovery discards a wrapper after a
+        failure; see GradSync.remove_hooks)."""
+        self.grad_sync.remove_hooks()
 
     # ---------------------------------------------------------------- parameter all-gather
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):

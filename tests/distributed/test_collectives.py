@@ -47,7 +47,7 @@ def _observed_step_worker(use_distributed_optimizer):
         opt.step()
     after = len(seen)
     collectives.all_reduce(torch.zeros(1))  # outside the context: not reported
-    buckets = [b.grad_data.numel() for b in ddp._launch_order]
+    buckets = [b.grad_data.numel() for b in ddp.grad_sync.launch_order]
     return seen, after == len(seen), buckets
 
 

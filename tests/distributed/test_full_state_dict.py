@@ -57,7 +57,7 @@ def _export_worker(name, settings):
             .backward()
         ddp.finish_grad_sync()
         opt.step()
-        units = ddp.param_units
+        units = ddp.param_sync
         unit_buckets = [units.buckets.get(i, []) for i in range(len(units.units))]
 
         def observed(read):

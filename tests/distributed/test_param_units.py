@@ -190,7 +190,7 @@ def _prefetch_worker():
     blocks = model.blocks
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True))
-    units = ddp.param_units
+    units = ddp.param_sync
 
     def dispatched(unit):
         return all(b.params_gathered or b.param_gather_handle is not None for b in units.buckets[unit])
@@ -265,7 +265,7 @@ def _zero3_worker():
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), [ddp])
         gathered = []
         if strategy == "optim_grads_params":
-            units = ddp.param_units
+            units = ddp.param_sync
             root = set(map(id, units.root))
 
             def record(*_):
@@ -282,11 +282,11 @@ def _zero3_worker():
         ddp.finish_param_sync()
         released = None
         if strategy == "optim_grads_params":
-            released = (all(not b.params_gathered for b in ddp.param_units.all_buckets())
+            released = (all(not b.params_gathered for b in ddp.param_sync.all_buckets())
                         and all(torch.isnan(p).all() for p in model.parameters()))
         results[strategy] = dict(state={k: v.clone() for k, v in ddp.state_dict().items()}, released=released,
                                  max_gathered=max(gathered, default=None),
-                                 units=len(ddp.param_units.units) if ddp.param_units else None)
+                                 units=len(ddp.param_sync.units) if ddp.shards_params else None)
     same = all(torch.equal(results["optim"]["state"][k], v) for k, v in results["optim_grads_params"]["state"].items())
     return same, results["optim_grads_params"]
 
@@ -412,7 +412,7 @@ def _window_worker(settings):
         ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True, **setting))
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), [ddp])
-        units = ddp.param_units
+        units = ddp.param_sync
         root = set(map(id, units.root + units.persistent))
         persistent = [p for b in units.persistent for p in b.params_list]
         held, placeholders = [], []

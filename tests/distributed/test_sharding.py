@@ -14,7 +14,7 @@ def _zero2_worker(overlap):
     from ddp_testing import make_batches, make_model
     from optim_testing import build, megatron_steps
 
-    from megatron_lite.distributed.distributed_data_parallel import ZERO2_BUCKETS_IN_FLIGHT
+    from megatron_lite.distributed.grad_sync import ZERO2_BUCKETS_IN_FLIGHT
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     runs = {}

@@ -80,7 +80,7 @@ def _worker(overlap, micro_batches, steps=3):
         get_megatron_optimizer,
     )
     from megatron_lite.distributed import collectives
-    from megatron_lite.distributed.distributed_data_parallel import ZERO2_BUCKETS_IN_FLIGHT
+    from megatron_lite.distributed.grad_sync import ZERO2_BUCKETS_IN_FLIGHT
 
     rank = dist.get_rank()
     torch.manual_seed(0)

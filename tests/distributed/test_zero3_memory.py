@@ -70,9 +70,9 @@ def _peaks_worker(micro_batches):
         opt.step()
         peaks.append(peak[0])
     with ddp.full_parameters():
-        unit_bytes = max(sum(b.param_data.untyped_storage().nbytes() for b in ddp.param_units.buckets[i])
+        unit_bytes = max(sum(b.param_data.untyped_storage().nbytes() for b in ddp.param_sync.buckets[i])
                          for i in range(UNITS))
-        root_bytes = sum(b.param_data.untyped_storage().nbytes() for b in ddp.param_units.root)
+        root_bytes = sum(b.param_data.untyped_storage().nbytes() for b in ddp.param_sync.root)
     return peaks, unit_bytes, root_bytes
 
 

@@ -210,7 +210,7 @@ def _gather_order_worker():
             dict(lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True), model=Scrambled(),
         )
         megatron_steps(ddp, opt, rank, dp, 4)
-        pending = ddp.param_gather.pending
+        pending = ddp.param_sync.pending
         saved.append((pending, {k: v.clone() for k, v in ddp.state_dict().items()}))  # must force the gathers
         params.append([p.detach().clone() for p in model.parameters()])
     (pending_off, state_off), (pending_on, state_on) = saved

@@ -79,7 +79,6 @@ def _num_zeros_worker():
         for p in ddp.module.parameters():
             p.main_grad.fill_(1.0)
             p.main_grad.view(-1)[0] = 0.0  # one zero per parameter
-        ddp._grads.finalized = True
         _, _, zeros = opt.step()
         out[instances] = zeros
     return out
