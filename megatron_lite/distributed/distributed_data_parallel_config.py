@@ -4,6 +4,8 @@ import fnmatch
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
+from ..config_checks import Check, check_fields, is_int
+
 
 @dataclass(frozen=True)
 class Sharding:
@@ -32,6 +34,8 @@ _SHARDINGS = {s.name: s for s in (
 SHARDING_STRATEGIES = tuple(_SHARDINGS)
 UNSHARDED_GRADIENT_STRATEGIES = tuple(name for name, s in _SHARDINGS.items() if not s.gradients)
 """The strategies that keep whole reduced gradients (for messages that suggest one)."""
+OPTIMIZER_SHARDING_STRATEGIES = tuple(name for name, s in _SHARDINGS.items() if s.optimizer_state)
+"""The strategies that shard the optimizer state, i.e. imply use_distributed_optimizer."""
 
 
 @dataclass
@@ -164,103 +168,17 @@ class DistributedDataParallelConfig:
     False: each rank keeps its own buffers (Megatron's behaviour; then save or evaluate with care)."""
 
     def __post_init__(self):
-        strategy = self.data_parallel_sharding_strategy
-        if strategy is None:
-            strategy = self.data_parallel_sharding_strategy = "optim" if self.use_distributed_optimizer else "no_shard"
-        if strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
-                             f"got {strategy!r}")
-        sharding = self.sharding
-        if not sharding.optimizer_state and self.use_distributed_optimizer:
-            raise ValueError(f"data_parallel_sharding_strategy={strategy!r} contradicts use_distributed_optimizer=True "
-                             f"(which shards the optimizer state): drop one of them")
-        self.use_distributed_optimizer = sharding.optimizer_state
-        if sharding.parameters and not self.overlap_grad_reduce:
-            raise ValueError(f"data_parallel_sharding_strategy={strategy!r} needs overlap_grad_reduce=True: "
-                             f"a unit's gradients are reduced, and its parameters released, as soon as its "
-                             f"backward is done")
+        if self.data_parallel_sharding_strategy is None:
+            self.data_parallel_sharding_strategy = "optim" if self.use_distributed_optimizer else "no_shard"
+        check_fields(self, _STRATEGY_RULES)
+        self.use_distributed_optimizer = self.sharding.optimizer_state
+        check_fields(self, _NAME_LIST_RULES)
         patterns = self.param_name_patterns_for_fp32_local_accumulation
-        if isinstance(patterns, str) or not all(isinstance(n, str) for n in patterns):
-            raise TypeError(f"param_name_patterns_for_fp32_local_accumulation must be a sequence of fnmatch "
-                            f"patterns (e.g. ('*.router.weight',) or ('all',)), got {patterns!r}")
         self.param_name_patterns_for_fp32_local_accumulation = tuple(patterns)
         if self.fsdp_unit_modules is not None:
-            if isinstance(self.fsdp_unit_modules, str) or not all(isinstance(n, str) for n in self.fsdp_unit_modules):
-                raise TypeError(f"fsdp_unit_modules must be a sequence of module class names, got "
-                                f"{self.fsdp_unit_modules!r}")
             self.fsdp_unit_modules = tuple(self.fsdp_unit_modules)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("data_parallel_sharding_strategy", "fsdp_unit_modules",
-                          "param_name_patterns_for_fp32_local_accumulation"):
-                continue
-            if f.name == "num_distributed_optimizer_instances":
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"num_distributed_optimizer_instances must be a positive int, got {value!r}")
-                if value < 1:
-                    raise ValueError(f"num_distributed_optimizer_instances must be >= 1, got {value}")
-            elif f.name in ("prefetch_bucket_size", "max_reuse_distance", "param_persistence_threshold"):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                    raise TypeError(f"{f.name} must be an int >= 0, got {value!r}")
-                if value is None and f.name == "param_persistence_threshold":
-                    raise TypeError("param_persistence_threshold must be an int >= 0 (0: none), got None")
-                if value is not None and value < 0:
-                    raise ValueError(f"{f.name} must be >= 0, got {value}")
-                if value != f.default and not sharding.parameters:
-                    raise ValueError(f"{f.name}={value} tunes ZeRO-3's parameter gathers: it needs "
-                                     f"data_parallel_sharding_strategy='optim_grads_params', got {strategy!r}")
-            elif f.name in ("bucket_size", "num_buckets"):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                    raise TypeError(f"{f.name} must be a positive int or None, got {value!r}")
-                if value is not None and value <= 0:
-                    raise ValueError(f"{f.name} must be a positive int or None, got {value}")
-            elif not isinstance(value, bool):
-                raise TypeError(f"{f.name} must be a bool, got {value!r}")
-        if self.num_buckets is not None and self.bucket_size is not None:
-            raise ValueError(f"bucket_size={self.bucket_size} and num_buckets={self.num_buckets}: set only one "
-                             f"(num_buckets derives the bucket size from the model's size)")
-        if self.calculate_per_token_loss and self.average_in_collective:
-            raise ValueError("calculate_per_token_loss=True sums gradients over ranks; average_in_collective=True "
-                             "would average them: use one or the other")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError(
-                "overlap_param_gather=True requires use_distributed_optimizer=True: only the distributed "
-                "optimizer all-gathers parameters"
-            )
-        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
-            raise ValueError(
-                "num_distributed_optimizer_instances > 1 requires use_distributed_optimizer=True (a sharded "
-                "data_parallel_sharding_strategy): without sharding every rank already holds all the state"
-            )
-        if self.pad_buckets_for_high_nccl_busbw and not self.use_distributed_optimizer:
-            raise ValueError(
-                "pad_buckets_for_high_nccl_busbw=True requires use_distributed_optimizer=True: buckets are "
-                "only padded for the distributed optimizer"
-            )
-        self._check_low_precision_reduction()
-
-    def _check_low_precision_reduction(self):
-        """The combinations megatron-core refuses (asserts) or ignores, as errors naming the fields."""
-        if self.param_name_patterns_for_fp32_local_accumulation and self.grad_reduce_in_fp32:
-            raise ValueError("param_name_patterns_for_fp32_local_accumulation with grad_reduce_in_fp32=True: every "
-                             "main_grad is fp32 already; drop the patterns, or reduce in the parameter dtype")
-        if not self.reduce_scatter_with_fp32_accumulation:
-            return
-        if self.grad_reduce_in_fp32:
-            raise ValueError("reduce_scatter_with_fp32_accumulation=True with grad_reduce_in_fp32=True: the "
-                             "gradients already travel and add up in fp32; drop one of them")
-        if not self.use_distributed_optimizer:
-            raise ValueError("reduce_scatter_with_fp32_accumulation=True needs a sharded "
-                             "data_parallel_sharding_strategy (use_distributed_optimizer=True): under 'no_shard' "
-                             "gradients are all-reduced, never reduce-scattered")
-        if self.average_in_collective:
-            raise ValueError("reduce_scatter_with_fp32_accumulation=True sums in its own fp32 accumulation: "
-                             "average_in_collective=True (ReduceOp.AVG) is not supported with it; drop it "
-                             "(gradients are then pre-scaled by 1/dp)")
-        if self.num_distributed_optimizer_instances > 1:
-            raise ValueError("reduce_scatter_with_fp32_accumulation=True with num_distributed_optimizer_instances > "
-                             "1: the all-reduce across instances would sum in the low precision again; use one "
-                             "instance")
+        check_fields(self, _FIELD_RULES)
+        check_fields(self, _COMBINATION_RULES)
 
     @property
     def sharding(self) -> Sharding:
@@ -276,3 +194,118 @@ def pattern_matches(pattern: str, param_name: str) -> bool:
     """megatron-core's rule for param_name_patterns_for_fp32_local_accumulation: fnmatch (case-sensitive on
     every OS here), and the special pattern 'all'."""
     return pattern == "all" or fnmatch.fnmatchcase(param_name, pattern)
+
+
+# ------------------------------------------------------------------------------------------ validation
+# __post_init__ walks these tables in this order (config_checks.py): the strategy first (the other rules read
+# config.sharding), then every field's own type and range in declaration order, then the combinations.
+_STRATEGY_RULES = ((None, (
+    Check(lambda c: c.data_parallel_sharding_strategy in SHARDING_STRATEGIES,
+          f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
+          "got {config.data_parallel_sharding_strategy!r}"),
+    Check(lambda c: c.sharding.optimizer_state or not c.use_distributed_optimizer,
+          "data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} contradicts "
+          "use_distributed_optimizer=True (which shards the optimizer state): drop one of them"),
+    Check(lambda c: not c.sharding.parameters or c.overlap_grad_reduce,
+          "data_parallel_sharding_strategy={config.data_parallel_sharding_strategy!r} needs "
+          "overlap_grad_reduce=True: a unit's gradients are reduced, and its parameters released, as soon as its "
+          "backward is done"),
+)),)
+
+
+def _names(value) -> bool:
+    return not isinstance(value, str) and all(isinstance(n, str) for n in value)
+
+
+_NAME_LIST_RULES = (
+    ("param_name_patterns_for_fp32_local_accumulation", (Check(
+        _names, "{name} must be a sequence of fnmatch patterns (e.g. ('*.router.weight',) or ('all',)), "
+                "got {value!r}", TypeError),)),
+    ("fsdp_unit_modules", (Check(
+        lambda v: v is None or _names(v), "{name} must be a sequence of module class names, got {value!r}",
+        TypeError),)),
+)
+
+_BOOL = (Check(lambda v: isinstance(v, bool), "{name} must be a bool, got {value!r}", TypeError),)
+_ZERO3_TUNING = (
+    Check(lambda v: v is None or is_int(v), "{name} must be an int >= 0, got {value!r}", TypeError),
+    Check(lambda v: v is None or v >= 0, "{name} must be >= 0, got {value}"),
+)
+_POSITIVE_OR_NONE = (
+    Check(lambda v: v is None or is_int(v), "{name} must be a positive int or None, got {value!r}", TypeError),
+    Check(lambda v: v is None or v > 0, "{name} must be a positive int or None, got {value}"),
+)
+# Every field not named here (nor checked above) is a bool.
+_FIELD_CHECKS = {
+    "num_distributed_optimizer_instances": (
+        Check(is_int, "{name} must be a positive int, got {value!r}", TypeError),
+        Check(lambda v: v >= 1, "{name} must be >= 1, got {value}"),
+    ),
+    "prefetch_bucket_size": _ZERO3_TUNING,
+    "max_reuse_distance": _ZERO3_TUNING,
+    "param_persistence_threshold": (
+        _ZERO3_TUNING[0],
+        Check(lambda v: v is not None, "{name} must be an int >= 0 (0: none), got None", TypeError),
+        _ZERO3_TUNING[1],
+    ),
+    "bucket_size": _POSITIVE_OR_NONE,
+    "num_buckets": _POSITIVE_OR_NONE,
+}
+
+
+def _only_with_zero3(name: str, default) -> Check:
+    """A ZeRO-3 tuning field left at its default unless the strategy shards parameters."""
+    return Check(lambda c: getattr(c, name) == default or c.sharding.parameters,
+                 f"{name}={{config.{name}}} tunes ZeRO-3's parameter gathers: it needs "
+                 "data_parallel_sharding_strategy='optim_grads_params', got {config.data_parallel_sharding_strategy!r}")
+
+
+_ZERO3_TUNING_FIELDS = ("prefetch_bucket_size", "max_reuse_distance", "param_persistence_threshold")
+
+
+def _field_rules():
+    """Each field's own checks, in declaration order; after a ZeRO-3 tuning field, that ZeRO-3 is on."""
+    for f in fields(DistributedDataParallelConfig):
+        if f.name in ("data_parallel_sharding_strategy", "fsdp_unit_modules",
+                      "param_name_patterns_for_fp32_local_accumulation"):  # checked first
+            continue
+        yield f.name, _FIELD_CHECKS.get(f.name, _BOOL)
+        if f.name in _ZERO3_TUNING_FIELDS:
+            yield None, (_only_with_zero3(f.name, f.default),)
+
+
+_FIELD_RULES = tuple(_field_rules())
+
+# The combinations: the first five megatron-lite's own, then those megatron-core refuses (asserts) or ignores.
+_COMBINATION_RULES = ((None, (
+    Check(lambda c: c.num_buckets is None or c.bucket_size is None,
+          "bucket_size={config.bucket_size} and num_buckets={config.num_buckets}: set only one (num_buckets derives "
+          "the bucket size from the model's size)"),
+    Check(lambda c: not (c.calculate_per_token_loss and c.average_in_collective),
+          "calculate_per_token_loss=True sums gradients over ranks; average_in_collective=True would average them: "
+          "use one or the other"),
+    Check(lambda c: not c.overlap_param_gather or c.use_distributed_optimizer,
+          "overlap_param_gather=True requires use_distributed_optimizer=True: only the distributed optimizer "
+          "all-gathers parameters"),
+    Check(lambda c: c.num_distributed_optimizer_instances == 1 or c.use_distributed_optimizer,
+          "num_distributed_optimizer_instances > 1 requires use_distributed_optimizer=True (a sharded "
+          "data_parallel_sharding_strategy): without sharding every rank already holds all the state"),
+    Check(lambda c: not c.pad_buckets_for_high_nccl_busbw or c.use_distributed_optimizer,
+          "pad_buckets_for_high_nccl_busbw=True requires use_distributed_optimizer=True: buckets are only padded "
+          "for the distributed optimizer"),
+    Check(lambda c: not (c.param_name_patterns_for_fp32_local_accumulation and c.grad_reduce_in_fp32),
+          "param_name_patterns_for_fp32_local_accumulation with grad_reduce_in_fp32=True: every main_grad is fp32 "
+          "already; drop the patterns, or reduce in the parameter dtype"),
+    Check(lambda c: not (c.reduce_scatter_with_fp32_accumulation and c.grad_reduce_in_fp32),
+          "reduce_scatter_with_fp32_accumulation=True with grad_reduce_in_fp32=True: the gradients already travel "
+          "and add up in fp32; drop one of them"),
+    Check(lambda c: not c.reduce_scatter_with_fp32_accumulation or c.use_distributed_optimizer,
+          "reduce_scatter_with_fp32_accumulation=True needs a sharded data_parallel_sharding_strategy "
+          "(use_distributed_optimizer=True): under 'no_shard' gradients are all-reduced, never reduce-scattered"),
+    Check(lambda c: not (c.reduce_scatter_with_fp32_accumulation and c.average_in_collective),
+          "reduce_scatter_with_fp32_accumulation=True sums in its own fp32 accumulation: average_in_collective=True "
+          "(ReduceOp.AVG) is not supported with it; drop it (gradients are then pre-scaled by 1/dp)"),
+    Check(lambda c: not c.reduce_scatter_with_fp32_accumulation or c.num_distributed_optimizer_instances == 1,
+          "reduce_scatter_with_fp32_accumulation=True with num_distributed_optimizer_instances > 1: the all-reduce "
+          "across instances would sum in the low precision again; use one instance"),
+)),)

@@ -80,38 +80,41 @@ class GPTConfig:
                                  f" * 64 is 0 for hidden_size {self.hidden_size}: give ffn_hidden_size")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings",
-                     "ffn_hidden_size", "num_query_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads})")
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                             f"num_query_groups ({self.num_query_groups})")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
-        if self.activation_func not in _ACTIVATIONS:
-            raise ValueError(f"activation_func must be one of {sorted(_ACTIVATIONS)}, got {self.activation_func!r}")
-        for name in ("gated_linear_unit", "add_bias_linear", "share_embeddings_and_output_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.position_embedding_type not in ("learned", "rope"):
-            raise ValueError(
-                f"position_embedding_type must be 'learned' or 'rope', got {self.position_embedding_type!r}")
-        if self.position_embedding_type == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError(
-                "position_embedding_type='rope' needs an even head dim (hidden_size / num_attention_heads)")
-        for name in ("rotary_base", "init_method_std", "layernorm_epsilon"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
-            raise ValueError(f"params_dtype must be a floating-point torch.dtype, got {self.params_dtype!r}")
+        # The table below, in order: each named field's rule, or (None) a rule across fields. The same walk as
+        # megatron_lite/config_checks.py, kept here because the model imports torch only.
+        for names, holds, message in _CHECKS:
+            for name in names or (None,):
+                value = self if name is None else getattr(self, name)
+                if not holds(value):
+                    raise ValueError(message.format(name=name, value=value, config=self))
+
+
+_CHECKS = (
+    (("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings", "ffn_hidden_size",
+      "num_query_groups"),
+     lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+     "{name} must be a positive integer, got {value!r}"),
+    ((), lambda c: not c.hidden_size % c.num_attention_heads,
+     "hidden_size ({config.hidden_size}) must be divisible by num_attention_heads ({config.num_attention_heads})"),
+    ((), lambda c: not c.num_attention_heads % c.num_query_groups,
+     "num_attention_heads ({config.num_attention_heads}) must be divisible by num_query_groups "
+     "({config.num_query_groups})"),
+    (("normalization",), lambda v: v in ("LayerNorm", "RMSNorm"),
+     "{name} must be 'LayerNorm' or 'RMSNorm', got {value!r}"),
+    (("activation_func",), lambda v: v in _ACTIVATIONS,
+     f"{{name}} must be one of {sorted(_ACTIVATIONS)}, got {{value!r}}"),
+    (("gated_linear_unit", "add_bias_linear", "share_embeddings_and_output_weights"), lambda v: isinstance(v, bool),
+     "{name} must be True or False, got {value!r}"),
+    (("position_embedding_type",), lambda v: v in ("learned", "rope"),
+     "{name} must be 'learned' or 'rope', got {value!r}"),
+    ((), lambda c: c.position_embedding_type != "rope" or not (c.hidden_size // c.num_attention_heads) % 2,
+     "position_embedding_type='rope' needs an even head dim (hidden_size / num_attention_heads)"),
+    (("rotary_base", "init_method_std", "layernorm_epsilon"), lambda v: 0 < v < math.inf,
+     "{name} must be a finite number > 0, got {value}"),
+    (("hidden_dropout", "attention_dropout"), lambda v: 0.0 <= v < 1.0, "{name} must be in [0, 1), got {value}"),
+    (("params_dtype",), lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
+     "{name} must be a floating-point torch.dtype, got {value!r}"),
+)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:

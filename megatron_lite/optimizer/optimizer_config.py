@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from ..config_checks import Check, check_fields
+
 
 @dataclass
 class OptimizerConfig:
@@ -84,50 +86,54 @@ class OptimizerConfig:
     clipping: step() then returns None for the norm."""
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{f.name} must be a finite number, got {value}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr < 0):
-            raise ValueError(f"lr must be a non-negative number or None (set by the scheduler), got {self.lr!r}")
-        if self.min_lr is not None and not 0 <= self.min_lr <= (math.inf if self.lr is None else self.lr):
-            raise ValueError(f"min_lr must be between 0 and lr ({self.lr}), got {self.min_lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.adam_eps <= 0:
-            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
-        if not 0.0 <= self.sgd_momentum < 1.0:
-            raise ValueError(f"sgd_momentum must be in [0, 1), got {self.sgd_momentum}")
-        if self.fp16 and self.bf16:
-            raise ValueError("fp16 and bf16 are mutually exclusive")
-        expected = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
         if self.params_dtype is None:
-            self.params_dtype = expected
-        if self.params_dtype != expected:
-            raise ValueError(
-                f"params_dtype {self.params_dtype} does not match fp16={self.fp16}, bf16={self.bf16} "
-                f"(expected {expected})"
-            )
-        if self.loss_scale is not None and self.loss_scale <= 0:
-            raise ValueError(f"loss_scale must be > 0, got {self.loss_scale}")
-        if self.loss_scale is not None and not (self.fp16 or self.bf16):
-            raise ValueError("loss_scale only applies with fp16=True or bf16=True")
-        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
-            raise ValueError("initial_loss_scale and min_loss_scale must be > 0")
-        if self.min_loss_scale > self.initial_loss_scale:
-            raise ValueError(
-                f"min_loss_scale ({self.min_loss_scale}) must not exceed initial_loss_scale ({self.initial_loss_scale})"
-            )
-        if self.loss_scale_window < 1:
-            raise ValueError(f"loss_scale_window must be >= 1, got {self.loss_scale_window}")
-        if not isinstance(self.hysteresis, int) or self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
-        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
-            raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}")
+            self.params_dtype = self._precision_dtype
+        check_fields(self, _RULES)
+
+    @property
+    def _precision_dtype(self) -> torch.dtype:
+        """The parameters' dtype that fp16 / bf16 say."""
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_FINITE = Check(lambda v: not isinstance(v, float) or math.isfinite(v), "{name} must be a finite number, got {value}")
+_FRACTION = Check(lambda v: 0.0 <= v < 1.0, "{name} must be in [0, 1), got {value}")
+
+# __post_init__ walks this table in order (config_checks.py): no field may be inf or nan, then each field's
+# range, with the rules across fields where their fields come up. The comparisons are written as the error
+# says (`not v < 0` for ">= 0"), so a value of the wrong type fails as it always did.
+_RULES = tuple((f.name, (_FINITE,)) for f in fields(OptimizerConfig)) + (
+    ("optimizer", (Check(lambda v: v in ("adam", "sgd"), "{name} must be 'adam' or 'sgd', got {value!r}"),)),
+    ("lr", (Check(lambda v: v is None or (_is_number(v) and v >= 0),
+                  "{name} must be a non-negative number or None (set by the scheduler), got {value!r}"),)),
+    (None, (Check(lambda c: c.min_lr is None or 0 <= c.min_lr <= (math.inf if c.lr is None else c.lr),
+                  "min_lr must be between 0 and lr ({config.lr}), got {config.min_lr}"),)),
+    ("weight_decay", (Check(lambda v: not v < 0, "{name} must be >= 0, got {value}"),)),
+    (("adam_beta1", "adam_beta2"), (_FRACTION,)),
+    ("adam_eps", (Check(lambda v: not v <= 0, "{name} must be > 0, got {value}"),)),
+    ("sgd_momentum", (_FRACTION,)),
+    (None, (
+        Check(lambda c: not (c.fp16 and c.bf16), "fp16 and bf16 are mutually exclusive"),
+        Check(lambda c: c.params_dtype == c._precision_dtype,
+              "params_dtype {config.params_dtype} does not match fp16={config.fp16}, bf16={config.bf16} "
+              "(expected {config._precision_dtype})"),
+    )),
+    ("loss_scale", (Check(lambda v: v is None or not v <= 0, "{name} must be > 0, got {value}"),)),
+    (None, (
+        Check(lambda c: c.loss_scale is None or c.fp16 or c.bf16,
+              "loss_scale only applies with fp16=True or bf16=True"),
+        Check(lambda c: not (c.initial_loss_scale <= 0 or c.min_loss_scale <= 0),
+              "initial_loss_scale and min_loss_scale must be > 0"),
+        Check(lambda c: not c.min_loss_scale > c.initial_loss_scale,
+              "min_loss_scale ({config.min_loss_scale}) must not exceed initial_loss_scale "
+              "({config.initial_loss_scale})"),
+    )),
+    ("loss_scale_window", (Check(lambda v: not v < 1, "{name} must be >= 1, got {value}"),)),
+    ("hysteresis", (Check(lambda v: isinstance(v, int) and not v < 1, "{name} must be an int >= 1, got {value!r}"),)),
+    ("clip_grad", (Check(lambda v: not v < 0, "{name} must be >= 0 (0 disables clipping), got {value}"),)),
+    ("optimizer_offload_fraction", (Check(lambda v: 0.0 <= v <= 1.0, "{name} must be in [0, 1], got {value}"),)),
+)
