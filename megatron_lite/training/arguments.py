@@ -16,8 +16,9 @@ import shlex
 
 import torch
 
+from ..config_checks import Check, check_fields
 from ..distributed import DistributedDataParallelConfig
-from ..distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
+from ..distributed.distributed_data_parallel_config import OPTIMIZER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
 from ..distributed.layout import DataParallelTopology
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
@@ -115,13 +116,19 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
                          "accumulation or --ddp-param-name-patterns-for-fp32-local-accumulation")
     fp32 = args.accumulate_allreduce_grads_in_fp32 or (args.bf16 and not bf16_reduce)
     return config_from_args(DistributedDataParallelConfig, DDP_FLAGS, args, grad_reduce_in_fp32=fp32,
-                            param_name_patterns_for_fp32_local_accumulation=patterns)
+                            param_name_patterns_for_fp32_local_accumulation=patterns,
+                            use_distributed_optimizer=use_distributed_optimizer_from_args(args))
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
-    # A sharded --data-parallel-sharding-strategy implies the distributed optimizer, in both configs.
     return config_from_args(OptimizerConfig, OPTIMIZER_FLAGS, args, params_dtype=params_dtype_from_args(args),
-                            use_distributed_optimizer=ddp_config_from_args(args).use_distributed_optimizer)
+                            use_distributed_optimizer=use_distributed_optimizer_from_args(args))
+
+
+def use_distributed_optimizer_from_args(args) -> bool:
+    """--use-distributed-optimizer, or a --data-parallel-sharding-strategy that shards the optimizer state:
+    the same answer in both configs (DistributedDataParallelConfig refuses 'no_shard' with the flag)."""
+    return args.use_distributed_optimizer or args.data_parallel_sharding_strategy in OPTIMIZER_SHARDING_STRATEGIES
 
 
 def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
@@ -290,7 +297,25 @@ def parse_args(argv=None, world_size=None) -> argparse.Namespace:
 def validate_args(args, world_size: int):
     """Fill the defaults that depend on other flags, check what is not a config field, then build the
     configs (their ValueError names the field). Raises ValueError."""
-    args.preset_values = {}  # what the preset filled in, printed at start-up
+    _fill_from_preset(args)
+    check_fields(args, _REQUIRED_RULES)
+    _fill_derived_defaults(args, world_size)
+    check_fields(args, _RUN_RULES)
+    _check_data_parallel(args, world_size)
+    check_fields(args, _EVAL_RULES)
+    check_checkpoint_args(args)
+    check_data_args(args)
+    check_fields(args, _DEVICE_RULES)
+    _fill_device_and_outputs(args)
+    check_fields(args, _OUTPUT_RULES)
+    check_configs(args)
+    return args
+
+
+def _fill_from_preset(args):
+    """The flags not given: the preset's value (recorded in args.preset_values, printed at start-up), else
+    Megatron's default."""
+    args.preset_values = {}
     for key, value in MODEL_PRESETS[args.model_preset].items():
         if getattr(args, key) is None and not (key == "lr_warmup_fraction" and args.lr_warmup_iters is not None):
             setattr(args, key, value)
@@ -298,36 +323,28 @@ def validate_args(args, world_size: int):
     for key, value in MEGATRON_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr", "micro_batch_size",
-                 "train_iters"):
-        if getattr(args, name) is None:
-            raise ValueError(f"--{name.replace('_', '-')} is required with --model-preset none")
+
+
+def _fill_derived_defaults(args, world_size: int):
+    """The defaults that follow from other flags (the batch, the positions, the schedule, the NaN check)."""
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * world_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
-        raise ValueError("--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive")
+    check_fields(args, _WARMUP_RULES)
     if args.lr_warmup_fraction is not None:
-        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     elif args.lr_warmup_iters is None:
         args.lr_warmup_iters = 0
     if args.check_for_nan_in_loss_and_grad is None:  # Megatron's default, off where fp16 overflows are normal
         args.check_for_nan_in_loss_and_grad = not (args.fp16 and args.loss_scale is None)
-    if not math.isfinite(args.distributed_timeout_minutes) or args.distributed_timeout_minutes <= 0:
-        raise ValueError(f"--distributed-timeout-minutes must be a positive number, "
-                         f"got {args.distributed_timeout_minutes}")
-    for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
-                 "eval_interval"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.seq_length > args.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                         f"{args.max_position_embeddings}")
+
+
+def _check_data_parallel(args, world_size: int):
+    """The global batch against the ranks, and the optimizer instances; sets data_parallel_size and
+    num_micro_batches."""
     per_step = args.micro_batch_size * world_size
     if args.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -341,26 +358,51 @@ def validate_args(args, world_size: int):
             raise ValueError(f"--num-distributed-optimizer-instances {instances} does not divide the "
                              f"data-parallel size {world_size}: each instance needs the same number of ranks") from None
     args.num_micro_batches = args.global_batch_size // per_step
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    check_checkpoint_args(args)
-    check_data_args(args)
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available")
-    if args.distributed_backend == "nccl" and (args.device == "cpu" or not torch.cuda.is_available()):
-        raise ValueError("--distributed-backend nccl needs CUDA tensors: use gloo on CPU")
+
+
+def _fill_device_and_outputs(args):
+    """--device and --distributed-backend from what the machine has; --metrics-file beside the event files or
+    the checkpoints."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
     if args.metrics_file is None and (args.tensorboard_dir or args.save):
         args.metrics_file = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
-    if args.tensorboard_dir and os.path.exists(args.tensorboard_dir) and not os.path.isdir(args.tensorboard_dir):
-        raise ValueError(f"--tensorboard-dir {args.tensorboard_dir} is not a directory: give the directory to write "
-                         "the event files (and metrics.jsonl) to")
-    if args.metrics_file and os.path.isdir(args.metrics_file):  # rank 0 alone would fail to open it, after start-up
-        raise ValueError(f"--metrics-file {args.metrics_file} is a directory: name the JSONL file to write")
-    check_configs(args)
-    return args
+
+
+# validate_args's checks of the flags that are no config field, in the order it runs them (config_checks.py).
+_REQUIRED_RULES = ((
+    ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr", "micro_batch_size", "train_iters"),
+    (Check(lambda v: v is not None, "{flag} is required with --model-preset none"),)),)
+_WARMUP_RULES = (
+    (None, (Check(lambda a: a.lr_warmup_iters is None or a.lr_warmup_fraction is None,
+                  "--lr-warmup-iters and --lr-warmup-fraction are mutually exclusive"),)),
+    ("lr_warmup_fraction", (Check(lambda v: v is None or 0.0 <= v <= 1.0, "{flag} must be in [0, 1], got {value}"),)),
+)
+_RUN_RULES = (
+    ("distributed_timeout_minutes", (Check(lambda v: math.isfinite(v) and not v <= 0,
+                                           "{flag} must be a positive number, got {value}"),)),
+    (("seq_length", "micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_interval"),
+     (Check(lambda v: not v <= 0, "{flag} must be > 0, got {value}"),)),
+    (None, (Check(lambda a: not a.seq_length > a.max_position_embeddings,
+                  "--seq-length {config.seq_length} exceeds --max-position-embeddings "
+                  "{config.max_position_embeddings}"),)),
+)
+_EVAL_RULES = (("eval_iters", (Check(lambda v: not v < 0, "{flag} must be >= 0, got {value}"),)),)
+_DEVICE_RULES = ((None, (
+    Check(lambda a: not (a.tokenizer_type == "HuggingFaceTokenizer" and not a.tokenizer_model),
+          "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json"),
+    Check(lambda a: not (a.device == "cuda" and not torch.cuda.is_available()),
+          "--device cuda requested but CUDA is not available"),
+    Check(lambda a: not (a.distributed_backend == "nccl" and (a.device == "cpu" or not torch.cuda.is_available())),
+          "--distributed-backend nccl needs CUDA tensors: use gloo on CPU"),
+)),)
+_OUTPUT_RULES = (
+    ("tensorboard_dir", (Check(lambda v: not (v and os.path.exists(v) and not os.path.isdir(v)),
+                               "{flag} {value} is not a directory: give the directory to write the event files "
+                               "(and metrics.jsonl) to"),)),
+    # rank 0 alone would fail to open a directory, after start-up
+    ("metrics_file", (Check(lambda v: not (v and os.path.isdir(v)),
+                            "{flag} {value} is a directory: name the JSONL file to write"),)),
+)

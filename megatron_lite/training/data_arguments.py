@@ -13,6 +13,7 @@ epochs and so the sample order (docs/pretrain_gpt.md, "Coming from Megatron-LM")
 import argparse
 import os
 
+from ..config_checks import Check, check_fields
 from ..data import GPTDatasetConfig, get_blend_from_list, parse_split
 from ..data.blended_megatron_dataset_builder import PER_SPLIT_FLAGS
 from ..data.tokenizer import check_tokenizer_model
@@ -64,17 +65,10 @@ def check_data_args(args):
     """The data flags that would otherwise fail only once the process group and the datasets exist: the
     blends and their files, --split, --num-workers, --vocab-size against --tokenizer-type, --seed. Sets
     args.blend and args.blend_per_split. Raises ValueError naming the flag."""
-    per_split = any(getattr(args, name) for name in PER_SPLIT)
-    if args.mock_data and uses_dataset_files(args):
-        raise ValueError("--mock-data and --data-path (or --train-data-path ...) are mutually exclusive")
-    if args.data_path and per_split:
-        raise ValueError("--data-path and --train-data-path / --valid-data-path / --test-data-path are mutually "
-                         "exclusive: give one distribution cut by --split, or one per split")
-    if per_split and not args.train_data_path:
-        raise ValueError("--valid-data-path / --test-data-path need --train-data-path")
+    check_fields(args, _SOURCE_RULES)
     args.blend = get_blend_from_list(args.data_path, "--data-path")
     args.blend_per_split = [get_blend_from_list(getattr(args, name), flag)
-                            for name, flag in zip(PER_SPLIT, PER_SPLIT_FLAGS)] if per_split else None
+                            for name, flag in zip(PER_SPLIT, PER_SPLIT_FLAGS)] if _per_split(args) else None
     for flag, blend in [("--data-path", args.blend)] + list(zip(PER_SPLIT_FLAGS, args.blend_per_split or [])):
         for prefix in (blend or ([],))[0]:
             for path in (prefix + ".idx", prefix + ".bin"):
@@ -82,29 +76,49 @@ def check_data_args(args):
                     raise ValueError(f"{flag} {prefix}: no such file {path} (give the prefix without .bin/.idx; "
                                      "Megatron-LM's preprocessing names it OUTPUT_PREFIX_text_document)")
     parse_split(args.split)  # the data code's own parser: it accepts exactly the --split values a run accepts
-    if args.num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
-    if not args.mid_level_dataset_surplus >= 0:
-        raise ValueError(f"--mid-level-dataset-surplus must be >= 0, got {args.mid_level_dataset_surplus}")
-    if args.vocab_size is not None:
-        if args.vocab_size < 2:
-            raise ValueError(f"--vocab-size must be an integer >= 2 (NullTokenizer's eod takes the last id), "
-                             f"got {args.vocab_size}")
-        if args.tokenizer_type != "NullTokenizer":  # silently ignoring it would build another model than asked
-            raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; "
-                             f"{args.tokenizer_type} defines its own: drop --vocab-size or add --tokenizer-type "
-                             "NullTokenizer")
+    check_fields(args, _LOADER_RULES)
     check_tokenizer_model(args.tokenizer_type, args.tokenizer_model)  # at parse time: before any process starts
-    if args.tokenizer_type == "NullTokenizer":
-        if args.vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        if not args.mock_data and not uses_dataset_files(args):
-            raise ValueError("--tokenizer-type NullTokenizer cannot tokenize the built-in corpus: add --mock-data, "
-                             "or --data-path to a dataset of token ids below --vocab-size")
-    if not 0 <= args.seed < 2 ** 64:  # torch.manual_seed's range, non-negative for numpy's shuffling
-        raise ValueError(f"--seed must be an integer in [0, 2**64), got {args.seed}")
-    if args.seed >= 2 ** 32 and not args.mock_data:  # numpy.random.RandomState, megatron-core's shuffles
-        raise ValueError(f"--seed must be below 2**32 to shuffle a dataset (numpy's RandomState), got {args.seed}")
+    check_fields(args, _TOKENIZER_RULES)
+
+
+def _per_split(args) -> bool:
+    return any(getattr(args, name) for name in PER_SPLIT)
+
+
+# check_data_args's checks, in the order it runs them (megatron_lite/config_checks.py).
+_SOURCE_RULES = ((None, (
+    Check(lambda a: not (a.mock_data and uses_dataset_files(a)),
+          "--mock-data and --data-path (or --train-data-path ...) are mutually exclusive"),
+    Check(lambda a: not (a.data_path and _per_split(a)),
+          "--data-path and --train-data-path / --valid-data-path / --test-data-path are mutually exclusive: give "
+          "one distribution cut by --split, or one per split"),
+    Check(lambda a: not _per_split(a) or a.train_data_path,
+          "--valid-data-path / --test-data-path need --train-data-path"),
+)),)
+_LOADER_RULES = (
+    ("num_workers", (Check(lambda v: not v < 0, "{flag} must be >= 0, got {value}"),)),
+    ("mid_level_dataset_surplus", (Check(lambda v: v >= 0, "{flag} must be >= 0, got {value}"),)),
+    ("vocab_size", (Check(lambda v: v is None or not v < 2,
+                          "{flag} must be an integer >= 2 (NullTokenizer's eod takes the last id), got {value}"),)),
+    # silently ignoring it would build another model than asked
+    (None, (Check(lambda a: a.vocab_size is None or a.tokenizer_type == "NullTokenizer",
+                  "--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; {config.tokenizer_type} "
+                  "defines its own: drop --vocab-size or add --tokenizer-type NullTokenizer"),)),
+)
+_TOKENIZER_RULES = (
+    (None, (
+        Check(lambda a: a.tokenizer_type != "NullTokenizer" or a.vocab_size is not None,
+              "--tokenizer-type NullTokenizer needs --vocab-size"),
+        Check(lambda a: a.tokenizer_type != "NullTokenizer" or a.mock_data or uses_dataset_files(a),
+              "--tokenizer-type NullTokenizer cannot tokenize the built-in corpus: add --mock-data, or --data-path "
+              "to a dataset of token ids below --vocab-size"),
+    )),
+    # torch.manual_seed's range, non-negative for numpy's shuffling
+    ("seed", (Check(lambda v: 0 <= v < 2 ** 64, "{flag} must be an integer in [0, 2**64), got {value}"),)),
+    # numpy.random.RandomState, megatron-core's shuffles
+    (None, (Check(lambda a: a.seed < 2 ** 32 or a.mock_data,
+                  "--seed must be below 2**32 to shuffle a dataset (numpy's RandomState), got {config.seed}"),)),
+)
 
 
 def gpt_dataset_config_from_args(args, tokenizer, builtin_prefix=None) -> GPTDatasetConfig:
