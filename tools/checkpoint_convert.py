@@ -21,7 +21,7 @@ tokenizer (tokenizer.json, tokenizer_config.json) for HuggingFaceTokenizer and B
 model.safetensors.index.json names or else every *.safetensors, tokenizer.json if present: checking them all
 (megatron_lite/checkpointing/hf_files.py) before anything is written) into a checkpoint of model weights only
 at iteration 0, which pretrain_gpt.py starts from with `--finetune --load` and the architecture flags the tool
-prints. The mapping: megatron_lite/checkpointing/hf_convert.py. safetensors (and tokenizers for the tokenizer
+prints. The mapping: hf_convert.py beside this tool. safetensors (and tokenizers for the tokenizer
 files) are the optional `hf` extra.
 """
 
@@ -34,10 +34,11 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+import hf_convert  # noqa: E402  (tools/, beside this file)
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.checkpointing import files, hf_convert, hf_files, torch_dist, torch_format  # noqa: E402
+from megatron_lite.checkpointing import files, hf_files, torch_dist, torch_format  # noqa: E402
 from megatron_lite.data import build_tokenizer  # noqa: E402
 from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
 

@@ -1,7 +1,9 @@
 """Hugging Face transformers <-> megatron-lite: the config and the weights, mapped in memory (torch only).
 
-tools/checkpoint_convert.py reads and writes the files (safetensors, config.json, tokenizer); this module
-decides what goes where. Two transformers classes express the two families of GPTModel:
+checkpoint_convert.py beside it reads and writes the files (safetensors, config.json, tokenizer); this module
+decides what goes where. It lives with its one user, above the library: it maps pretrain_gpt.py's flags
+(megatron_lite.training's gpt_config_from_args, vocab_size_with_padding) to and from transformers' configs.
+Two transformers classes express the two families of GPTModel:
 
     megatron-lite (args)                         GPT2LMHeadModel              LlamaForCausalLM
     learned positions, LayerNorm, GELU, biases   yes (activation 'gelu',
@@ -37,9 +39,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from ..models import GPTConfig, GPTModel
-from ..training.arguments import gpt_config_from_args
-from ..training.initialize import vocab_size_with_padding
+from megatron_lite.models import GPTConfig, GPTModel
+from megatron_lite.training.arguments import gpt_config_from_args
+from megatron_lite.training.initialize import vocab_size_with_padding
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 

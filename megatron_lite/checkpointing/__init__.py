@@ -13,10 +13,10 @@
     files.py          directory naming (periodic and last words), atomic writes, manifest, sealing, scans,
                       the --save directory's lock
     rng.py            get_rng_state / set_rng_state
-    hf_convert.py     transformers GPT2LMHeadModel / LlamaForCausalLM <-> GPTModel: config and weights mapped in
-                      memory (torch only; tools/checkpoint_convert.py reads and writes the files)
+    hf_files.py       a transformers model directory's files (config.json, safetensors shards), checked and read
+                      for tools/checkpoint_convert.py --from hf (the mapping: tools/hf_convert.py)
 
-Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata). hf_convert
+Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata). hf_files
 stands apart: only tools/checkpoint_convert.py imports it.
 """
 

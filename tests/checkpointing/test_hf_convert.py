@@ -1,4 +1,4 @@
-"""Hugging Face transformers export and import (megatron_lite/checkpointing/hf_convert.py, tools/checkpoint_convert.py
+"""Hugging Face transformers export and import (tools/hf_convert.py, tools/checkpoint_convert.py
 --to hf / --from hf): logits equal transformers' for GPT-2 and Llama styles, the round trip bitwise, --finetune from
 an imported checkpoint on 2 gloo ranks, the tokenizer files, and the errors. Skipped without the optional extra
 (transformers, safetensors, tokenizers: `pip install -e ".[hf]"`)."""
@@ -18,12 +18,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from megatron_lite.checkpointing import hf_convert, hf_files  # noqa: E402
+from megatron_lite.checkpointing import hf_files  # noqa: E402
 from megatron_lite.data import build_tokenizer  # noqa: E402
 from megatron_lite.models import GPTModel  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import checkpoint_convert  # noqa: E402
+import hf_convert  # noqa: E402
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_convert.py")
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=384, max_position_embeddings=24)
