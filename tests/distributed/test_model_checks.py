@@ -9,7 +9,7 @@ instead of a silent wrong result or an obscure failure later -- and ZeRO-3's inn
   * a ZeRO-3 unit returning an object the wrapper cannot look into (refused at its forward);
   * modules replaced after wrapping (refused at the first step).
 
-The models and the builder come from test_third_party_models.py and test_third_party_models_2.py (these tests
+The models and the builder come from test_third_party_models.py and test_third_party_idioms.py (these tests
 were split off the latter).
 """
 
@@ -19,7 +19,7 @@ import third_party_models as tpm
 import torch
 import torch.nn as nn
 from distributed_helper import run_distributed
-from test_third_party_models_2 import DataclassBlock, DataclassStack, build_pair
+from test_third_party_idioms import DataclassBlock, DataclassStack, build_pair
 
 
 # ------------------------------------------------------------------------------ refused at wrap time

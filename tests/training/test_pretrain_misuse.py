@@ -1,4 +1,4 @@
-"""pretrain_gpt.py misused, second round: contradictory schedule and checkpoint-path flags refused at parse time, and
+"""pretrain_gpt.py misused: contradictory schedule and checkpoint-path flags refused at parse time, and
 resumes that would silently do nothing or train something else than asked stopped on every rank with a message.
 
 The parse-time tests need no process; the others run 2 gloo ranks of the tiny GPT for a few iterations."""
