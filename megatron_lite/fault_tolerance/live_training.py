@@ -42,23 +42,14 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import LastWords, checkpoint_args, lock_save_directory, save_checkpoint
+from ..checkpointing import lock_save_directory
 from ..checkpointing.files import unlock_save_directory
 from ..checkpointing.rng import get_rng_state
-from ..data import micro_batch_iterator
 from ..distributed import collectives
 from ..training.initialize import initialize_megatron, shutdown
+from ..training.loop import History, LoopHooks, TrainingLoop, evaluation_due, save_due
 from ..training.metrics import print_rank_0
-from ..training.training import (
-    check_train_data,
-    evaluate_validation,
-    evaluation_due,
-    open_training_log,
-    resume,
-    save_due,
-    setup_model_and_optimizer,
-    train_step,
-)
+from ..training.training import check_train_data, resume, setup_model_and_optimizer
 from .elastic import check_elastic, generation_args, instance_size
 from .healing import LiveRecoveryImpossible, Progress, Snapshot, heal, take_snapshot
 from .membership import EXIT_FALLBACK, GenerationEnded, GenerationSuperseded, JobFinished, Membership
@@ -97,15 +88,15 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
             return run.train_generation()
         except JobFinished as e:  # elastic: training ended while this rank waited to be admitted
             print(f"[rank {run.membership.rank}] > {e}", flush=True)
-            return {"iteration": None, "losses": run.losses, "valid_losses": run.valid_losses,
+            return {"iteration": None, "losses": run.history.losses, "valid_losses": run.history.valid_losses,
                     "recoveries": run.recoveries}
         except (LiveRecoveryImpossible, TimeoutError) as e:
             _fall_back(f"live recovery is impossible: {e}")
         except BaseException as e:
             # Last words first, as pretrain() leaves them: with replicas the survivors' files of a single
             # failure form a complete set, which the whole-job restart (the fallback) resumes from.
-            if run.words is not None and not isinstance(e, GenerationEnded):
-                run.words.write(f"{type(e).__name__}: {e}")
+            if run.loop is not None and not isinstance(e, GenerationEnded):
+                run.loop.write_last_words(e)
             if not _is_peer_failure(e):
                 raise
             run.leave_generation(e)
@@ -113,11 +104,13 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
 
 class _LiveRun:
     """pretrain_live's state: what this process carries from one generation to the next (the snapshot, the
-    losses, the recovery timings) and the objects of the current generation, which hold its process groups
-    and are dropped when it fails.
+    history of losses, the recovery timings) and the objects of the current generation (the model, optimizer,
+    scheduler and its TrainingLoop), which hold its process groups and are dropped when it fails.
 
-    One generation: train_generation() (join and build, start or heal, catch up, train to the end); a peer's
-    failure: leave_generation() (snapshot, free the groups, wait for the next generation)."""
+    One generation: train_generation() (join and build, start or heal, catch up, then the shared
+    TrainingLoop, which reaches this run through LoopHooks: the progress record staged and committed with
+    the last words', the snapshot when train_step fails, rank 0's notes in the store, the elastic leave); a
+    peer's failure: leave_generation() (snapshot, free the groups, wait for the next generation)."""
 
     def __init__(self, args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
                  forward_step_func: Callable, flops_per_iteration: Optional[Callable]):
@@ -136,10 +129,14 @@ class _LiveRun:
             # Before joining: the supervisor can then shrink a job whose rank is late from the start.
             self.membership.publish_instance_size(instance_size(args))
         self.snapshot: Optional[Snapshot] = None
-        self.model = self.optimizer = self.scheduler = self.iterator = self.words = self.log = None
-        self.progress: Optional[Progress] = None  # where this generation's objects stand, once consistent
-        self.losses, self.valid_losses, self.recoveries = {}, {}, []
-        self.valid_ds = None
+        self.model = self.optimizer = self.scheduler = None
+        self.loop: Optional[TrainingLoop] = None
+        self.progress: Optional[Progress] = None  # the last completed iteration's record, once consistent
+        self.staged: Optional[Progress] = None  # the record of the iteration about to complete
+        self.history, self.recoveries = History(), []
+        self.hooks = LoopHooks(before_update=self._stage, step_failed=self._snapshot_interrupted_step,
+                               iteration_completed=self._commit, iteration_logged=self._logged,
+                               iteration_evaluated=self._note_evaluated, iteration_ended=self._leave_if_due)
         # A replacement (a process started for a generation after a fresh start of every rank) times its own
         # start (process start -> first iteration) as a recovery of its own.
         fresh_job = set(self.membership.replaced()) == set(range(self.membership.world_size))
@@ -148,47 +145,28 @@ class _LiveRun:
     def train_generation(self) -> dict:
         """Join the current generation and train in it to the end. Returns pretrain_live's summary; raises
         whatever interrupted the generation."""
-        self._drop_words()
-        device, train_ds = self._form_generation()
+        device, train_ds, valid_ds = self._form_generation()
         args = self.args
         if args.save:  # the generation's rank 0 holds it: a replaced rank 0 takes it once the dead one is gone
             lock_save_directory(args.save)
         progress = self._resume(train_ds)
-        rank, dp = dist.get_rank(), dist.get_world_size()
-        self.log = open_training_log(args, device, dp,
-                                     self.flops_per_iteration(args) if self.flops_per_iteration else None)
-        if args.save and args.last_words:
-            self.words = LastWords(args.save, self.optimizer, self.scheduler, progress.iteration, progress.consumed,
-                                   checkpoint_args(args))
-            # SIGTERM (the supervisor stopping the job, e.g. forwarding its own): this rank's last words, written
-            # from LastWords' watcher wherever the loop is (a collective included), as pretrain() under torchrun.
-            self.words.install()
+        self.loop = TrainingLoop(args, self.forward_step_func, self.model, self.optimizer, self.scheduler, train_ds,
+                                 valid_ds, device, self.flops_per_iteration, progress.iteration, progress.consumed,
+                                 progress.last_saved, self.hooks, self.history)
         self._catch_up(progress)
-        self.iterator = micro_batch_iterator(train_ds, progress.consumed, args.micro_batch_size, rank, dp,
-                                             getattr(args, "num_workers", 0))
-        while progress.iteration < args.train_iters:
-            progress = self._train_iteration(progress)
-            if self.membership.config.elastic and progress.iteration < args.train_iters \
-                    and self.membership.leave_due(progress.iteration):
-                raise GenerationEnded(f"leaving generation {self.membership.generation} after iteration "
-                                      f"{progress.iteration} to admit the ranks that are back")
-            if args.exit_interval and progress.iteration % args.exit_interval == 0:
-                print_rank_0(f"> exiting at iteration {progress.iteration} (--exit-interval {args.exit_interval})")
-                break
-        if args.save and progress.last_saved != progress.iteration:
-            _save(args, progress, self.model, self.optimizer, self.scheduler)
-        self.log.close()
-        self._drop_words()
+        self.loop.run()
+        self.loop.log.close()
+        self.loop.drop_last_words()
         if args.save:  # the job's saves are over (agreed by the last one): rank 0 releases it, as pretrain() does
             unlock_save_directory(args.save)
         if dist.get_rank() == 0:
-            self.membership.note_finished(progress.iteration)
-        return {"iteration": progress.iteration, "losses": self.losses, "valid_losses": self.valid_losses,
-                "recoveries": self.recoveries}
+            self.membership.note_finished(self.loop.iteration)
+        return {"iteration": self.loop.iteration, "losses": self.history.losses,
+                "valid_losses": self.history.valid_losses, "recoveries": self.recoveries}
 
     def _form_generation(self):
         """Join the generation's process group and build the model, optimizer and scheduler anew (the same
-        construction collectives on every rank). Returns (device, training dataset)."""
+        construction collectives on every rank). Returns (device, training dataset, validation dataset)."""
         self.membership.join()
         if self.timings is not None:
             self.timings.mark("joined")
@@ -199,15 +177,14 @@ class _LiveRun:
                          f"{args.num_distributed_optimizer_instances} instance(s), {args.num_micro_batches} "
                          f"micro-batches of {args.micro_batch_size} per rank")
         device, tokenizer = initialize_megatron(args)
-        train_ds, self.valid_ds, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args,
-                                                                  tokenizer)
+        train_ds, valid_ds, _ = collectives.run_collectively(self.train_valid_test_datasets_provider, args, tokenizer)
         if getattr(args, "torch_compile", False):
             # Dynamo reuses code compiled for the previous generation's model and does not guard on module
             # hooks, which hold that generation's process groups: compile this generation's model afresh.
             torch._dynamo.reset()
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(self.model_provider, args, device)
         self.membership.limit_group_timeouts()  # the groups the model just created, too
-        return device, train_ds
+        return device, train_ds, valid_ds
 
     def _resume(self, train_ds) -> Progress:
         """Bring the new objects to where training stands: healed from the survivors' snapshots and the
@@ -225,102 +202,94 @@ class _LiveRun:
     def _catch_up(self, progress: Progress):
         """What the failure interrupted after an iteration completed: its log line (when the survivors
         completed it but it was never logged), its evaluation and its periodic save."""
-        args = self.args
+        args, loop = self.args, self.loop
         if progress.losses is not None:  # healed: the log takes up the interval where the healed state left it
             if progress.log_interval is not None:
-                self.log.load_interval_state(progress.log_interval)
+                loop.log.load_interval_state(progress.log_interval)
             # The iteration joins the interval's sums; written only if rank 0 never wrote it (its survivors
             # completed it, and rank 0 is new or failed first): then with its carried grad norm and skip.
-            self._log(progress, timed=False, write=progress.iteration > self.membership.last_logged())
-        if progress.losses is not None and evaluation_due(args, progress.iteration, self.valid_ds) \
-                and progress.iteration > self.membership.last_evaluated():  # healed, its evaluation not logged
-            self._evaluate(progress)
+            write = progress.iteration > self.membership.last_logged()
+            loop.log_iteration(progress.losses, progress.grad_norm, progress.update_successful, timed=False,
+                               write=write)
+            if write:
+                self._note_logged(progress.iteration)
+            if evaluation_due(args, progress.iteration, loop.valid_ds) \
+                    and progress.iteration > self.membership.last_evaluated():  # its evaluation not logged
+                loop.evaluate()
+                self._note_evaluated(progress.iteration)
         if save_due(args, progress.iteration) and progress.last_saved != progress.iteration and progress.iteration > 0:
-            _save(args, progress, self.model, self.optimizer, self.scheduler)  # interrupted by the failure: again
-        self.log.restart_timer()  # the recovery is not training time
+            loop.save()  # interrupted by the failure: again
+        loop.log.restart_timer()  # the recovery is not training time
 
-    def _train_iteration(self, progress: Progress) -> Progress:
-        """One iteration, its log line, its evaluation and its periodic save. Returns the new progress; on a
-        failure, takes the snapshot of this rank's consistent state (the update may or may not have been
-        applied) and re-raises."""
-        args, optimizer, scheduler, words = self.args, self.optimizer, self.scheduler, self.words
-        staged: Optional[Progress] = None
+    # ------------------------------------------------------------------ the loop's hooks (LoopHooks)
+    def _stage(self, losses: Dict[str, float]):
+        """Just before optimizer.step(): the record of the iteration about to complete (as LastWords.stage's:
+        the RNG after backward, the scheduler as it will be after its step; and the log interval's sums)."""
+        loop, scheduler = self.loop, self.scheduler
+        scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
+        self.staged = Progress(loop.iteration + 1, loop.consumed + self.args.global_batch_size, get_rng_state(),
+                               scheduled, self.optimizer.steps_taken + 1, losses, loop.last_saved,
+                               log_interval=loop.log.interval_state())
 
-        def stage(reduced_losses=None):
-            nonlocal staged
-            scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
-            staged = Progress(progress.iteration + 1, progress.consumed + args.global_batch_size, get_rng_state(),
-                              scheduled, optimizer.steps_taken + 1, reduced_losses, progress.last_saved,
-                              log_interval=self.log.interval_state())
-            if words is not None:
-                words.stage(staged.iteration, staged.consumed)
-        try:
-            reported, ok, grad_norm = train_step(self.forward_step_func, self.iterator, self.model, optimizer,
-                                                 scheduler, args.num_micro_batches,
-                                                 args.check_for_nan_in_loss_and_grad, stage)
-        except BaseException:
-            self.snapshot = take_snapshot(progress, staged, optimizer, scheduler)
-            raise
-        progress = dataclasses.replace(staged, scheduler=scheduler.state_dict(), steps_taken=optimizer.steps_taken,
-                                       losses=reported, grad_norm=grad_norm, update_successful=ok)
-        self.progress = progress
-        if words is not None:
-            words.commit()
-        self._log(progress)
+    def _snapshot_interrupted_step(self):
+        """train_step raised: this rank's consistent state (its update may or may not have been applied)."""
+        self.snapshot = take_snapshot(self._completed(), self.staged, self.optimizer, self.scheduler)
+
+    def _commit(self, losses: Dict[str, float], grad_norm: Optional[float], update_successful: bool):
+        """The iteration completed: its record is what a failure from now on snapshots."""
+        self.progress = dataclasses.replace(self.staged, scheduler=self.scheduler.state_dict(),
+                                            steps_taken=self.optimizer.steps_taken, losses=losses,
+                                            grad_norm=grad_norm, update_successful=update_successful)
+        self.staged = None
+
+    def _completed(self) -> Progress:
+        """The last completed iteration's record, with the loop's last save (a save after it completed)."""
+        if self.loop is None:
+            return self.progress
+        return dataclasses.replace(self.progress, last_saved=self.loop.last_saved)
+
+    def _logged(self, iteration: int):
+        """After an iteration's log record: rank 0 notes it in the store (a replacement rank 0 logs from
+        there); the first iteration after a recovery reports the recovery's timings."""
+        self._note_logged(iteration)
         if self.timings is not None:
             self.timings.mark("redone")
             self.recoveries.append(_report(self.timings, self.membership.generation))
             self.timings = None
-        if evaluation_due(args, progress.iteration, self.valid_ds):
-            self._evaluate(progress)  # a failure here: the snapshot is of `progress`, and the catch-up evaluates
-        if save_due(args, progress.iteration):
-            try:
-                _save(args, progress, self.model, optimizer, scheduler)
-            except BaseException:
-                self.snapshot = take_snapshot(progress, None, optimizer, scheduler)
-                raise
-            self.log.restart_timer()  # the save's time is not training time (as in pretrain())
-        return progress
 
-    def _log(self, progress: Progress, timed: bool = True, write: bool = True):
-        """The iteration's record and log line; rank 0 then notes it in the store (a replacement rank 0 logs from
-        there). `write` False: only into the interval's sums (see TrainingLog.training)."""
-        self.losses[progress.iteration] = progress.losses
-        self.log.training(progress.iteration, progress.consumed, progress.losses, self.optimizer.param_groups[0]["lr"],
-                          self.optimizer.get_loss_scale().item(), progress.grad_norm, progress.update_successful,
-                          timed, write)
-        if write and dist.get_rank() == 0:
-            self.membership.note_logged(progress.iteration)
-
-    def _evaluate(self, progress: Progress):
-        self.valid_losses[progress.iteration] = evaluate_validation(self.forward_step_func, self.valid_ds, self.model,
-                                                                    self.args)
-        self.log.validation(progress.iteration, self.valid_losses[progress.iteration])
+    def _note_logged(self, iteration: int):
         if dist.get_rank() == 0:
-            self.membership.note_evaluated(progress.iteration)
+            self.membership.note_logged(iteration)
 
-    def _drop_words(self):
-        """This generation's last words are no longer wanted: SIGTERM goes back to the worker's own handler
-        (membership: said in the log, then the default action)."""
-        if self.words is not None:
-            self.words.uninstall()
-        self.words = None
+    def _note_evaluated(self, iteration: int):
+        if dist.get_rank() == 0:
+            self.membership.note_evaluated(iteration)
 
+    def _leave_if_due(self, iteration: int):
+        """Elastic: leave the generation after `iteration` when the supervisor asks, to admit the ranks that
+        are back (GenerationEnded: leave_generation, then the next generation)."""
+        if self.membership.config.elastic and iteration < self.args.train_iters \
+                and self.membership.leave_due(iteration):
+            raise GenerationEnded(f"leaving generation {self.membership.generation} after iteration "
+                                  f"{iteration} to admit the ranks that are back")
+
+    # ------------------------------------------------------------------ a peer's failure
     def leave_generation(self, error: BaseException):
         """After a peer's failure interrupted this generation: keep this rank's consistent state (the
         snapshot), free the generation's process groups and wait for the supervisor's next generation."""
         if self.snapshot is None and self.progress is not None:  # a failure outside train_step (a save, the log)
-            self.snapshot = take_snapshot(self.progress, None, self.optimizer, self.scheduler)
-        self.progress = None
+            self.snapshot = take_snapshot(self._completed(), None, self.optimizer, self.scheduler)
+        self.progress = self.staged = None
         # Free this generation's process groups now: gloo cannot abort an operation, but a group that is freed
         # closes its connections, so a survivor blocked in a collective with this rank fails at once instead of
         # at the collective timeout. Everything that refers to a group goes: the model (and the hooks its
-        # parameters hold), the optimizer, the last words, the traceback's frames.
+        # parameters hold), the optimizer, the loop with its last words, the traceback's frames.
         traceback.clear_frames(error.__traceback__)
         if self.model is not None:
             self.model.remove_grad_hooks()
-        self._drop_words()  # its SIGTERM watcher holds the optimizer, and with it the groups
-        self.words = self.model = self.optimizer = self.scheduler = self.iterator = None
+        if self.loop is not None:
+            self.loop.drop_last_words()  # its SIGTERM watcher holds the optimizer, and with it the groups
+        self.loop = self.model = self.optimizer = self.scheduler = None
         collectives.forget_instance_groups()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -351,13 +320,6 @@ def _start(args, model, optimizer, scheduler, train_ds) -> Progress:
     check_train_data(args, train_ds, iteration, consumed)
     return Progress(iteration, consumed, get_rng_state(), scheduler.state_dict(), optimizer.steps_taken,
                     last_saved=iteration if loaded else None)
-
-
-def _save(args, progress: Progress, model, optimizer, scheduler):
-    save_checkpoint(args.save, progress.iteration, model, optimizer, scheduler, progress.consumed,
-                    args=checkpoint_args(args), ckpt_format=args.ckpt_format)
-    progress.last_saved = progress.iteration
-    print_rank_0(f"> saved checkpoint at iteration {progress.iteration} to {args.save}")
 
 
 def _report(timings: Timings, generation: int) -> dict:

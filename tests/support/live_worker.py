@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)
 import pretrain_gpt  # noqa: E402
 from megatron_lite.fault_tolerance import live_training, membership  # noqa: E402
 from megatron_lite.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
+from megatron_lite.training import loop  # noqa: E402
 
 
 def fault(phase: str):
@@ -149,15 +150,14 @@ DistributedOptimizer.step = step
 patch(DistributedOptimizer, "zero_grad", count_step)
 patch(DistributedOptimizer, "_copy_main_params_to_model_params",
       lambda self: fault("update") == self.steps_taken and die("update"))
-patch(live_training, "save_checkpoint",
+patch(loop, "save_checkpoint",
       lambda root, iteration, *args, **kwargs: fault("save") == iteration and die("save"))
-patch(live_training, "evaluate_validation",
+patch(loop, "evaluate_validation",
       lambda *args, **kwargs: fault("evaluate") == completed["steps"] and die("evaluate"))
-patch(live_training._LiveRun, "_log",  # not the catch-up's record (untimed), which a replacement writes
-      lambda self, progress, *args, **kwargs: kwargs.get("timed", True) and fault("log") == progress.iteration
-      and die("log"))
-patch(live_training._LiveRun, "_train_iteration",  # the iteration it runs (steps_taken may differ after --load)
-      lambda self, progress: completed.update(iteration=progress.iteration + 1))
+patch(loop.TrainingLoop, "log_iteration",  # not the catch-up's record (untimed), which a replacement writes
+      lambda self, *args, **kwargs: kwargs.get("timed", True) and fault("log") == self.iteration and die("log"))
+patch(loop.TrainingLoop, "train_iteration",  # the iteration it runs (steps_taken may differ after --load)
+      lambda self: completed.update(iteration=self.iteration + 1))
 patch(DistributedOptimizer, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
 patch(DistributedOptimizer, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
 pretrain_gpt.forward_step = forward_step
