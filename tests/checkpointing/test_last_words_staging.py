@@ -48,7 +48,7 @@ def _worker(root, instances):
         return total
 
     def iteration(ddp, opt, scheduler, k, words=None):
-        """Iteration k + 1 as training.py runs it: stage before the update, commit after it."""
+        """Iteration k + 1 as training/loop.py runs it: stage before the update, commit after it."""
         loss = backward(ddp, opt, k)
         if words is not None:
             words.stage(k + 1, (k + 1) * 8)

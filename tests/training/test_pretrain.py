@@ -343,3 +343,25 @@ def test_megatron_defaults_and_presets():
     assert tiny.preset_values["lr"] == 3e-3 and parse_args([], world_size=2).lr_warmup_iters == 20
     with pytest.raises(SystemExit):
         parse_args(["--model-preset", "none"], world_size=2)  # the architecture is required then
+
+
+def test_pretrain_and_live_recovery_run_one_loop():
+    """The iteration body is written once (training/loop.py's TrainingLoop, issue 33): pretrain() and live
+    recovery both make a TrainingLoop, and neither calls a piece of the body itself. Would catch a second copy
+    of the loop growing back in either (a train_step, a log record, an evaluation or a save of its own), which
+    then drifts from the other's, as the two loops did before."""
+    import ast
+    import inspect
+
+    from megatron_lite.fault_tolerance import live_training
+    from megatron_lite.training import training
+
+    def called(module):  # the names of the functions and methods `module` calls
+        calls = [node.func for node in ast.walk(ast.parse(inspect.getsource(module))) if isinstance(node, ast.Call)]
+        return {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None) for f in calls}
+
+    body = {"train_step", "training", "evaluate_validation", "save_checkpoint", "stage", "commit"}
+    for module in (training, live_training):
+        calls = called(module)
+        assert "TrainingLoop" in calls, module.__name__
+        assert not calls & body, (module.__name__, calls & body)
