@@ -105,8 +105,9 @@ class GradSync:
 
     def remove_hooks(self):
         """Unregister the gradient-ready hooks from the parameters (live recovery discards a wrapper after a
-        failure: a hook held by a parameter keeps the wrapper, its buckets and their process groups alive,
-        out of the garbage collector's sight, and a gloo group releases its peers only once freed)."""
+        failure: a hook held by a parameter keeps this object, and with it the buckets, the parameter
+        synchronization and their process groups, alive out of the garbage collector's sight, and a gloo group
+        releases its peers only once freed)."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -154,3 +154,22 @@ def test_grad_aliasing_main_grad_is_not_double_counted(single_rank_group):
     expected = torch.autograd.grad(nn.functional.linear(x, model.weight, model.bias).sum(), model.weight)[0]
     assert torch.equal(model.weight.main_grad, expected)
     assert model.weight.grad.data_ptr() == model.weight.main_grad.data_ptr()  # kept for the next micro-batch
+
+
+def test_remove_grad_hooks_unregisters_them_and_frees_the_gradient_side(single_rank_group):
+    """Live recovery discards a wrapper after a failure with remove_grad_hooks(): would catch hooks left on the
+    parameters (a backward of the kept model still adds into the old buffer, and the parameters keep the
+    gradient synchronization, its buckets and process groups alive once the wrapper is dropped)."""
+    import gc
+    import weakref
+
+    model = nn.Linear(3, 2)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=4))
+    ddp.zero_grad_buffer()
+    ddp.remove_grad_hooks()
+    model(torch.randn(4, 3)).sum().backward()  # the bare model: no hook runs
+    assert all(torch.count_nonzero(p.main_grad) == 0 and p.grad is not None for p in model.parameters())
+    grad_sync = weakref.ref(ddp.grad_sync)
+    del ddp
+    gc.collect()
+    assert grad_sync() is None
