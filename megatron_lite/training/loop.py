@@ -236,13 +236,18 @@ class LoopHooks:
     """Where a run around the loop follows it (live recovery: fault_tolerance/live_training.py); each does
     nothing by default. The loop's own state (iteration, consumed, last_saved, log) is read from the loop."""
 
-    before_update: Callable = _nothing  # (losses): just before optimizer.step(), after LastWords.stage
-    step_failed: Callable = _nothing  # (): train_step raised (its update may or may not have been applied)
-    iteration_completed: Callable = _nothing  # (losses, grad_norm, update_successful): counted and committed,
-    # before its log line
-    iteration_logged: Callable = _nothing  # (iteration): after its log record
-    iteration_evaluated: Callable = _nothing  # (iteration): after its validation losses were logged
-    iteration_ended: Callable = _nothing  # (iteration): after its save, before --exit-interval
+    before_update: Callable = _nothing
+    """(losses): just before optimizer.step(), after LastWords.stage; the iteration's reduced losses."""
+    step_failed: Callable = _nothing
+    """(): train_step raised (its update may or may not have been applied)."""
+    iteration_completed: Callable = _nothing
+    """(losses, grad_norm, update_successful): the iteration counted and committed, before its log line."""
+    iteration_logged: Callable = _nothing
+    """(iteration): after its log record."""
+    iteration_evaluated: Callable = _nothing
+    """(iteration): after its validation losses were logged."""
+    iteration_ended: Callable = _nothing
+    """(iteration): after its periodic save, before --exit-interval."""
 
 
 @dataclass
