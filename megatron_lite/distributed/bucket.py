@@ -12,11 +12,9 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
-from .layout import shard_range
 from .storage import ReleasableStorage
 
 
@@ -29,6 +27,8 @@ class Bucket:
         param_data: the bucket's slice of the parameter buffer (None without the distributed optimizer).
         grad_data: the bucket's slice of the gradient buffer.
         offset: index of the bucket's first element in the whole buffer.
+        shard: elements [lo, hi) of the bucket that this rank owns (its shard, decided by the layout:
+            layout.BucketLayout.shard); (0, 0) without the distributed optimizer.
         numel_unpadded: elements up to the end of the last parameter.
         data_parallel_group: the group to reduce over.
         gradient_scaling_factor: applied to grad_data before the collective (1/dp unless averaging in it).
@@ -48,6 +48,7 @@ class Bucket:
         param_data: Optional[torch.Tensor],
         grad_data: torch.Tensor,
         offset: int,
+        shard: Tuple[int, int],
         numel_unpadded: int,
         data_parallel_group,
         gradient_scaling_factor: float,
@@ -78,10 +79,8 @@ class Bucket:
         # sharded .grad, set to None by zero_grad, is alive for the same span).
         self.shards_grads = ddp_config.sharding.gradients
         self.shards_params = ddp_config.sharding.parameters
-        # This rank's shard, inside the bucket: shard r of the group's equal shards (none without the
-        # distributed optimizer); the group is this rank's distributed-optimizer instance (or expert group).
-        world, rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
-        shard = shard_range(0, grad_data.numel(), world, rank) if ddp_config.use_distributed_optimizer else (0, 0)
+        # This rank's shard, inside the bucket (the layout's: one of the equal shards of the group, this rank's
+        # distributed-optimizer instance or expert group; none without the distributed optimizer).
         self.shard_offset, self.shard_size = shard[0], shard[1] - shard[0]
         self.grad_shard = None
         if self.shards_grads:  # released at once by reset() below: torch.empty's pages are never touched

@@ -27,6 +27,9 @@ distributed-optimizer-instance group) hold the same shard::
     position            0      1         0      1        holders(0) = (0, 2), holders(1) = (1, 3)
     bucket [0, 256)   [0,128) [128,256) [0,128) [128,256)
 
+Parameter by parameter, a shard owns each parameter's overlap with it (`BufferLayout.owned_ranges`: what a
+distributed optimizer updates; a parameter may straddle two shards, padding belongs to none).
+
 Nothing here touches tensors, so the rules are unit-tested exhaustively without processes.
 """
 
@@ -55,6 +58,28 @@ class BucketLayout:
     def numel(self) -> int:
         return self.end - self.start
 
+    def shard(self, num_shards: int, position: int) -> Tuple[int, int]:
+        """Elements [lo, hi) of the buffer that shard `position` of this bucket's `num_shards` owns."""
+        return shard_range(self.start, self.end, num_shards, position)
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """The part of one parameter that one shard of its bucket owns (what a distributed optimizer updates),
+    in the three coordinates its readers use."""
+
+    param_index: int
+    """Index into the caller's parameter list."""
+    bucket_id: int
+    buffer_start: int
+    """[buffer_start, buffer_end): the elements, in buffer coordinates."""
+    buffer_end: int
+    param_start: int
+    """[param_start, param_end): the same elements in the flattened parameter."""
+    param_end: int
+    shard_start: int
+    """Where they start in the shard (the bucket's elements this shard owns)."""
+
 
 @dataclass(frozen=True)
 class BufferLayout:
@@ -65,6 +90,20 @@ class BufferLayout:
     """Buffer size including all padding."""
     numel_unpadded: int
     """Sum of the buckets' `numel_unpadded`."""
+
+    def owned_ranges(self, num_shards: int, position: int) -> Tuple[OwnedRange, ...]:
+        """What shard `position` of every bucket's `num_shards` owns, parameter by parameter: each parameter's
+        overlap with the shard (a parameter may straddle a shard boundary; padding belongs to no parameter), in
+        buffer order (bucket by bucket, each in its `param_indices` order)."""
+        owned = []
+        for bucket_id, bucket in enumerate(self.buckets):
+            lo_shard, hi_shard = bucket.shard(num_shards, position)
+            for index in bucket.param_indices:
+                start, end, _ = self.param_ranges[index]
+                lo, hi = max(start, lo_shard), min(end, hi_shard)
+                if lo < hi:
+                    owned.append(OwnedRange(index, bucket_id, lo, hi, lo - start, hi - start, lo - lo_shard))
+        return tuple(owned)
 
 
 def default_bucket_size(data_parallel_world_size: int) -> int:
@@ -203,10 +242,11 @@ class DataParallelTopology:
     @classmethod
     def from_instance_size(cls, data_parallel_size: int, instance_size: int) -> "DataParallelTopology":
         """The topology of `data_parallel_size` ranks in instances of `instance_size` ranks (as a last-words
-        file records it); ValueError unless the instance size divides the data-parallel size."""
+        file records it, or an elastic job's generation of whole instances); ValueError unless the instance
+        size divides the data-parallel size."""
         if not isinstance(instance_size, int) or instance_size < 1 or data_parallel_size % instance_size:
             raise ValueError(f"an instance size of {instance_size!r} ranks does not divide the data-parallel size "
-                             f"{data_parallel_size}")
+                             f"{data_parallel_size}: {data_parallel_size} ranks are not made of whole instances")
         return cls(data_parallel_size, data_parallel_size // instance_size)
 
     @property

@@ -1,4 +1,6 @@
-"""Contiguous parameter/gradient storage cut into buckets (the buckets themselves: bucket.py).
+"""Contiguous parameter/gradient storage cut into buckets (the buckets themselves: bucket.py), and what of it
+this rank owns: its shard of every bucket and, parameter by parameter, the ShardRanges a distributed optimizer
+updates (shard_ranges), gathered back into full buffers by gather_full_buffers.
 
 ::
 
@@ -15,9 +17,14 @@ on its own; the layout, and so every offset, is the same.
 Exception (param_name_patterns_for_fp32_local_accumulation): a matched low-precision parameter's main_grad
 is a tensor of its own, in fp32, where its gradients accumulate; its slice of grad_data is only the
 communication copy, filled from main_grad when the bucket is launched and copied back when it is reduced.
+
+Which elements a rank owns is the layout's answer (layout.BufferLayout.owned_ranges, BucketLayout.shard),
+asked with the size of the group the buffer shards over and this rank's place in it (with R
+distributed-optimizer instances: the instance's m ranks, i.e. its position; see layout.DataParallelTopology).
 """
 
-from typing import AbstractSet, Dict, List, Optional
+from dataclasses import dataclass
+from typing import AbstractSet, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,9 +32,9 @@ import torch.distributed as dist
 from . import collectives
 from .bucket import Bucket
 from .distributed_data_parallel_config import DistributedDataParallelConfig, pattern_matches
-from .layout import compute_buffer_layout, shard_range
+from .layout import compute_buffer_layout
 
-__all__ = ["Bucket", "ParamAndGradBuffer"]
+__all__ = ["Bucket", "ParamAndGradBuffer", "ShardRange", "gather_full_buffers", "shard_ranges"]
 
 
 class ParamAndGradBuffer:
@@ -87,6 +94,7 @@ class ParamAndGradBuffer:
             shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
             unit_ids=None if unit_of is None else [unit_of[p] for p in self.params],
         )
+        self.layout = layout
         self.numel = layout.numel
         self.numel_unpadded = layout.numel_unpadded
 
@@ -106,6 +114,11 @@ class ParamAndGradBuffer:
         self._shapes = {param: tuple(param.shape) for param in self.params}
         self._param_to_name = param_to_name
         self.buckets = []
+        # What this rank owns, decided by the layout: its shard of every bucket and each parameter's part of it.
+        owned = {}
+        if ddp_config.use_distributed_optimizer:
+            owned = {r.param_index: r for r in layout.owned_ranges(self.data_parallel_world_size,
+                                                                   self.data_parallel_rank)}
         for bucket_id, b in enumerate(layout.buckets):
             # ZeRO-2/3's full-size storages are released by the Bucket before anything reads them (grown back
             # zeroed, or gathered): empty, so that building never touches their pages.
@@ -115,12 +128,15 @@ class ParamAndGradBuffer:
             if ddp_config.use_distributed_optimizer:
                 param_data = torch.empty(b.numel, dtype=param_dtype, device=device) if shards_params \
                     else self.param_data[b.start:b.end]
+            # This rank's shard of the bucket, in bucket coordinates (none without the distributed optimizer).
+            shard = (0, 0)
+            if ddp_config.use_distributed_optimizer:
+                low, high = b.shard(self.data_parallel_world_size, self.data_parallel_rank)
+                shard = (low - b.start, high - b.start)
             # ZeRO-3: only this rank's shard of param_data is written (zeros, then the parameters' values that
             # fall in it): the Bucket keeps that part as its param_shard and releases the rest unread.
-            mine = shard_range(0, b.numel, self.data_parallel_world_size, self.data_parallel_rank) \
-                if shards_params else (0, b.numel)
             if shards_params:
-                param_data[mine[0]:mine[1]].zero_()
+                param_data[shard[0]:shard[1]].zero_()
             extra_main_grads = {}  # param -> its slice of grad_data
             for index in b.param_indices:
                 param = self.params[index]
@@ -129,10 +145,10 @@ class ParamAndGradBuffer:
                     view = param_data[start - b.start:end - b.start].view(param.shape)
                     if not shards_params:
                         view.copy_(param.data)
-                    elif max(start - b.start, mine[0]) < min(end - b.start, mine[1]):
-                        # (a meta build's stride-0 placeholder flattens without a copy)
-                        low, high = max(start - b.start, mine[0]), min(end - b.start, mine[1])
-                        param_data[low:high].copy_(param.data.reshape(-1)[low - start + b.start:high - start + b.start])
+                    elif index in owned:  # (a meta build's stride-0 placeholder flattens without a copy)
+                        part = owned[index]
+                        param_data[part.buffer_start - b.start:part.buffer_end - b.start].copy_(
+                            param.data.reshape(-1)[part.param_start:part.param_end])
                     param.data = view
                 param.main_grad = grad_data[start - b.start:end - b.start].view(param.shape)
                 if param in fp32_local_accumulation and grad_dtype != torch.float32:
@@ -146,6 +162,7 @@ class ParamAndGradBuffer:
                     param_data=param_data,
                     grad_data=grad_data,
                     offset=b.start,
+                    shard=shard,
                     numel_unpadded=b.numel_unpadded,
                     data_parallel_group=data_parallel_group,
                     gradient_scaling_factor=gradient_scaling_factor,
@@ -159,6 +176,12 @@ class ParamAndGradBuffer:
         for param, (start, end, bucket_id) in self.param_index_map.items():
             bucket = self.buckets[bucket_id]
             bucket.param_to_index[param] = (start - bucket.offset, end - bucket.offset)
+
+    def shard_ranges(self) -> List["ShardRange"]:
+        """The parts of this buffer's parameters that this rank owns, in buffer order (layout.owned_ranges)."""
+        return [ShardRange(self.params[r.param_index], self, r.buffer_start, r.buffer_end, r.param_start, r.param_end,
+                           self.buckets[r.bucket_id], r.shard_start)
+                for r in self.layout.owned_ranges(self.data_parallel_world_size, self.data_parallel_rank)]
 
     def misplaced_params(self) -> List[str]:
         """Parameters that no longer are what the buffer was built around: another dtype, device or shape
@@ -198,6 +221,58 @@ class ParamAndGradBuffer:
             self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.reset()
+
+
+@dataclass
+class ShardRange:
+    """The part of one model parameter that this rank owns (layout.OwnedRange, with its tensors)."""
+
+    model_param: torch.nn.Parameter
+    buffer: ParamAndGradBuffer
+    buffer_start: int  # [buffer_start, buffer_end) in buffer coordinates
+    buffer_end: int
+    param_start: int  # the same range in the flattened parameter
+    param_end: int
+    bucket: Bucket
+    shard_start: int  # the same range in the bucket's reduced_grad_shard
+
+    @property
+    def params(self) -> torch.Tensor:
+        """This rank's part of the model parameters of the range (what the optimizer updates)."""
+        return self.bucket.own_params[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's reduced gradient of the range (after finish_grad_sync)."""
+        return self.bucket.reduced_grad_shard[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
+
+
+def _buffers(model_chunks) -> List[ParamAndGradBuffer]:
+    """Every buffer of the DistributedDataParallel chunks, the dense ones of each chunk before its experts'."""
+    return [buffer for chunk in model_chunks for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers]
+
+
+def shard_ranges(model_chunks) -> List[ShardRange]:
+    """The owned ranges of every parameter of this rank (a rank owns what its data-parallel position owns,
+    see layout.DataParallelTopology), in buffer order. Expert buffers (sharded over the expert data-parallel
+    group) follow the dense ones."""
+    return [r for buffer in _buffers(model_chunks) for r in buffer.shard_ranges()]
+
+
+def gather_full_buffers(model_chunks, ranges: Sequence[ShardRange],
+                        values: Sequence[Optional[torch.Tensor]]) -> Dict[int, torch.Tensor]:
+    """For every buffer of `model_chunks` (by id), a full fp32 flat tensor assembled from every rank's `values`
+    (one per range of `ranges`, this rank's shard_ranges(model_chunks); None: zeros): one all-gather per
+    bucket over the buffer's group, so every element crosses the network once. Collective."""
+    buffers = _buffers(model_chunks)
+    flats = {id(buffer): torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device) for buffer in buffers}
+    for s, value in zip(ranges, values):
+        if value is not None:
+            flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
+    for buffer in buffers:
+        for bucket in buffer.layout.buckets:
+            collectives.all_gather(flats[id(buffer)][bucket.start:bucket.end], group=buffer.data_parallel_group)
+    return flats
 
 
 def fp32_local_accumulation_params(named_params, config: DistributedDataParallelConfig, group=None) -> frozenset:

@@ -14,61 +14,18 @@ buffer and each bucket's param_data is all-gathered, so every rank holds bitwise
 With overlap_param_gather the all-gathers are dispatched by DDP's forward pre-hooks instead.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from ..distributed.layout import DataParallelTopology, shard_range
+from ..distributed.layout import DataParallelTopology
+from ..distributed.param_and_grad_buffer import gather_full_buffers, shard_ranges
 from .main_params import copy_main_to_model, copy_model_to_main, main_params
 from .optimizer import MegatronOptimizer
 from .optimizer_state import MainShard
 from .sharded_state import flat_numel, flatten, unflatten
-
-
-@dataclass
-class ShardRange:
-    """The part of one model parameter that this rank owns."""
-
-    model_param: torch.nn.Parameter
-    buffer: object  # ParamAndGradBuffer
-    buffer_start: int  # [buffer_start, buffer_end) in buffer coordinates
-    buffer_end: int
-    param_start: int  # the same range in the flattened parameter
-    param_end: int
-    bucket: object  # Bucket
-    shard_start: int  # the same range in the bucket's reduced_grad_shard
-
-    @property
-    def params(self) -> torch.Tensor:
-        """This rank's part of the model parameters of the range (what the optimizer updates)."""
-        return self.bucket.own_params[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
-
-    @property
-    def grad(self) -> torch.Tensor:
-        """This rank's reduced gradient of the range (after finish_grad_sync)."""
-        return self.bucket.reduced_grad_shard[self.shard_start:self.shard_start + self.buffer_end - self.buffer_start]
-
-
-def shard_ranges(model_chunks) -> List[ShardRange]:
-    """The owned ranges of every parameter of this rank (a rank owns what its data-parallel position owns,
-    see layout.DataParallelTopology), in buffer order. Expert buffers (sharded over the expert data-parallel
-    group) follow the dense ones."""
-    ranges = []
-    for chunk in model_chunks:
-        for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
-            # The buffer shards over its group (this rank's instance, or the expert group): rank = position.
-            for bucket in buffer.buckets:
-                lo_shard, hi_shard = shard_range(bucket.offset, bucket.offset + bucket.grad_data.numel(),
-                                                 buffer.data_parallel_world_size, buffer.data_parallel_rank)
-                for param in bucket.params_list:
-                    start, end, _ = buffer.param_index_map[param]
-                    lo, hi = max(start, lo_shard), min(end, hi_shard)
-                    if lo < hi:
-                        ranges.append(ShardRange(param, buffer, lo, hi, lo - start, hi - start, bucket, lo - lo_shard))
-    return ranges
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -141,7 +98,8 @@ class DistributedOptimizer(MegatronOptimizer):
         per bucket (the step's own collective: every element crosses the network once), cut by name."""
         keys = ["param", *state.state_keys]
         # Aligned with self.shards (the main shards' order); a moment no step created yet is gathered as zeros.
-        flats = {key: self._gather_full([shard.tensors.get(key) for shard in state.shards]) for key in keys}
+        flats = {key: gather_full_buffers(self.model_chunks, self.shards, [s.tensors.get(key) for s in state.shards])
+                 for key in keys}
         steps = self.agreed_param_steps()  # one count, except for parameters that skipped steps
         out = {}
         for chunk in self.model_chunks:
@@ -151,24 +109,6 @@ class DistributedOptimizer(MegatronOptimizer):
                     entry["step"] = steps[self.param_to_name[param]]
                     out[self.param_to_name[param]] = entry
         return out
-
-    def _gather_full(self, values: List[Optional[torch.Tensor]]) -> Dict[int, torch.Tensor]:
-        """For every buffer (by id), a full fp32 flat tensor assembled from every rank's `values` (one per
-        shard of self.shards, None: zeros)."""
-        flats = {}
-        for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
-                flats[id(buffer)] = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.device)
-        for s, value in zip(self.shards, values):
-            if value is not None:
-                flats[id(s.buffer)][s.buffer_start:s.buffer_end].copy_(value)
-        for chunk in self.model_chunks:
-            for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
-                flat = flats[id(buffer)]
-                for bucket in buffer.buckets:
-                    collectives.all_gather(flat[bucket.offset:bucket.offset + bucket.grad_data.numel()],
-                                           group=buffer.data_parallel_group)
-        return flats
 
     # ------------------------------------------------------------------ replicas (fault tolerance)
     def holds_same_shards(self, rank: int) -> bool:

@@ -272,3 +272,48 @@ def test_topology_from_a_recorded_instance_size():
     for bad in (0, 3, -2):
         with pytest.raises(ValueError, match="does not divide the data-parallel size 8"):
             DataParallelTopology.from_instance_size(8, bad)
+
+
+def test_golden_owned_ranges():
+    """docs/distributed_optimizer.md's model (dp=2, bucket_size=60): would catch a shard range counted from
+    the buffer start instead of the bucket's, padding given to a parameter, or a straddling parameter owned
+    whole by one rank."""
+    layout = compute_buffer_layout([128, 16, 64, 4], bucket_size=60, data_parallel_world_size=2,
+                                   use_distributed_optimizer=True)
+    assert [layout.buckets[b].shard(2, 1) for b in range(2)] == [(64, 128), (256, 384)]
+    owned = [[(r.param_index, r.bucket_id, r.buffer_start, r.buffer_end, r.param_start, r.param_end, r.shard_start)
+              for r in layout.owned_ranges(2, position)] for position in range(2)]
+    assert owned == [[(3, 0, 0, 4, 0, 4, 0), (1, 1, 128, 144, 0, 16, 0), (0, 1, 192, 256, 0, 64, 64)],
+                     [(2, 0, 64, 128, 0, 64, 0), (0, 1, 256, 320, 64, 128, 0)]]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("instances", [1, 2, 4])
+@pytest.mark.parametrize("bucket_size", [None, 1, 40, 333, 5000])
+def test_owned_ranges_tile_every_parameter(dp, instances, bucket_size):
+    """Over every data-parallel rank of small topologies: the ranges a rank owns lie in its shard of their
+    bucket (the topology's owned_range for that rank), at the shard offset they claim, in buffer order; the
+    positions of one instance own every element of every parameter exactly once. Would catch an element owned
+    twice or by nobody, an order that is not the buffer's, or a bucket shard that is not the topology's."""
+    if dp % instances:
+        return
+    topology = DataParallelTopology(dp, instances)
+    m = topology.intra_distributed_optimizer_instance_size
+    numels = [7, 1, 300, 64, 65, 128, 4096, 3, 129, 1000]
+    layout = compute_buffer_layout(numels, bucket_size=bucket_size, data_parallel_world_size=m,
+                                   use_distributed_optimizer=True)
+    covered = [[0] * n for n in numels]
+    for rank in range(dp):
+        owned = layout.owned_ranges(m, topology.position(rank))
+        assert [r.buffer_start for r in owned] == sorted(r.buffer_start for r in owned)
+        for r in owned:
+            bucket = layout.buckets[r.bucket_id]
+            lo, hi = bucket.shard(m, topology.position(rank))
+            assert (lo, hi) == topology.owned_range(bucket.start, bucket.end, rank)
+            assert lo <= r.buffer_start < r.buffer_end <= hi and r.shard_start == r.buffer_start - lo
+            start = layout.param_ranges[r.param_index][0]
+            assert (r.param_start, r.param_end) == (r.buffer_start - start, r.buffer_end - start)
+            if topology.instance(rank) == 0:
+                for i in range(r.param_start, r.param_end):
+                    covered[r.param_index][i] += 1
+    assert all(count == 1 for counts in covered for count in counts)

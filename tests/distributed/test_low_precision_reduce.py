@@ -106,7 +106,7 @@ def run_iteration(ddp, targets, rank):
 def reduced_pieces(ddp):
     """(leaf index, param, start, end, reduced grad values) of what this rank's optimizer reads: main_grad
     whole under no_shard, the rank's reduced shard of each parameter (sharded strategies)."""
-    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
+    from megatron_lite.distributed.param_and_grad_buffer import shard_ranges
 
     index = {p: int(name.split(".")[1]) for p, name in ddp.param_to_name.items()}
     if not ddp.ddp_config.use_distributed_optimizer:

@@ -292,7 +292,7 @@ def _tied_gpt_distributed_optimizer_worker(pe):
         OptimizerConfig,
         get_megatron_optimizer,
     )
-    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
+    from megatron_lite.distributed.param_and_grad_buffer import shard_ranges
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     model = tiny_model(position_embedding_type=pe)

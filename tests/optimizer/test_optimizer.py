@@ -91,7 +91,7 @@ def _shard_worker(bucket_size):
     import torch.distributed as dist
     from optim_testing import build
 
-    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
+    from megatron_lite.distributed.param_and_grad_buffer import shard_ranges
 
     model, ddp, opt = build(dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size),
                             dict(lr=LR, use_distributed_optimizer=True))
@@ -129,7 +129,7 @@ def _overflow_worker(strategy):
     from ddp_testing import loss_fn, make_batches
     from optim_testing import build
 
-    from megatron_lite.optimizer.distrib_optimizer import shard_ranges
+    from megatron_lite.distributed.param_and_grad_buffer import shard_ranges
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     distopt = strategy != "no_shard"
