@@ -20,9 +20,13 @@ Backend choices (measured with benchmarks/collectives_gloo.py, gloo, torch 2.13)
 
 Observers (`observe`) see every tensor collective as it is issued, with the bytes it moves: benchmarks
 count communication through them instead of patching torch.distributed.
+
+The process groups of a data-parallel topology (the distributed-optimizer instances and the holders of each
+shard) are built here too, once per wrapper, into a record: `DataParallelGroups`.
 """
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -268,34 +272,39 @@ def recv(tensor: torch.Tensor, src: int, group=None):
 
 
 # ------------------------------------------------------------------------------------------ groups
-_instance_groups = {}
+@dataclass(frozen=True)
+class DataParallelGroups:
+    """The process groups of a data-parallel topology, as this rank sees them (megatron-core's data-parallel,
+    intra and inter distributed-optimizer-instance groups): built once, by `build`, and held by the
+    DistributedDataParallel wrapper, which passes them on to what it builds. No cache keeps them: they go
+    when the wrapper goes (live recovery drops the wrapper, then destroys the WORLD; a gloo group releases its
+    peers' blocked operations only once nothing refers to it)."""
 
+    topology: DataParallelTopology
+    """Who holds which shard (layout.py): the groups below are its instances and holders."""
+    data_parallel_group: Optional[dist.ProcessGroup]
+    """The whole data-parallel group (None: WORLD)."""
+    intra_instance_group: Optional[dist.ProcessGroup]
+    """This rank's distributed-optimizer instance (the buffers shard over it): the data-parallel group
+    itself with one instance."""
+    inter_instance_group: Optional[dist.ProcessGroup]
+    """The holders of this rank's position in every instance (its reduced shard is all-reduced over it);
+    None with one instance."""
 
-def instance_groups(group, topology: DataParallelTopology):
-    """The process groups of `topology`'s distributed-optimizer instances over the ranks of `group` (its
-    data-parallel group): this rank's instance (intra-instance group) and the holders of this rank's
-    position in every instance (inter-instance group); see layout.DataParallelTopology.
-
-    Returns (intra-instance group, inter-instance group) of this rank; (group, None) for one instance.
-    Created once per (group, number of instances) by the member ranks only."""
-    if topology.num_distributed_optimizer_instances == 1:
-        return group, None
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # global rank of each group rank
-    assert len(ranks) == topology.data_parallel_size, "the topology describes another group"
-    key = (dist.group.WORLD, tuple(ranks), topology.num_distributed_optimizer_instances)  # new WORLD: afresh
-    if key not in _instance_groups:
+    @classmethod
+    def build(cls, group, topology: DataParallelTopology) -> "DataParallelGroups":
+        """The groups of `topology` over the ranks of `group` (its data-parallel group). With several
+        instances, two new groups, created by their member ranks only (the ranks of one instance do not
+        wait for another's); nothing is created with one instance."""
+        if topology.num_distributed_optimizer_instances == 1:
+            return cls(topology, group, group, None)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # global rank of each group rank
+        assert len(ranks) == topology.data_parallel_size, "the topology describes another group"
         rank = dist.get_rank(group)
         intra = [ranks[r] for r in topology.instance_ranks(topology.instance(rank))]
         inter = [ranks[r] for r in topology.holders(topology.position(rank))]
-        _instance_groups[key] = (dist.new_group(intra, use_local_synchronization=True),
-                                 dist.new_group(inter, use_local_synchronization=True))
-    return _instance_groups[key]
-
-
-def forget_instance_groups():
-    """Drop the cached instance groups (live recovery, after a failure: the process groups are being
-    destroyed, and a gloo group releases its peers' blocked operations only once nothing refers to it)."""
-    _instance_groups.clear()
+        return cls(topology, group, dist.new_group(intra, use_local_synchronization=True),
+                   dist.new_group(inter, use_local_synchronization=True))
 
 
 # ------------------------------------------------------------------------------------------ objects

@@ -106,10 +106,11 @@ class DistributedDataParallel(torch.nn.Module):
         # Distributed-optimizer instances: the buffers shard (reduce-scatter, all-gather) over the ranks of
         # this rank's instance; the shards are all-reduced with the same position of the other instances.
         # Who holds which shard is decided here once; the optimizer and checkpoints ask this record.
-        self.data_parallel_topology = DataParallelTopology(self.data_parallel_world_size,
-                                                           config.num_distributed_optimizer_instances)
-        self.intra_instance_group, self.inter_instance_group = collectives.instance_groups(
-            data_parallel_group, self.data_parallel_topology)
+        self.data_parallel_groups = collectives.DataParallelGroups.build(data_parallel_group, DataParallelTopology(
+            self.data_parallel_world_size, config.num_distributed_optimizer_instances))
+        self.data_parallel_topology = self.data_parallel_groups.topology
+        self.intra_instance_group = self.data_parallel_groups.intra_instance_group
+        self.inter_instance_group = self.data_parallel_groups.inter_instance_group
 
         # Megatron's rule: default size with overlap, a single bucket without (nothing to overlap).
         bucket_size = config.bucket_size
