@@ -1,14 +1,16 @@
 """Elastic mode's arguments: what a job may shrink to, and the arguments of a smaller generation
-(launch.py --min-instances; docs/fault_tolerance.md, "Elastic mode")."""
+(launch.py --min-instances; docs/fault_tolerance.md, "Elastic mode"). How ranks form instances is the
+data-parallel topology's to say (layout.DataParallelTopology); nothing here divides ranks."""
 
 import copy
 
-from ..distributed.layout import default_bucket_size
+from ..distributed.layout import DataParallelTopology, default_bucket_size
 
 
 def instance_size(args) -> int:
     """Ranks per distributed-optimizer instance: what stays the same when the job shrinks or grows."""
-    return args.data_parallel_size // args.num_distributed_optimizer_instances
+    topology = DataParallelTopology(args.data_parallel_size, args.num_distributed_optimizer_instances)
+    return topology.intra_distributed_optimizer_instance_size
 
 
 def check_elastic(args, min_instances: int):
@@ -21,10 +23,10 @@ def check_elastic(args, min_instances: int):
     if min_instances > instances:
         raise ValueError(f"--min-instances {min_instances} exceeds --num-distributed-optimizer-instances {instances}")
     for count in range(min_instances, instances):
-        per_step = args.micro_batch_size * instance_size(args) * count
-        if args.global_batch_size % per_step:
+        data_parallel_size = instance_size(args) * count
+        if args.global_batch_size % (args.micro_batch_size * data_parallel_size):
             raise ValueError(f"elastic mode: with {count} of {instances} instances the data-parallel size is "
-                             f"{per_step // args.micro_batch_size}, and --global-batch-size {args.global_batch_size} "
+                             f"{data_parallel_size}, and --global-batch-size {args.global_batch_size} "
                              f"is not divisible by --micro-batch-size {args.micro_batch_size} x that: choose a global "
                              f"batch size that is, or a larger --min-instances")
 
@@ -37,12 +39,13 @@ def generation_args(args, members: int):
     the buckets must be cut the same for the shards to carry over."""
     if members == args.data_parallel_size:
         return args
-    per_instance = instance_size(args)
-    if members % per_instance:
-        raise ValueError(f"a generation of {members} ranks is not made of whole instances of {per_instance}")
+    try:
+        topology = DataParallelTopology.from_instance_size(members, instance_size(args))
+    except ValueError as e:
+        raise ValueError(f"a generation of {members} ranks: {e}") from None
     smaller = copy.copy(args)
-    smaller.data_parallel_size = members
-    smaller.num_distributed_optimizer_instances = members // per_instance
+    smaller.data_parallel_size = topology.data_parallel_size
+    smaller.num_distributed_optimizer_instances = topology.num_distributed_optimizer_instances
     smaller.num_micro_batches = args.global_batch_size // (args.micro_batch_size * members)
     if args.ddp_bucket_size is None and not args.ddp_num_buckets:
         smaller.ddp_bucket_size = default_bucket_size(args.data_parallel_size)
