@@ -8,7 +8,8 @@
     distributed_data_parallel.py         DistributedDataParallel: builds the buffers, holds grad_sync and param_sync
     expert_parallel.py                   expert parameters (allreduce=False): their groups and gradient scaling
     layout.py                            pure functions: where each parameter and bucket lives, which rank owns what
-    param_and_grad_buffer.py             ParamAndGradBuffer: main_grad views into one flat buffer per dtype pair
+    param_and_grad_buffer.py             ParamAndGradBuffer: main_grad views into one flat buffer per dtype pair;
+                                         this rank's ShardRanges (shard_ranges) and gather_full_buffers
     bucket.py                            Bucket: one collective's parameters, grad-ready counting, shard storage
     storage.py                           ReleasableStorage: ZeRO-2 gradients / ZeRO-3 parameters freed and regrown
     grad_sync.py                         GradSync: grad-ready hooks, no_sync, start/finish; GradSyncSchedule
@@ -20,7 +21,8 @@
     param_guards.py                      ZeRO-3's guards against reading released parameters' placeholders
     prefetch.py                          PrefetchSchedule: gathers in a fixed order, a window ahead
     full_state_dict.py                   ZeRO-3's state dict read one unit gathered at a time
-    collectives.py                       every collective of the library: the one place for gloo/NCCL quirks
+    collectives.py                       every collective of the library: the one place for gloo/NCCL quirks;
+                                         DataParallelGroups, the topology's process groups
 """
 
 from .distributed_data_parallel import DistributedDataParallel
