@@ -11,11 +11,13 @@ packages of one layer never import each other. The layers are what the code impo
     training/              the command line and pretrain()
     fault_tolerance/       live recovery around pretrain()
 
-megatron_lite/__init__.py (the package's front door) may import any layer.
+megatron_lite/__init__.py (the package's front door) may import any layer. And no class is a mixin, and no
+package but distributed/layout.py does arithmetic on ranks (`%`, `//`): who owns what is the topology's to say.
 """
 
 import ast
 import os
+import re
 
 from pretrain_testing import REPO
 
@@ -81,3 +83,48 @@ def test_no_import_from_a_higher_package():
     """Would catch an import pointing up (checkpointing/hf_convert.py importing training/ was the last one,
     before it moved beside its one user in tools/) or sideways within a layer (data/ <-> models/)."""
     assert upward_imports() == []
+
+
+def _parsed():
+    """(module name, syntax tree) of every module of megatron_lite."""
+    for path, module in _modules():
+        with open(path) as f:
+            yield module, ast.parse(f.read())
+
+
+def test_no_mixin():
+    """Would catch a class named as a mixin (issue 33: the gradient hooks, ZeRO-3's guards and the optimizer's
+    state were each one class spread over two files; they are objects their owners hold now)."""
+    mixins = [f"{module}.{node.name}" for module, tree in _parsed() for node in ast.walk(tree)
+              if isinstance(node, ast.ClassDef) and "mixin" in node.name.lower()]
+    assert mixins == []
+
+
+RANK_NAMES = re.compile(r"rank|position|instance")
+"""Operand names of rank arithmetic: a rank, a data-parallel position, an instance or its size."""
+
+
+def rank_arithmetic():
+    """'module:line expression' for every `%` or `//` with an operand that names a rank, a position or an
+    instance, outside distributed/layout.py (the one place that says who owns what). A local rank mapped onto
+    the node's devices (`local_rank % torch.cuda.device_count()`, Megatron's rule) is not ownership."""
+    found = []
+    for module, tree in _parsed():
+        if module == "megatron_lite.distributed.layout":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.FloorDiv)):
+                if isinstance(node.left, (ast.Constant, ast.JoinedStr)):
+                    continue  # string formatting
+                right = ast.unparse(node.right)
+                if right == "torch.cuda.device_count()":
+                    continue
+                if RANK_NAMES.search(ast.unparse(node.left).lower()) or RANK_NAMES.search(right.lower()):
+                    found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_rank_arithmetic_only_in_layout():
+    """Would catch a package dividing ranks itself (fault_tolerance/elastic.py's `members // per_instance`
+    was the last): shard ranges, instances and positions come from layout.DataParallelTopology."""
+    assert rank_arithmetic() == []
