@@ -71,15 +71,11 @@ class SharedBlockNet(nn.Module):
         return self.head(h)
 
 
-class CheckpointedStages(nn.Module):
+class CheckpointedStages(CheckpointedStack):
     """One checkpoint around several blocks (a stage), so a recomputation runs several ZeRO-3 units."""
 
     def __init__(self, reentrant, dim_in=6, dim=10, depth=4, out=2):
-        super().__init__()
-        self.reentrant = reentrant
-        self.stem = nn.Linear(dim_in, dim)
-        self.blocks = nn.ModuleList([tpm.ResidualMLP(dim, 2 * dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, out)
+        super().__init__(reentrant, dim_in, dim, depth, out)
 
     def stage(self, h, first, last):
         for block in self.blocks[first:last]:
