@@ -22,12 +22,12 @@ Observers (`observe`) see every tensor collective as it is issued, with the byte
 count communication through them instead of patching torch.distributed.
 
 The process groups of a data-parallel topology (the distributed-optimizer instances and the holders of each
-shard) are built here too, once per wrapper, into a record: `DataParallelGroups`.
+shard) are built here too, once per process and topology, into a record each wrapper holds: `DataParallelGroups`.
 """
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -275,10 +275,12 @@ def recv(tensor: torch.Tensor, src: int, group=None):
 @dataclass(frozen=True)
 class DataParallelGroups:
     """The process groups of a data-parallel topology, as this rank sees them (megatron-core's data-parallel,
-    intra and inter distributed-optimizer-instance groups): built once, by `build`, and held by the
-    DistributedDataParallel wrapper, which passes them on to what it builds. No cache keeps them: they go
-    when the wrapper goes (live recovery drops the wrapper, then destroys the WORLD; a gloo group releases its
-    peers' blocked operations only once nothing refers to it)."""
+    intra and inter distributed-optimizer-instance groups): asked once, by `build`, and held by the
+    DistributedDataParallel wrapper, which passes them on to what it builds. The instance groups themselves
+    are created once per (WORLD, data-parallel ranks, number of instances) and shared by every wrapper of
+    the process (model chunks, a test's many models; megatron-core creates them once in parallel_state):
+    torch.distributed keeps every group until destroy_process_group, so a group per wrapper would only pile
+    up sockets and threads. `forget_instance_groups` drops them before the WORLD is destroyed."""
 
     topology: DataParallelTopology
     """Who holds which shard (layout.py): the groups below are its instances and holders."""
@@ -294,17 +296,33 @@ class DataParallelGroups:
     @classmethod
     def build(cls, group, topology: DataParallelTopology) -> "DataParallelGroups":
         """The groups of `topology` over the ranks of `group` (its data-parallel group). With several
-        instances, two new groups, created by their member ranks only (the ranks of one instance do not
-        wait for another's); nothing is created with one instance."""
+        instances, two groups, created on the first ask by their member ranks only (the ranks of one instance
+        do not wait for another's) and shared by later asks over the same ranks; nothing is created with one
+        instance."""
         if topology.num_distributed_optimizer_instances == 1:
             return cls(topology, group, group, None)
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # global rank of each group rank
         assert len(ranks) == topology.data_parallel_size, "the topology describes another group"
-        rank = dist.get_rank(group)
-        intra = [ranks[r] for r in topology.instance_ranks(topology.instance(rank))]
-        inter = [ranks[r] for r in topology.holders(topology.position(rank))]
-        return cls(topology, group, dist.new_group(intra, use_local_synchronization=True),
-                   dist.new_group(inter, use_local_synchronization=True))
+        key = (dist.group.WORLD, tuple(ranks), topology.num_distributed_optimizer_instances)  # new WORLD: afresh
+        if key not in _instance_groups:
+            rank = dist.get_rank(group)
+            intra = [ranks[r] for r in topology.instance_ranks(topology.instance(rank))]
+            inter = [ranks[r] for r in topology.holders(topology.position(rank))]
+            _instance_groups[key] = (dist.new_group(intra, use_local_synchronization=True),
+                                     dist.new_group(inter, use_local_synchronization=True))
+        return cls(topology, group, *_instance_groups[key])
+
+
+_instance_groups: Dict[tuple, Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+"""(WORLD, the data-parallel group's global ranks, number of instances) -> this rank's (intra-instance,
+inter-instance) groups: the one place DataParallelGroups.build keeps what it created."""
+
+
+def forget_instance_groups():
+    """Drop the shared instance groups (live recovery, after a failure, before it destroys the WORLD: a gloo
+    group closes its connections, and so releases its peers' blocked operations, only once nothing refers to
+    it; the next generation's wrapper creates its own)."""
+    _instance_groups.clear()
 
 
 # ------------------------------------------------------------------------------------------ objects

@@ -290,6 +290,7 @@ class _LiveRun:
         if self.loop is not None:
             self.loop.drop_last_words()  # its SIGTERM watcher holds the optimizer, and with it the groups
         self.loop = self.model = self.optimizer = self.scheduler = None
+        collectives.forget_instance_groups()  # the instance groups every wrapper shared
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()

@@ -66,6 +66,37 @@ def test_instances_match_one_instance(strategy):
                 assert torch.equal(shard, run["shards"][r % m]), (instances, r)
 
 
+def _shared_groups_worker():
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from optim_testing import build
+
+    from megatron_lite.distributed import collectives
+
+    config = dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    first = build(config, ADAM)[1].data_parallel_groups
+    groups_before = len(c10d._world.pg_map)
+    second = build(config, ADAM)[1].data_parallel_groups
+    shared = (second.intra_instance_group is first.intra_instance_group
+              and second.inter_instance_group is first.inter_instance_group
+              and len(c10d._world.pg_map) == groups_before)
+    collectives.forget_instance_groups()
+    third = build(config, ADAM)[1].data_parallel_groups
+    afresh = third.intra_instance_group is not first.intra_instance_group
+    ranks = (dist.get_process_group_ranks(third.intra_instance_group),
+             dist.get_process_group_ranks(third.inter_instance_group))
+    return shared, afresh, ranks
+
+
+def test_wrappers_share_the_instance_groups():
+    """Would catch every DistributedDataParallel creating its own intra- and inter-instance gloo groups
+    (torch.distributed keeps each until destroy_process_group: a process building many wrappers, model chunks
+    or a test's models, piles up sockets and threads), or forget_instance_groups not dropping them."""
+    results = run_distributed(_shared_groups_worker, 4)
+    assert [r[:2] for r in results] == [(True, True)] * 4
+    assert [r[2] for r in results] == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+
+
 def _num_zeros_worker():
     import torch.distributed as dist
     from optim_testing import build, megatron_steps
