@@ -263,7 +263,8 @@ class History:
 class TrainingLoop:
     """The iterations from `iteration` to --train-iters (see the module docstring).
 
-    Making it opens the TrainingLog (collective) and, with --save and --last-words, this rank's LastWords with
+    Making it makes the train iterator (--num-workers: its DataLoader processes start), then opens the
+    TrainingLog (collective; its timer starts) and, with --save and --last-words, this rank's LastWords with
     its SIGTERM watcher (LastWords.install).
 
     Args:
@@ -283,7 +284,7 @@ class TrainingLoop:
                  last_saved: Optional[int], hooks: Optional[LoopHooks] = None, history: Optional[History] = None):
         self.args, self.forward_step_func = args, forward_step_func
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.train_ds, self.valid_ds = train_ds, valid_ds
+        self.valid_ds = valid_ds
         self.iteration, self.consumed, self.last_saved = iteration, consumed, last_saved
         self.hooks = hooks or LoopHooks()
         self.history = history if history is not None else History()
@@ -291,7 +292,10 @@ class TrainingLoop:
         # must not interleave with training's); the next save, or the end of training, waits for it.
         self.async_group = dist.new_group(backend="gloo") if args.async_save else None
         self.pending = []  # the asynchronous save in flight, if any
-        self.train_iterator = None  # made by run(), from the consumed samples
+        # This rank's micro-batches from the consumed samples, made before the log starts its timer: with
+        # --num-workers the DataLoader's worker processes start here, which is not training time.
+        self.train_iterator = micro_batch_iterator(train_ds, consumed, args.micro_batch_size, dist.get_rank(),
+                                                   dist.get_world_size(), getattr(args, "num_workers", 0))
         self.log = open_training_log(args, device, dist.get_world_size(),
                                      flops_per_iteration(args) if flops_per_iteration else None)
         # If this job dies, each survivor writes its part of the last completed iteration (checkpointing/last_words.py).
@@ -305,9 +309,6 @@ class TrainingLoop:
     def run(self):
         """Train to --train-iters (or --exit-interval), then save the last iteration unless it is saved."""
         args = self.args
-        self.train_iterator = micro_batch_iterator(self.train_ds, self.consumed, args.micro_batch_size,
-                                                   dist.get_rank(), dist.get_world_size(),
-                                                   getattr(args, "num_workers", 0))  # --num-workers
         while self.iteration < args.train_iters:
             self.train_iteration()
             if args.exit_interval and self.iteration % args.exit_interval == 0:

@@ -365,3 +365,41 @@ def test_pretrain_and_live_recovery_run_one_loop():
         calls = called(module)
         assert "TrainingLoop" in calls, module.__name__
         assert not calls & body, (module.__name__, calls & body)
+
+
+def _data_start_timing_worker(argv):
+    """pretrain_gpt.main with the train iterator's making and the log's timer starts recorded, in order."""
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron_lite.training import loop, metrics
+
+    events = []
+    make_iterator, restart_timer = loop.micro_batch_iterator, metrics.TrainingLog.restart_timer
+
+    def recorded_iterator(dataset, consumed, *args, **kwargs):
+        events.append(("iterator", consumed))
+        return make_iterator(dataset, consumed, *args, **kwargs)
+
+    def recorded_restart(log):
+        events.append(("timer", None))
+        restart_timer(log)
+    loop.micro_batch_iterator, metrics.TrainingLog.restart_timer = recorded_iterator, recorded_restart
+    try:  # the pool's process is reused: patched only for this run
+        pretrain_gpt.main(argv, world_size=dist.get_world_size())
+    finally:
+        loop.micro_batch_iterator, metrics.TrainingLog.restart_timer = make_iterator, restart_timer
+    return events
+
+
+def test_the_data_loaders_start_is_not_timed_as_training():
+    """pretrain() makes the train iterator (with --num-workers, the DataLoader's worker processes start there)
+    before the log starts timing its first iteration, as Megatron builds its data iterators before train().
+    Would catch the start moving into iteration 1's ms/iteration, throughput and MFU (the one loop at first
+    made the iterator after the log and the last words)."""
+    argv = tiny_pretrain_flags(train_iters="2")  # the pool's daemonic ranks cannot start workers: the order only
+    for events in run_distributed(_data_start_timing_worker, 2, argv):
+        assert events[0] == ("iterator", 0), events  # the train iterator (validation's come later), then the timer
+        assert ("timer", None) in events[1:], events
