@@ -389,6 +389,8 @@ class TrainingLoop:
             self.words.write(f"{type(error).__name__}: {error}")
 
     def drop_last_words(self):
-        """No last words wanted any more: SIGTERM goes back to the process's own handler."""
+        """No last words wanted any more (write_last_words then writes none): SIGTERM goes back to the
+        process's own handler."""
         if self.words is not None:
             self.words.uninstall()
+        self.words = None

@@ -403,3 +403,40 @@ def test_the_data_loaders_start_is_not_timed_as_training():
     for events in run_distributed(_data_start_timing_worker, 2, argv):
         assert events[0] == ("iterator", 0), events  # the train iterator (validation's come later), then the timer
         assert ("timer", None) in events[1:], events
+
+
+def _last_words_after_the_end_worker(argv):
+    """A TrainingLoop run to its end as live recovery's generation ends it (the log closed, the last words
+    dropped), then an error: the last words the handler writes then. Returns what --save holds."""
+    import torch.distributed as dist
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import pretrain_gpt
+    from megatron_lite.training import initialize_megatron, setup_model_and_optimizer
+    from megatron_lite.training.loop import TrainingLoop
+
+    args = pretrain_gpt.parse_args(argv, dist.get_world_size())
+    device, tokenizer = initialize_megatron(args)
+    train_ds, valid_ds, _ = pretrain_gpt.train_valid_test_datasets_provider(args, tokenizer)
+    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, args, device)
+    loop = TrainingLoop(args, pretrain_gpt.forward_step, model, optimizer, scheduler, train_ds, valid_ds, device,
+                        None, 0, 0, None)
+    loop.run()
+    loop.log.close()
+    loop.drop_last_words()
+    loop.write_last_words(RuntimeError("the supervisor's store is gone"))  # pretrain_live's handler
+    return sorted(os.listdir(args.save))
+
+
+def test_no_last_words_once_they_are_dropped(tmp_path):
+    """After a live generation trained to the end, it drops its last words (TrainingLoop.drop_last_words) before
+    releasing --save and telling the supervisor (Membership.note_finished); pretrain_live's handler writes the
+    last words of any error through the loop. Would catch an error there (a lost store) still writing last
+    words of the finished run beside its final checkpoint, which the live loop before the one loop never did
+    (its words were None once dropped)."""
+    save = str(tmp_path / "save")
+    argv = tiny_pretrain_flags(train_iters="2", save=save)
+    for entries in run_distributed(_last_words_after_the_end_worker, 2, argv):
+        assert "last_words" not in entries, entries
+        assert any(entry.startswith("iter_") for entry in entries), entries  # the final save was written
