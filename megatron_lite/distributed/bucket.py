@@ -15,6 +15,7 @@ import torch
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .layout import OwnedRange
 from .storage import ReleasableStorage
 
 
@@ -72,6 +73,9 @@ class Bucket:
         self.param_gather_handle = None
         # megatron-core's map: parameter -> its (start, end) elements within the bucket.
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        # The part of each parameter in this rank's shard (layout.OwnedRange; a parameter with none is absent),
+        # filled by the buffer like param_to_index: ZeRO-3 writes a meta-built parameter's initial value there.
+        self.param_to_owned_range: Dict[torch.nn.Parameter, OwnedRange] = {}
         # ZeRO-2 (sharding.gradients): grad_data has a storage of its own, grown when the first gradient
         # arrives and freed once its reduce-scatter is done; this rank's reduced shard, grad_shard, has one
         # too, grown by the first reduction of an iteration and freed by the next reset (zero_grad_buffer):

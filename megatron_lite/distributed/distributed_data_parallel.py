@@ -108,9 +108,7 @@ class DistributedDataParallel(torch.nn.Module):
         # Who holds which shard is decided here once; the optimizer and checkpoints ask this record.
         self.data_parallel_groups = collectives.DataParallelGroups.build(data_parallel_group, DataParallelTopology(
             self.data_parallel_world_size, config.num_distributed_optimizer_instances))
-        self.data_parallel_topology = self.data_parallel_groups.topology
-        self.intra_instance_group = self.data_parallel_groups.intra_instance_group
-        self.inter_instance_group = self.data_parallel_groups.inter_instance_group
+        groups = self.data_parallel_groups
 
         # Megatron's rule: default size with overlap, a single bucket without (nothing to overlap).
         bucket_size = config.bucket_size
@@ -159,8 +157,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.expert_parallel_buffers: List[ParamAndGradBuffer] = []  # reduced over expert_data_parallel_group
         for (param_dtype, grad_dtype, expert), params in dtype_to_params.items():
             params = persistent_params_together(params, unit_of)  # ZeRO-3: a bucket of their own
-            group, inter = (expert_data_parallel_group, None) if expert else (self.intra_instance_group,
-                                                                               self.inter_instance_group)
+            group, inter = (expert_data_parallel_group, None) if expert else (groups.intra_instance_group,
+                                                                               groups.inter_instance_group)
             (self.expert_parallel_buffers if expert else self.param_and_grad_buffers).append(ParamAndGradBuffer(
                 config, param_dtype, grad_dtype, params, group, self.bucket_size, self.param_to_name,
                 expert_scaling if expert else scaling, unit_of, inter, fp32_local_accumulation=fp32_accumulation,
@@ -183,7 +181,7 @@ class DistributedDataParallel(torch.nn.Module):
         order = launch_order(all_buckets, list(self.param_to_name))
         # Gathers, releases and the hooks around forward and backward (param_sync.py).
         self.param_sync: ParamSync = build_param_sync(module, config, all_buckets, order, units, unit_of,
-                                                      self.intra_instance_group)
+                                                      groups.intra_instance_group)
         # The gradient side: one hook per parameter, this iteration's state, the launch schedule (grad_sync.py).
         self.grad_sync = GradSync(module, config, buffers, self.param_to_bucket, self.param_to_name, named_params,
                                   self.expert_params, order, self.param_sync, data_parallel_group,
@@ -197,11 +195,16 @@ class DistributedDataParallel(torch.nn.Module):
         if bucket is None or not bucket.shards_params:
             tensor.data.copy_(value)
             return
-        start, end = bucket.param_to_index[tensor]
-        low, high = max(start, bucket.shard_offset), min(end, bucket.shard_offset + bucket.shard_size)
-        if low < high:
-            bucket.param_shard[low - bucket.shard_offset:high - bucket.shard_offset].copy_(
-                value.reshape(-1)[low - start:high - start])
+        part = bucket.param_to_owned_range.get(tensor)  # none: no element of the parameter is this rank's
+        if part is not None:
+            bucket.param_shard[part.shard_start:part.shard_start + part.buffer_end - part.buffer_start].copy_(
+                value.reshape(-1)[part.param_start:part.param_end])
+
+    @property
+    def data_parallel_topology(self) -> DataParallelTopology:
+        """Who holds which shard (the record's topology, data_parallel_groups.topology): what the optimizer
+        and checkpoints ask."""
+        return self.data_parallel_groups.topology
 
     @property
     def shards_params(self) -> bool:

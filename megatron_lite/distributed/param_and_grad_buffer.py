@@ -176,6 +176,8 @@ class ParamAndGradBuffer:
         for param, (start, end, bucket_id) in self.param_index_map.items():
             bucket = self.buckets[bucket_id]
             bucket.param_to_index[param] = (start - bucket.offset, end - bucket.offset)
+        for index, part in owned.items():
+            self.buckets[part.bucket_id].param_to_owned_range[self.params[index]] = part
 
     def shard_ranges(self) -> List["ShardRange"]:
         """The parts of this buffer's parameters that this rank owns, in buffer order (layout.owned_ranges)."""

@@ -54,7 +54,7 @@ class MegatronOptimizer:
         # Where each gradient element lives exactly once: the data-parallel group, or with several
         # distributed-optimizer instances this rank's instance (the others hold replicas of the same
         # shards, which must not be counted twice in the norm, the zero count or the overflow check).
-        self.grad_stats_group = model_chunks[0].intra_instance_group
+        self.grad_stats_group = model_chunks[0].data_parallel_groups.intra_instance_group
         # Expert parameters (allreduce = False): replicated only over their expert data-parallel group, each
         # group holding other experts. `has_expert_params` is the same on every rank (agreed at wrap time).
         self.expert_params = frozenset().union(*(getattr(c, "expert_params", ()) for c in model_chunks))
