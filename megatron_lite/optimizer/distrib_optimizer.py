@@ -14,8 +14,6 @@ buffer and each bucket's param_data is all-gathered, so every rank holds bitwise
 With overlap_param_gather the all-gathers are dispatched by DDP's forward pre-hooks instead.
 """
 
-from typing import Dict
-
 import torch
 import torch.distributed as dist
 
@@ -46,13 +44,12 @@ class DistributedOptimizer(MegatronOptimizer):
         self.params_sharded = any(chunk.shards_params for chunk in model_chunks)  # ZeRO-3
         group_of = {p: i for i, g in enumerate(model_param_groups) for p in g["params"]}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in model_param_groups]
-        self.main_of: Dict[int, torch.Tensor] = {}  # index into self.shards -> main shard
-        # fp32: the model's own storage (unless offloaded to the host)
-        for i, (s, main) in enumerate(zip(self.shards, main_params([s.params for s in self.shards], config))):
-            self.main_of[i] = main
-            groups[group_of[s.model_param]]["params"].append(main)
-        main_shards = [MainShard(s.model_param, s.param_start, s.param_end, self.main_of[i])
-                       for i, s in enumerate(self.shards)]
+        # One main shard per range of self.shards, in its order (shard_state.main_shards[i].main: range i's
+        # fp32 main values; fp32: the model's own storage, unless offloaded to the host).
+        main_shards = [MainShard(s.model_param, s.param_start, s.param_end, main)
+                       for s, main in zip(self.shards, main_params([s.params for s in self.shards], config))]
+        for shard in main_shards:
+            groups[group_of[shard.param]]["params"].append(shard.main)
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler, main_shards)
 
     # ------------------------------------------------------------------ step pieces
@@ -63,27 +60,27 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _copy_model_grads_to_main_grads(self):
         grads, skipped = [], self._skipped()
-        for i, s in enumerate(self.shards):
+        for s, shard in zip(self.shards, self.shard_state.main_shards):
             if s.model_param in skipped:
-                self.main_of[i].grad = None
+                shard.main.grad = None
             else:  # a view if fp32 already
-                grads.append(self._set_main_grad(self.main_of[i], s.grad.float()))
+                grads.append(self._set_main_grad(shard.main, s.grad.float()))
         return grads
 
     def _copy_main_params_to_model_params(self):
-        for i, s in enumerate(self.shards):
-            copy_main_to_model(self.main_of[i], s.params)
+        for s, shard in zip(self.shards, self.shard_state.main_shards):
+            copy_main_to_model(shard.main, s.params)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
     def _copy_model_params_to_main_params(self, values=None):
         # Each rank its own shards: ZeRO-1/2 read the full parameters' ranges, ZeRO-3 the shards it keeps;
         # given values, their same ranges (also into an fp32 main param that is the model's own shard).
-        for i, s in enumerate(self.shards):
+        for s, shard in zip(self.shards, self.shard_state.main_shards):
             if values is None:
-                copy_model_to_main(s.params, self.main_of[i])
+                copy_model_to_main(s.params, shard.main)
             else:
-                self.main_of[i].data.copy_(values[s.model_param].reshape(-1)[s.param_start:s.param_end])
+                shard.main.data.copy_(values[s.model_param].reshape(-1)[s.param_start:s.param_end])
 
     # ------------------------------------------------------------------ state (see optimizer_state.py)
     @property
@@ -149,5 +146,5 @@ class DistributedOptimizer(MegatronOptimizer):
             self.shard_state.forget_moments()
             received = received.params_only()
         self._load_shards(received)
-        for i, s in enumerate(self.shards):  # this rank's shard of the model only: no collective
-            copy_main_to_model(self.main_of[i], s.params)
+        for s, shard in zip(self.shards, self.shard_state.main_shards):  # this rank's shard only: no collective
+            copy_main_to_model(shard.main, s.params)

@@ -139,12 +139,12 @@ def _rebuild_worker(source):
     before = _flat(opt)
     error = None
     if rank == 1:  # lose everything this rank held of the optimizer
-        for main in opt.main_of.values():
-            main.data.fill_(float("nan"))
-            opt.optimizer.state.pop(main, None)
+        for shard in opt.shard_state.main_shards:
+            shard.main.data.fill_(float("nan"))
+            opt.optimizer.state.pop(shard.main, None)
     if source == "nan-replica" and rank == 3:
-        poisoned = opt.main_of[0].data.clone()
-        opt.main_of[0].data.fill_(float("inf"))
+        poisoned = opt.shard_state.main_shards[0].main.data.clone()
+        opt.shard_state.main_shards[0].main.data.fill_(float("inf"))
     try:
         if rank == 1:
             opt.recv_shard_state(src=1 if source == "self" else 0 if source == "non-replica" else 3)
@@ -153,7 +153,7 @@ def _rebuild_worker(source):
     except ValueError as e:
         error = str(e)
     if source == "nan-replica" and rank == 3:
-        opt.main_of[0].data.copy_(poisoned)
+        opt.shard_state.main_shards[0].main.data.copy_(poisoned)
     if source != "replica":
         return dict(error=error, nan=bool(torch.isnan(_flat(opt)).any()))
     restored = torch.equal(_flat(opt), before)
