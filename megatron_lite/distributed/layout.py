@@ -246,7 +246,7 @@ class DataParallelTopology:
         size divides the data-parallel size."""
         if not isinstance(instance_size, int) or instance_size < 1 or data_parallel_size % instance_size:
             raise ValueError(f"an instance size of {instance_size!r} ranks does not divide the data-parallel size "
-                             f"{data_parallel_size}: {data_parallel_size} ranks are not made of whole instances")
+                             f"{data_parallel_size}")
         return cls(data_parallel_size, data_parallel_size // instance_size)
 
     @property

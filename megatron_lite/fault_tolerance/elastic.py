@@ -39,10 +39,11 @@ def generation_args(args, members: int):
     the buckets must be cut the same for the shards to carry over."""
     if members == args.data_parallel_size:
         return args
+    per_instance = instance_size(args)
     try:
-        topology = DataParallelTopology.from_instance_size(members, instance_size(args))
-    except ValueError as e:
-        raise ValueError(f"a generation of {members} ranks: {e}") from None
+        topology = DataParallelTopology.from_instance_size(members, per_instance)
+    except ValueError:
+        raise ValueError(f"a generation of {members} ranks is not made of whole instances of {per_instance}") from None
     smaller = copy.copy(args)
     smaller.data_parallel_size = topology.data_parallel_size
     smaller.num_distributed_optimizer_instances = topology.num_distributed_optimizer_instances
