@@ -12,7 +12,8 @@ packages of one layer never import each other. The layers are what the code impo
     fault_tolerance/       live recovery around pretrain()
 
 megatron_lite/__init__.py (the package's front door) may import any layer. And no class is a mixin, and no
-package but distributed/layout.py does arithmetic on ranks (`%`, `//`): who owns what is the topology's to say.
+package but distributed/layout.py does arithmetic on ranks (`%`, `//`, divmod): who owns what is the topology's
+to say.
 """
 
 import ast
@@ -48,9 +49,13 @@ def _imported(path: str, module: str):
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                yield ".".join(base + ([node.module] if node.module else []))
+                source = ".".join(base + ([node.module] if node.module else []))
             else:
-                yield node.module
+                source = node.module
+            if source == "megatron_lite":  # `from .. import training`: the names are the packages
+                yield from (f"{source}.{alias.name}" for alias in node.names)
+            else:
+                yield source
 
 
 def _package(module: str) -> str:
@@ -104,27 +109,64 @@ RANK_NAMES = re.compile(r"rank|position|instance")
 """Operand names of rank arithmetic: a rank, a data-parallel position, an instance or its size."""
 
 
-def rank_arithmetic():
-    """'module:line expression' for every `%` or `//` with an operand that names a rank, a position or an
-    instance, outside distributed/layout.py (the one place that says who owns what). A local rank mapped onto
-    the node's devices (`local_rank % torch.cuda.device_count()`, Megatron's rule) is not ownership."""
+def _division(node):
+    """(left, right) operands of a `%` or `//` (`a % b`, `a %= b`, `divmod(a, b)`), or None."""
+    if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, (ast.Mod, ast.FloorDiv)):
+        if isinstance(node, ast.AugAssign):
+            return node.target, node.value
+        return node.left, node.right
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "divmod" and len(node.args) == 2:
+        return tuple(node.args)
+    return None
+
+
+def _rank_arithmetic_in(tree):
+    """The `%`, `//` and divmod() of `tree` with an operand that names a rank, a position or an instance. A
+    local rank mapped onto the node's devices (`local_rank % torch.cuda.device_count()`, Megatron's rule) is
+    not ownership, nor is string formatting."""
     found = []
-    for module, tree in _parsed():
-        if module == "megatron_lite.distributed.layout":
+    for node in ast.walk(tree):
+        operands = _division(node)
+        if operands is None:
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.FloorDiv)):
-                if isinstance(node.left, (ast.Constant, ast.JoinedStr)):
-                    continue  # string formatting
-                right = ast.unparse(node.right)
-                if right == "torch.cuda.device_count()":
-                    continue
-                if RANK_NAMES.search(ast.unparse(node.left).lower()) or RANK_NAMES.search(right.lower()):
-                    found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+        left, right = operands
+        if isinstance(left, ast.JoinedStr) or isinstance(left, ast.Constant) and isinstance(left.value, str):
+            continue  # string formatting
+        if ast.unparse(right) == "torch.cuda.device_count()":
+            continue
+        if any(RANK_NAMES.search(ast.unparse(operand).lower()) for operand in operands):
+            found.append(node)
     return found
+
+
+def rank_arithmetic():
+    """'module:line expression' for every rank arithmetic outside distributed/layout.py (the one place that
+    says who owns what)."""
+    return [f"{module}:{node.lineno} {ast.unparse(node)}" for module, tree in _parsed()
+            if module != "megatron_lite.distributed.layout" for node in _rank_arithmetic_in(tree)]
 
 
 def test_rank_arithmetic_only_in_layout():
     """Would catch a package dividing ranks itself (fault_tolerance/elastic.py's `members // per_instance`
     was the last): shard ranges, instances and positions come from layout.DataParallelTopology."""
     assert rank_arithmetic() == []
+
+
+def test_the_import_walk_sees_a_package_imported_by_name(tmp_path):
+    """`from .. import training` (or `from megatron_lite import training`) imports a package as a name of the
+    root: the walk must name the package, not the root it skips."""
+    path = tmp_path / "save.py"
+    path.write_text("from .. import training\nfrom megatron_lite import fault_tolerance\nfrom . import files\n")
+    assert sorted(_imported(str(path), "megatron_lite.checkpointing.save")) == [
+        "megatron_lite.checkpointing", "megatron_lite.fault_tolerance", "megatron_lite.training"]
+
+
+def test_the_rank_check_sees_every_spelling():
+    """Augmented assignment, divmod() and a number on the left are rank arithmetic too; string formatting and
+    the device rule are not."""
+    found = ["r %= dp_rank", "per_instance //= 2", "start, rest = divmod(rank, size)", "x = 1024 // num_instances",
+             "y = (rank + 1) // 2"]
+    ignored = ["s = '%d' % rank", "s = f'{rank}' % ()", "d = local_rank % torch.cuda.device_count()",
+               "n = divmod(numel, size)", "z = members // size"]
+    assert [bool(_rank_arithmetic_in(ast.parse(line))) for line in found] == [True] * len(found)
+    assert [bool(_rank_arithmetic_in(ast.parse(line))) for line in ignored] == [False] * len(ignored)
