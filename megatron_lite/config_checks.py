@@ -14,7 +14,8 @@ An entry names a field, whose checks get its value, or several (each gets all th
 None: rules across fields, whose checks get the whole config. The message is str.format'ed with `name` (the
 field), `value`, `flag` (the field spelled as a command-line flag, for argparse namespaces) and `config`.
 The configs of distributed/, optimizer/ and training/ use it; it imports nothing of the project
-(models/gpt.py, which imports torch only, walks its own table the same way).
+(models/gpt.py, which imports torch only, walks its own table the same way). A message that spells a constant
+with an f-string doubles the braces it leaves to format: f"{{name}} must be one of {sorted(CHOICES)}, got {{value}}".
 """
 
 from typing import Any, Callable, NamedTuple, Sequence, Tuple, Union
