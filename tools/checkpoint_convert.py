@@ -32,7 +32,10 @@ import shutil
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(TOOLS))  # run from a checkout
+if TOOLS not in sys.path:  # `python -m tools.checkpoint_convert`: sys.path[0] is the checkout, not tools/
+    sys.path.insert(1, TOOLS)
 
 import hf_convert  # noqa: E402  (tools/, beside this file)
 import torch  # noqa: E402

@@ -92,3 +92,16 @@ def test_an_output_that_is_a_file_is_a_flag_error(tmp_path, capsys):
         assert exc.value.code == 2, argv
         assert f"--output {out} is a file, not a directory" in capsys.readouterr().err, argv
     assert out.read_text() == "mine"
+
+
+@pytest.mark.parametrize("how", ["script from elsewhere", "module from the checkout"])
+def test_the_tool_finds_hf_convert_however_it_is_run(tmp_path, how):
+    """Would catch `import hf_convert` (tools/hf_convert.py, beside the tool) failing where tools/ is not
+    sys.path[0]: `python -m tools.checkpoint_convert` from the checkout, as it ran before hf_convert moved out
+    of megatron_lite/checkpointing/; and `python /abs/path/tools/checkpoint_convert.py` from any directory."""
+    argv, cwd = (([TOOL], str(tmp_path)) if how == "script from elsewhere"
+                 else (["-m", "tools.checkpoint_convert"], REPO))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120, cwd=cwd,
+                         env=env)
+    assert out.returncode == 0 and "--from {hf}" in out.stdout, out.stdout + out.stderr
