@@ -26,8 +26,8 @@ from benchmarks.counting import count_megatron_lite
 from benchmarks.launch import launch, world_size
 from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_lite.distributed import collectives
-from megatron_lite.models import GPTConfig, GPTModel
 from megatron_lite.distributed.param_and_grad_buffer import shard_ranges
+from megatron_lite.models import GPTConfig, GPTModel
 
 U = 2.0 ** -8  # bf16's unit roundoff
 MODES = {  # name -> DDP config fields (on top of data_parallel_sharding_strategy='optim')
