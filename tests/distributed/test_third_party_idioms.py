@@ -249,20 +249,23 @@ def build_pair(case, strategy, overlap):
     return t3.build_pair(case, strategy, overlap, rebuild_reference=True)
 
 
-def _compare_worker(case_name, config_name):
+def _train_pair(case, config_name):
+    """Train the wrapped model and torch DDP's reference side by side on this rank's micro-batches; yields
+    (wrapped, reference) after each of t3.STEPS steps."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    case = CASES[case_name]
     ddp, opt, reference, torch_opt = build_pair(case, *t3.CONFIGS[config_name])
     gen = torch.Generator().manual_seed(1000 + rank)
-    per_step = []
     for step in range(t3.STEPS):
         micro_batches = [case.batch(gen, rank, step) for _ in range(t3.MICRO_BATCHES)]
         t3.megatron_step(ddp, opt, case.loss, micro_batches)
         t3.torch_step(reference, torch_opt, case.loss, micro_batches)
-        per_step.append(t3.differences(ddp, reference))
-    return per_step
+        yield ddp, reference
+
+
+def _compare_worker(case_name, config_name):
+    return [t3.differences(ddp, reference) for ddp, reference in _train_pair(CASES[case_name], config_name)]
 
 
 @pytest.mark.parametrize("case,config", MATRIX)
@@ -500,17 +503,9 @@ class WithEmptyParameter(nn.Module):
 
 
 def _empty_parameter_worker(config_name):
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
     case = t3.Case(WithEmptyParameter, t3.regression_batch, t3.mse, units=("ResidualMLP",))
-    ddp, opt, reference, torch_opt = build_pair(case, *t3.CONFIGS[config_name])
-    gen = torch.Generator().manual_seed(1000 + rank)
     differing = []
-    for step in range(t3.STEPS):
-        micro_batches = [case.batch(gen, rank, step) for _ in range(t3.MICRO_BATCHES)]
-        t3.megatron_step(ddp, opt, case.loss, micro_batches)
-        t3.torch_step(reference, torch_opt, case.loss, micro_batches)
+    for ddp, reference in _train_pair(case, config_name):
         ddp.finish_param_sync()
         with ddp.full_parameters():
             differing.append([n for (n, p), q in zip(ddp.module.named_parameters(), reference.module.parameters())
