@@ -30,6 +30,17 @@ distributed-optimizer-instance group) hold the same shard::
 Parameter by parameter, a shard owns each parameter's overlap with it (`BufferLayout.owned_ranges`: what a
 distributed optimizer updates; a parameter may straddle two shards, padding belongs to none).
 
+That is the unit of an elementwise optimizer (Adam, SGD). A matrix optimizer (Muon) orthogonalizes each matrix's
+momentum with Newton-Schulz, which needs the whole matrix: its unit is a whole matrix. `compute_matrix_ownership`
+gives each matrix to one position, balancing the Newton-Schulz cost (`newton_schulz_cost`), and again the ranks
+at one position hold the same; a fused parameter (QKV) is orthogonalized as row-range sub-matrices::
+
+    one GPT layer (h=64, ffn=256, 4 heads, 2 groups), cost in units of 1024 multiply-adds per iteration:
+    fc1 (256x64) 2304   fc2 (64x256) 2304   qkv (128x64) 1088 = Q 768 + K 160 + V 160   proj (64x64) 768
+
+    dp=4, R=2: positions 0, 1     position 0 (ranks 0, 2): fc1, qkv    load 3392
+                                  position 1 (ranks 1, 3): fc2, proj   load 3072
+
 Nothing here touches tensors, so the rules are unit-tested exhaustively without processes.
 """
 
@@ -287,3 +298,124 @@ class DataParallelTopology:
         """Elements [lo, hi) of the bucket [start, end) that data-parallel rank `rank` owns (and that every
         other holder of its position owns as well)."""
         return shard_range(start, end, self.intra_distributed_optimizer_instance_size, self.position(rank))
+
+
+# ------------------------------------------------------------------------------- whole-matrix ownership
+def newton_schulz_cost(rows: int, cols: int) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on a rows x cols matrix, as torch.optim.Muon runs it: on the
+    wide orientation s x l (s = min, l = max), X X^T is s*s*l, A A is s^3 and B X is s*s*l, so s^2 (2l + s).
+    Every matrix runs the same number of iterations, so this is what balancing needs (normalizing by the
+    Frobenius norm, O(s*l), is left out)."""
+    small, large = min(rows, cols), max(rows, cols)
+    return small * small * (2 * large + small)
+
+
+@dataclass(frozen=True)
+class MatrixOwnership:
+    """Which position orthogonalizes which matrix (see the module docstring): indexed like the caller's
+    parameter list; the data-parallel ranks at that position of every instance (`holders`) hold the same."""
+
+    topology: DataParallelTopology
+    owner: Tuple[Optional[int], ...]
+    """Per parameter: the position that owns it whole; None for a parameter that is not a matrix (an elementwise
+    optimizer's, owned by flat ranges)."""
+    sub_matrices: Tuple[Tuple[Tuple[int, int], ...], ...]
+    """Per parameter: the row ranges [lo, hi) orthogonalized one at a time, in row order: ((0, rows),) for a
+    matrix not split, () for a parameter that is not a matrix."""
+    costs: Tuple[int, ...]
+    """Per parameter: `newton_schulz_cost` summed over its sub-matrices; 0 for a parameter that is not a matrix."""
+
+    def owned(self, position: int) -> Tuple[int, ...]:
+        """Indices of the matrices that `position` owns, ascending."""
+        self.topology.holders(position)  # validates position
+        return tuple(index for index, owner in enumerate(self.owner) if owner == position)
+
+    def owned_by_rank(self, rank: int) -> Tuple[int, ...]:
+        """Indices of the matrices that data-parallel rank `rank` orthogonalizes, ascending."""
+        return self.owned(self.topology.position(rank))
+
+    def load(self, position: int) -> int:
+        """Newton-Schulz multiply-adds per iteration at `position`: the sum of its matrices' costs."""
+        return sum(self.costs[index] for index in self.owned(position))
+
+    def holders(self, index: int) -> Tuple[int, ...]:
+        """The data-parallel ranks that orthogonalize parameter `index` (one per instance); ValueError for a
+        parameter that is not a matrix."""
+        if self.owner[index] is None:
+            raise ValueError(f"parameter {index} is not a matrix: no position owns it whole")
+        return self.topology.holders(self.owner[index])
+
+
+def _sub_matrices(index: int, shape: Tuple[int, ...], split: Optional[Sequence[int]]) -> Tuple[Tuple[int, int], ...]:
+    rows = shape[0]
+    if split is None:
+        return ((0, rows),)
+    sizes = [int(size) for size in split]
+    if not sizes or any(size <= 0 for size in sizes) or sum(sizes) != rows:
+        raise ValueError(f"row_splits[{index}] = {list(split)} must be positive row counts summing to the "
+                         f"parameter's {rows} rows (e.g. [q, k, v] rows of a fused QKV)")
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return tuple((start, start + size) for start, size in zip(starts, sizes))
+
+
+def compute_matrix_ownership(
+    shapes: Sequence[Sequence[int]],
+    is_matrix: Sequence[bool],
+    topology: DataParallelTopology,
+    *,
+    row_splits: Optional[Sequence[Optional[Sequence[int]]]] = None,
+) -> MatrixOwnership:
+    """Give every matrix, whole, to one position of an instance, balancing Newton-Schulz cost.
+
+    Longest processing time first (LPT): matrices by cost, highest first (ties: lower index first), each to the
+    position with the least load so far (ties: lower position). The highest load is at most (4/3 - 1/(3m)) of
+    the best possible (Graham 1969), m = dp / R positions. Only the inputs decide it, so every rank computes the
+    same ownership.
+
+    Args:
+        shapes: each parameter's full shape (a sharded or meta-device build must pass the shape it has as a
+            layer, not its local placeholder's), in the caller's order.
+        is_matrix: per parameter, whether a matrix optimizer owns it; each must then have two dimensions.
+            Deciding it (embeddings, output layer, norms and biases go elsewhere) is the caller's.
+        topology: the data-parallel size and instances.
+        row_splits: per parameter, None or the row counts of its sub-matrices (a fused QKV: [q, k, v] rows),
+            orthogonalized one at a time; the parameter is still owned whole by one position.
+    Returns:
+        A MatrixOwnership indexed like `shapes`.
+    """
+    if not isinstance(topology, DataParallelTopology):
+        raise TypeError(f"topology must be a DataParallelTopology, got {type(topology).__name__}")
+    shapes = [tuple(int(size) for size in shape) for shape in shapes]
+    if len(is_matrix) != len(shapes):
+        raise ValueError(f"is_matrix has {len(is_matrix)} entries for {len(shapes)} parameters: one per parameter")
+    if row_splits is None:
+        row_splits = [None] * len(shapes)
+    if len(row_splits) != len(shapes):
+        raise ValueError(f"row_splits has {len(row_splits)} entries for {len(shapes)} parameters: one per parameter")
+
+    sub_matrices, costs = [], []
+    for index, (shape, matrix, split) in enumerate(zip(shapes, is_matrix, row_splits)):
+        if any(size < 0 for size in shape):
+            raise ValueError(f"parameter {index} has shape {shape}: sizes must be >= 0")
+        if not matrix:
+            if split is not None:
+                raise ValueError(f"row_splits[{index}] is given but parameter {index} is not a matrix (is_matrix)")
+            sub_matrices.append(())
+            costs.append(0)
+            continue
+        if len(shape) != 2:
+            raise ValueError(f"parameter {index} is a matrix (is_matrix) but has shape {shape}: a matrix optimizer "
+                             f"needs its two dimensions (a sharded or meta-device build must pass the full shape)")
+        pieces = _sub_matrices(index, shape, split)
+        sub_matrices.append(pieces)
+        costs.append(sum(newton_schulz_cost(hi - lo, shape[1]) for lo, hi in pieces))
+
+    num_positions = topology.intra_distributed_optimizer_instance_size
+    loads = [0] * num_positions
+    owner = [None] * len(shapes)
+    matrices = [index for index, matrix in enumerate(is_matrix) if matrix]
+    for index in sorted(matrices, key=lambda i: (-costs[i], i)):
+        position = min(range(num_positions), key=lambda p: (loads[p], p))
+        owner[index] = position
+        loads[position] += costs[index]
+    return MatrixOwnership(topology, tuple(owner), tuple(sub_matrices), tuple(costs))

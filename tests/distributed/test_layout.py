@@ -5,13 +5,18 @@ closing a bucket one parameter late, padding without the distributed optimizer, 
 bucket divisor, or a shared embedding sharing a bucket.
 """
 
+import itertools
+import random
+
 import pytest
 
 from megatron_lite.distributed.layout import (
     DataParallelTopology,
     bucket_end_divisor,
     compute_buffer_layout,
+    compute_matrix_ownership,
     default_bucket_size,
+    newton_schulz_cost,
     shard_range,
 )
 
@@ -317,3 +322,168 @@ def test_owned_ranges_tile_every_parameter(dp, instances, bucket_size):
                 for i in range(r.param_start, r.param_end):
                     covered[r.param_index][i] += 1
     assert all(count == 1 for counts in covered for count in counts)
+
+
+# ------------------------------------------------------------------------------- whole-matrix ownership
+# A 2-layer GPT (h=64, ffn=256, 4 heads in 2 query groups, RMSNorm, no biases, tied embeddings), its parameters
+# in registration order. The word embeddings are 2-D but go to AdamW (Megatron's rule): not a matrix here.
+GPT_SHAPES = [
+    (128, 64),  # 0  word_embeddings.weight
+    (64,),  # 1  layers.0.input_layernorm.weight
+    (128, 64),  # 2  layers.0.self_attention.linear_qkv.weight: Q 64 rows, K 32, V 32
+    (64, 64),  # 3  layers.0.self_attention.linear_proj.weight
+    (64,),  # 4  layers.0.pre_mlp_layernorm.weight
+    (256, 64),  # 5  layers.0.mlp.linear_fc1.weight
+    (64, 256),  # 6  layers.0.mlp.linear_fc2.weight
+    (64,), (128, 64), (64, 64), (64,), (256, 64), (64, 256),  # 7-12 layers.1, the same
+    (64,),  # 13 final_layernorm.weight
+]
+GPT_MATRIX = [False, False, True, True, False, True, True, False, True, True, False, True, True, False]
+GPT_QKV_SPLITS = [[64, 32, 32] if i in (2, 8) else None for i in range(len(GPT_SHAPES))]
+K = 1024  # costs below in units of 1024 multiply-adds per Newton-Schulz iteration
+
+
+def test_golden_newton_schulz_costs():
+    """s^2 (2l + s) on the wide orientation, by hand: would catch a cost that depends on orientation (fc1 and
+    fc2 are the same work), numel used as the cost, or the fused QKV costed whole when it is split."""
+    assert newton_schulz_cost(64, 64) == 64 * 64 * (2 * 64 + 64) == 768 * K
+    assert newton_schulz_cost(256, 64) == newton_schulz_cost(64, 256) == 64 * 64 * (2 * 256 + 64) == 2304 * K
+    assert newton_schulz_cost(32, 64) == 32 * 32 * (2 * 64 + 32) == 160 * K
+    assert newton_schulz_cost(1, 4096) == 1 * (2 * 4096 + 1)
+    assert newton_schulz_cost(0, 64) == 0
+    split = compute_matrix_ownership(GPT_SHAPES, GPT_MATRIX, DataParallelTopology(2), row_splits=GPT_QKV_SPLITS)
+    fused = compute_matrix_ownership(GPT_SHAPES, GPT_MATRIX, DataParallelTopology(2))
+    by_hand = {2: 1088 * K, 3: 768 * K, 5: 2304 * K, 6: 2304 * K}  # qkv = Q 768 + K 160 + V 160
+    assert split.costs == tuple(by_hand.get(i if i < 7 else i - 6, 0) for i in range(14))
+    assert fused.costs[2] == fused.costs[8] == newton_schulz_cost(128, 64) == 1280 * K
+    assert split.sub_matrices[2] == split.sub_matrices[8] == ((0, 64), (64, 96), (96, 128))
+    assert fused.sub_matrices[2] == ((0, 128),) and split.sub_matrices[5] == ((0, 256),)
+    assert all(split.sub_matrices[i] == () and split.owner[i] is None for i in (0, 1, 4, 7, 10, 13))
+
+
+# (dp, R) -> per position, the matrices it owns, by hand from LPT over the costs above:
+# fc1/fc2 2304 (5, 6, 11, 12), qkv 1088 (2, 8), proj 768 (3, 9); ties by index, then to the lowest position.
+GPT_OWNERSHIP = [
+    pytest.param(1, 1, [(2, 3, 5, 6, 8, 9, 11, 12)], id="dp1"),
+    # 5->0 6->1 11->0 12->1 | 2->0 8->1 | 3->0 9->1: both 6464
+    pytest.param(2, 1, [(2, 3, 5, 11), (6, 8, 9, 12)], id="dp2"),
+    pytest.param(4, 2, [(2, 3, 5, 11), (6, 8, 9, 12)], id="dp4-R2"),
+    # 5->0 6->1 11->2 | 12->0 (4608) 2->1 (3392) 8->2 (3392) | 3->1 (4160) 9->2 (4160)
+    pytest.param(3, 1, [(5, 12), (2, 3, 6), (8, 9, 11)], id="dp3"),
+    # one fc per position, then 2->0 8->1 3->2 9->3: 3392 3392 3072 3072
+    pytest.param(4, 1, [(2, 5), (6, 8), (3, 11), (9, 12)], id="dp4"),
+    pytest.param(8, 2, [(2, 5), (6, 8), (3, 11), (9, 12)], id="dp8-R2"),
+    pytest.param(4, 4, [(2, 3, 5, 6, 8, 9, 11, 12)], id="dp4-R4"),
+]
+
+
+@pytest.mark.parametrize("dp, instances, owned", GPT_OWNERSHIP)
+def test_golden_gpt_matrix_ownership(dp, instances, owned):
+    """Which rank orthogonalizes which GPT matrix, by hand. Would catch an assignment that is not LPT (round
+    robin gives dp2 (2, 5, 8, 11) / (3, 6, 9, 12)), ties broken another way, a norm or the embedding owned,
+    positions counted over dp instead of dp / R, or a replica in another instance owning other matrices."""
+    topology = DataParallelTopology(dp, instances)
+    ownership = compute_matrix_ownership(GPT_SHAPES, GPT_MATRIX, topology, row_splits=GPT_QKV_SPLITS)
+    assert [ownership.owned(p) for p in range(len(owned))] == owned
+    assert [ownership.owned_by_rank(rank) for rank in range(dp)] == [owned[topology.position(r)] for r in range(dp)]
+    for position, indices in enumerate(owned):
+        for index in indices:
+            assert ownership.holders(index) == topology.holders(position)
+
+
+def test_cost_not_size_decides():
+    """A 1 x 4096 matrix has the elements of a 64 x 64 one and about 1/96 of its Newton-Schulz work. Would catch
+    balancing by numel: all three weigh the same then and go 0, 1, 0 by index, putting both 64 x 64 matrices
+    on position 0; by cost the two 64 x 64 split and the cheap one joins the first."""
+    ownership = compute_matrix_ownership([(1, 4096), (64, 64), (64, 64)], [True] * 3, DataParallelTopology(2))
+    assert ownership.owner == (0, 0, 1)  # by cost: 1->0, 2->1, then 0->0 (tie at 786432: lower position)
+    assert [ownership.load(p) for p in range(2)] == [8193 + 768 * K, 768 * K]
+
+
+def _optimum(costs, positions):
+    """The lowest possible highest load, over every assignment (small cases only)."""
+    return min(max(sum(c for c, p in zip(costs, choice) if p == q) for q in range(positions))
+               for choice in itertools.product(range(positions), repeat=len(costs)))
+
+
+@pytest.mark.parametrize("dp, instances", [(1, 1), (2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (6, 2), (8, 2)])
+def test_matrix_ownership_properties(dp, instances):
+    """Random small models (seeded) over small topologies: in every instance each matrix is owned by exactly one
+    rank and nothing else is owned; the ranks that own a matrix are the topology's holders of its position; the
+    highest load is within LPT's bound (4/3 - 1/(3m)) of the best possible (found by brute force) and within
+    list scheduling's total/m + (1 - 1/m) max. Would catch a matrix owned twice or by nobody, a replica instance
+    owning other matrices, or an unbalanced (e.g. round-robin, or by-numel) assignment."""
+    topology = DataParallelTopology(dp, instances)
+    m = topology.intra_distributed_optimizer_instance_size
+    rng = random.Random(1000 * dp + instances)
+    for _ in range(40):
+        n = rng.randint(0, 6)
+        shapes = [rng.choice([(rng.randint(0, 96), rng.randint(1, 96)), (rng.randint(1, 96),)]) for _ in range(n)]
+        is_matrix = [len(shape) == 2 and rng.random() < 0.85 for shape in shapes]
+        ownership = compute_matrix_ownership(shapes, is_matrix, topology)
+        for instance in range(instances):
+            owned = [index for rank in topology.instance_ranks(instance) for index in ownership.owned_by_rank(rank)]
+            assert sorted(owned) == [index for index, matrix in enumerate(is_matrix) if matrix]
+        for index, matrix in enumerate(is_matrix):
+            if matrix:
+                holders = ownership.holders(index)
+                assert holders == topology.holders(ownership.owner[index])
+                assert [rank for rank in range(dp) if index in ownership.owned_by_rank(rank)] == list(holders)
+            else:
+                assert ownership.owner[index] is None and ownership.costs[index] == 0
+        costs = [cost for cost, matrix in zip(ownership.costs, is_matrix) if matrix]
+        highest = max(ownership.load(p) for p in range(m))
+        assert sum(ownership.load(p) for p in range(m)) == sum(costs)
+        if costs:
+            assert highest * m <= sum(costs) + (m - 1) * max(costs)
+            assert 3 * m * highest <= (4 * m - 1) * _optimum(costs, m)
+
+
+def test_matrix_ownership_is_deterministic():
+    """Every rank must compute the same ownership from the same model: would catch a dependence on the input
+    containers' types (list, tuple, numpy ints) or on call order, or ties broken by anything but index."""
+    import numpy as np
+
+    topology = DataParallelTopology(4, 2)
+    first = compute_matrix_ownership(GPT_SHAPES, GPT_MATRIX, topology, row_splits=GPT_QKV_SPLITS)
+    assert compute_matrix_ownership(GPT_SHAPES, GPT_MATRIX, topology, row_splits=GPT_QKV_SPLITS) == first
+    as_numpy = compute_matrix_ownership([np.array(shape, dtype=np.int64) for shape in GPT_SHAPES],
+                                        np.array(GPT_MATRIX), topology,
+                                        row_splits=[None if s is None else np.array(s) for s in GPT_QKV_SPLITS])
+    assert as_numpy == first and all(type(owner) in (int, type(None)) for owner in as_numpy.owner)
+    same_cost = compute_matrix_ownership([(8, 8)] * 5, [True] * 5, DataParallelTopology(3))
+    assert same_cost.owner == (0, 1, 2, 0, 1)
+
+
+def test_matrix_ownership_refuses_what_it_cannot_see_whole():
+    """Loud, never silent (DeepSpeed's zero.Init bug: sharded placeholders looked 1-D and every matrix went to
+    AdamW). Would catch a parameter marked a matrix without two dimensions, a split that does not cover its rows,
+    or a length mismatch, any of them accepted."""
+    topology = DataParallelTopology(2)
+    with pytest.raises(ValueError, match=r"parameter 1 is a matrix \(is_matrix\) but has shape \(0,\)"):
+        compute_matrix_ownership([(4, 4), (0,)], [True, True], topology)
+    with pytest.raises(ValueError, match=r"parameter 0 is a matrix \(is_matrix\) but has shape \(2, 3, 4\)"):
+        compute_matrix_ownership([(2, 3, 4)], [True], topology)
+    with pytest.raises(ValueError, match=r"row_splits\[0\] = \[64, 32\] must be positive row counts summing"):
+        compute_matrix_ownership([(128, 64)], [True], topology, row_splits=[[64, 32]])
+    with pytest.raises(ValueError, match=r"row_splits\[0\] = \[128, 0\]"):
+        compute_matrix_ownership([(128, 64)], [True], topology, row_splits=[[128, 0]])
+    with pytest.raises(ValueError, match=r"row_splits\[0\] is given but parameter 0 is not a matrix"):
+        compute_matrix_ownership([(128,)], [False], topology, row_splits=[[64, 64]])
+    with pytest.raises(ValueError, match="is_matrix has 1 entries for 2 parameters"):
+        compute_matrix_ownership([(4, 4), (4,)], [True], topology)
+    with pytest.raises(ValueError, match="row_splits has 1 entries for 2 parameters"):
+        compute_matrix_ownership([(4, 4), (4,)], [True, False], topology, row_splits=[None])
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(-1, 4\)"):
+        compute_matrix_ownership([(-1, 4)], [True], topology)
+    with pytest.raises(TypeError, match="topology must be a DataParallelTopology"):
+        compute_matrix_ownership([(4, 4)], [True], 2)
+    ownership = compute_matrix_ownership([(4, 4), (4,)], [True, False], topology)
+    with pytest.raises(ValueError, match="parameter 1 is not a matrix"):
+        ownership.holders(1)
+    with pytest.raises(ValueError, match="position must be in"):
+        ownership.owned(2)
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ownership.owner = (1, None)
