@@ -6,6 +6,7 @@ import torch
 
 from ..distributed import DistributedDataParallel
 from .distrib_optimizer import DistributedOptimizer
+from .elementwise import OptimizerKind, optimizer_kind
 from .full_param_optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, make_grad_scaler
 from .optimizer import MegatronOptimizer
@@ -14,6 +15,7 @@ from .optimizer_config import OptimizerConfig
 __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "check_optimizer_matches_ddp", "MegatronOptimizer", "FP32Optimizer",
     "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
+    "OptimizerKind", "optimizer_kind",
 ]
 
 
@@ -31,17 +33,22 @@ def _get_param_groups(model_chunks, config: OptimizerConfig) -> List[dict]:
 
 
 def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
-    """NVIDIA apex's fused kernels when importable (CUDA), else torch's: fused on CUDA, foreach on CPU
-    (fused for optimizer_cpu_offload)."""
+    """The inner optimizer's class (optimizer_kind: 'adam' -> AdamW, 'sgd' -> SGD, or config.optimizer_class,
+    probed elementwise). For the named two: NVIDIA apex's fused kernels when importable (CUDA), else torch's:
+    fused on CUDA, foreach on CPU (fused for optimizer_cpu_offload). optimizer_class is built with the
+    kernel options its optimizer_kwargs give (torch's defaults otherwise)."""
+    kind = optimizer_kind(config)
     apex_optimizers = None
-    if device.type == "cuda" and not config.optimizer_cpu_offload:
+    if device.type == "cuda" and not config.optimizer_cpu_offload and config.optimizer_class is None:
         try:  # NVIDIA apex only; the unrelated PyPI package named `apex` has no `apex.optimizers`.
             import apex.optimizers as apex_optimizers
         except ImportError:
             apex_optimizers = None
     # Offloaded main params are stepped by torch's fused CPU kernels (Megatron's choice too); torch groups
     # the tensors by device, so a partial offload steps the rest on the device with the same optimizer.
-    kernel = {"fused": True} if device.type == "cuda" or config.optimizer_cpu_offload else {"foreach": True}
+    kernel = {}
+    if config.optimizer_class is None:
+        kernel = {"fused": True} if device.type == "cuda" or config.optimizer_cpu_offload else {"foreach": True}
 
     def make(groups):
         inner = _make(groups)
@@ -55,18 +62,14 @@ def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
         if apex_optimizers is not None:
             # apex's kernels index group["params"][0]; a rank's shard may leave a group empty.
             groups = [g for g in groups if g["params"]]
-        if config.optimizer == "adam":
-            betas = (config.adam_beta1, config.adam_beta2)
-            if apex_optimizers is not None:
+            if config.optimizer == "adam":
                 return apex_optimizers.FusedAdam(groups, lr=lr, weight_decay=config.weight_decay,
-                                                 betas=betas, eps=config.adam_eps, adam_w_mode=True)
-            return torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay, betas=betas,
-                                     eps=config.adam_eps, **kernel)
-        if apex_optimizers is not None:
+                                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                                 adam_w_mode=True)
             return apex_optimizers.FusedSGD(groups, lr=lr, weight_decay=config.weight_decay,
                                             momentum=config.sgd_momentum)
-        return torch.optim.SGD(groups, lr=lr, weight_decay=config.weight_decay,
-                               momentum=config.sgd_momentum, **kernel)
+        # Each group carries its own weight_decay (_get_param_groups), so the class need not take one.
+        return kind.cls(groups, lr=lr, **dict(kind.kwargs), **kernel)
 
     return make
 

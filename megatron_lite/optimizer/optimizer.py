@@ -20,6 +20,7 @@ from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .cpu_offload import GradStaging
+from .elementwise import optimizer_kind
 from .optimizer_config import OptimizerConfig
 from .optimizer_state import MainShard, ShardState, cut_shards
 from .sharded_state import ShardedOptimizerState
@@ -73,7 +74,7 @@ class MegatronOptimizer:
         self.last_step_successful = True
         self.last_grad_norm = None  # the last step()'s gradient norm (a tensor; None: skipped or not computed)
         self._grad_staging = GradStaging()  # optimizer_cpu_offload: the host copies of the main grads
-        self.shard_state = ShardState(optimizer, config.optimizer, main_shards, self.param_to_name, grad_scaler)
+        self.shard_state = ShardState(optimizer, optimizer_kind(config), main_shards, self.param_to_name, grad_scaler)
 
     # ------------------------------------------------------------------ protocol
     @property

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ..config_checks import Check, check_fields
+from .elementwise import optimizer_kind
 
 
 @dataclass
@@ -14,7 +15,17 @@ class OptimizerConfig:
     """What `get_megatron_optimizer` builds; validated on construction."""
 
     optimizer: str = "adam"
-    """'adam' (decoupled weight decay, i.e. AdamW) or 'sgd' (with momentum, coupled weight decay)."""
+    """'adam' (torch.optim.AdamW: decoupled weight decay) or 'sgd' (torch.optim.SGD with momentum, coupled
+    weight decay); optimizer_class, when set, is built instead."""
+
+    optimizer_class: Optional[type] = None
+    """Python API only (as torch's ZeroRedundancyOptimizer's optimizer_class): any elementwise torch.optim
+    class, e.g. torch.optim.NAdam, built with lr, weight_decay and optimizer_kwargs. Checked at
+    construction by a probe (optimizer/elementwise.py): a class whose update is not elementwise is refused."""
+
+    optimizer_kwargs: Optional[dict] = None
+    """With optimizer_class: its other hyperparameters, e.g. {'betas': (0.9, 0.95)} (not lr or
+    weight_decay: the fields above set those). The adam_* and sgd_* fields are then not read."""
 
     lr: Optional[float] = None
     """Peak learning rate (the scheduler may change each group's 'lr'). None, as in megatron-core: the
@@ -89,6 +100,7 @@ class OptimizerConfig:
         if self.params_dtype is None:
             self.params_dtype = self._precision_dtype
         check_fields(self, _RULES)
+        optimizer_kind(self)  # the probe (cached): raises for a class it cannot shard
 
     @property
     def _precision_dtype(self) -> torch.dtype:
@@ -108,6 +120,13 @@ _FRACTION = Check(lambda v: 0.0 <= v < 1.0, "{name} must be in [0, 1), got {valu
 # says (`not v < 0` for ">= 0"), so a value of the wrong type fails as it always did.
 _RULES = tuple((f.name, (_FINITE,)) for f in fields(OptimizerConfig)) + (
     ("optimizer", (Check(lambda v: v in ("adam", "sgd"), "{name} must be 'adam' or 'sgd', got {value!r}"),)),
+    (None, (Check(lambda c: c.optimizer_class is not None or c.optimizer_kwargs is None,
+                  "optimizer_kwargs is for optimizer_class (set it, or use the adam_* / sgd_* fields)"),
+            Check(lambda c: c.optimizer_class is None or c.optimizer == "adam",
+                  "optimizer={config.optimizer!r} and optimizer_class both name the optimizer: leave optimizer at "
+                  "its default when passing optimizer_class"))),
+    ("optimizer_kwargs", (Check(lambda v: v is None or isinstance(v, dict),
+                                "{name} must be a dict or None, got {value!r}"),)),
     ("lr", (Check(lambda v: v is None or (_is_number(v) and v >= 0),
                   "{name} must be a non-negative number or None (set by the scheduler), got {value!r}"),)),
     (None, (Check(lambda c: c.min_lr is None or 0 <= c.min_lr <= (math.inf if c.lr is None else c.lr),

@@ -21,13 +21,11 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from .sharded_state import STATE_KEYS, ParamShard, ShardedOptimizerState
+from .elementwise import KERNEL_KEYS, OptimizerKind
+from .sharded_state import ParamShard, ShardedOptimizerState
 
 # Kernel choices are the loading machine's business (e.g. foreach on CPU, fused on CUDA), not the checkpoint's.
-_NOT_SAVED_GROUP_KEYS = {"params", "foreach", "fused", "capturable", "differentiable"}
-
-# Param-group hyperparameters checked against a checkpoint's on resume (lr belongs to the scheduler).
-HYPERPARAMETER_KEYS = {"adam": ("weight_decay", "betas", "eps"), "sgd": ("weight_decay", "momentum")}
+_NOT_SAVED_GROUP_KEYS = {"params", *KERNEL_KEYS}
 
 
 def pick_hyperparameter(name: str, current, saved, policy: str = "check"):
@@ -84,13 +82,13 @@ class ShardState:
 
     Args:
         inner: the inner torch optimizer, over the main shards' `main` tensors.
-        kind: OptimizerConfig.optimizer, 'adam' or 'sgd'.
+        kind: what the inner optimizer is and which state it keeps (elementwise.optimizer_kind).
         main_shards: what the inner optimizer steps, in the optimizer's order.
         param_to_name: model parameter -> qualified name (the name its shards are saved under).
         grad_scaler: the loss scaler (fp16) or None.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, kind: str, main_shards: Sequence[MainShard],
+    def __init__(self, inner: torch.optim.Optimizer, kind: OptimizerKind, main_shards: Sequence[MainShard],
                  param_to_name: Dict[torch.nn.Parameter, str], grad_scaler):
         self.inner = inner
         self.kind = kind
@@ -107,21 +105,27 @@ class ShardState:
             state = self.inner.state.get(shard.main, {})
             if "step" in state:
                 own_step = int(state["step"].item())
-            else:  # Adam without state after updates: a parameter that skipped every step (torch's count: 0)
-                skipped_all = self.kind == "adam" and step and not state
+            else:  # no state after updates: a parameter that skipped every step (torch's count: 0)
+                skipped_all = self.kind.keeps_step and step and not state
                 own_step = 0 if skipped_all else None
             shards.append(ParamShard(self.param_to_name[shard.param], shard.start, shard.end, shard.param.shape,
                                      self._tensors(shard.main, step), own_step,
                                      None if model_data is None else model_data[i]))
-        return ShardedOptimizerState(self.common_state_dict(), step, tuple(shards), model_data is not None)
+        return ShardedOptimizerState(self.common_state_dict(), step, tuple(shards), model_data is not None,
+                                     self.kind.state_keys, self.kind.scalar_keys)
 
     def _tensors(self, main: torch.Tensor, step: int) -> Dict[str, torch.Tensor]:
-        """A main tensor flattened as 'param', with its optimizer-state tensors (see ParamShard.tensors)."""
+        """A main tensor flattened as 'param', with its optimizer-state tensors (see ParamShard.tensors): the
+        moments as views, each scalar (NAdam's mu_product) as the shard's numel copies of it."""
         state = self.inner.state.get(main, {})
         flat = main.detach().reshape(-1)
-        if not state and step:
-            return {"param": flat, **{k: torch.zeros_like(flat) for k in STATE_KEYS[self.kind]}}
-        return {"param": flat, **{k: state[k].reshape(-1) for k in STATE_KEYS[self.kind] if k in state}}
+        if not state and step:  # skipped every step: zeros stand for "no state yet" (load() drops them)
+            return {"param": flat, **{k: torch.zeros_like(flat) for k in self.kind.state_keys}}
+        tensors = {"param": flat, **{k: state[k].reshape(-1) for k in self.kind.tensor_keys if k in state}}
+        for key in self.kind.scalar_keys:
+            if key in state:
+                tensors[key] = state[key].to(device=flat.device, dtype=torch.float32).expand(flat.numel()).clone()
+        return tensors
 
     @torch.no_grad()
     def load(self, state: ShardedOptimizerState, adopt: bool = False):
@@ -133,40 +137,55 @@ class ShardState:
         for shard in self.main_shards:
             described = given[(self.param_to_name[shard.param], shard.start)]
             shard.main.data.copy_(described.tensors["param"].view_as(shard.main))
-            moments = {k: described.tensors[k].view_as(shard.main) for k in state.state_keys
+            moments = {k: described.tensors[k].view_as(shard.main) for k in self.kind.tensor_keys
                        if k in described.tensors}
-            self._set_state_of(shard.main, state.own_step(described), moments, adopt)
+            scalars = {k: described.tensors[k].reshape(-1)[0] for k in self.kind.scalar_keys if k in described.tensors}
+            step = state.own_step(described)
+            if not (moments or scalars):
+                continue
+            if step == 0 and self.kind.keeps_step and self.kind.initial_state is None:
+                self.inner.state.pop(shard.main, None)  # never stepped: torch makes the state at the first step
+            else:
+                self._set_state_of(shard.main, step, moments, scalars, adopt)
 
     def forget_moments(self):
-        """Drop the inner optimizer's state of every main shard (as before its first step)."""
+        """Return the inner optimizer's state of every main shard to what it was before the first step: none
+        (made by the first step), or the constructor's constants (Adagrad's)."""
         for shard in self.main_shards:
             self.inner.state.pop(shard.main, None)
+            if self.kind.initial_state is not None:
+                state = self.inner.state[shard.main]
+                for key, value in self.kind.initial_state.items():
+                    like = shard.main if key in self.kind.tensor_keys else torch.tensor(0.0)
+                    state[key] = torch.full_like(like, value, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _set_state_of(self, main: torch.Tensor, step, tensors: Dict[str, torch.Tensor], adopt: bool = False):
-        if not tensors:
-            return
+    def _set_state_of(self, main: torch.Tensor, step, tensors: Dict[str, torch.Tensor],
+                      scalars: Dict[str, torch.Tensor], adopt: bool = False):
         state = self.inner.state[main]
         for key, value in tensors.items():
             moved = value.to(device=main.device, dtype=torch.float32)
             state[key] = moved if adopt or moved is not value else moved.clone()  # never the caller's tensor unasked
-        if step is not None and self.kind == "adam":
-            # torch keeps Adam's step on the CPU, except for its fused/capturable kernels.
-            on_device = self.inner.defaults.get("fused") or self.inner.defaults.get("capturable")
-            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=main.device if on_device else "cpu")
+        # torch keeps the step and other per-parameter scalars on the CPU, except for fused/capturable kernels.
+        on_device = self.inner.defaults.get("fused") or self.inner.defaults.get("capturable")
+        where = main.device if on_device else "cpu"
+        for key, value in scalars.items():
+            state[key] = value.detach().to(device=where, dtype=torch.float32).clone().reshape(())
+        if step is not None and self.kind.keeps_step:
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=where)
 
     # ------------------------------------------------------------------ what every rank shares
     def common_state_dict(self) -> dict:
         """Kind, param-group hyperparameters, loss scaler (no tensors of params)."""
         groups = [{k: v for k, v in g.items() if k not in _NOT_SAVED_GROUP_KEYS} for g in self.inner.param_groups]
-        return {"optimizer": self.kind, "param_groups": groups,
+        return {"optimizer": self.kind.name, "param_groups": groups,
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
     def load_common_state_dict(self, state_dict, hyperparameters: str = "check"):
         """The kind check, group-level state with its hyperparameters (met per `hyperparameters`, see
         pick_hyperparameter), loss scaler."""
-        if state_dict.get("optimizer") != self.kind:
+        if state_dict.get("optimizer") != self.kind.name:
             raise ValueError(f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is "
-                             f"{self.kind!r}")
+                             f"{self.kind.name!r}")
         # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
         saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
         for group in self.inner.param_groups:
@@ -175,7 +194,7 @@ class ShardState:
                 continue
             if "step" in saved:
                 group["step"] = saved["step"]
-            for key in HYPERPARAMETER_KEYS[self.kind]:
+            for key in self.kind.hyperparameter_keys:
                 if key in saved and key in group:
                     current = tuple(group[key]) if isinstance(group[key], (list, tuple)) else group[key]
                     value = tuple(saved[key]) if isinstance(saved[key], (list, tuple)) else saved[key]

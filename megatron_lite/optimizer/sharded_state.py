@@ -19,9 +19,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-# Per-parameter optimizer state tensors that have the parameter's shape.
-STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
 
 @dataclass(frozen=True)
 class ParamShard:
@@ -36,8 +33,9 @@ class ParamShard:
     shape: torch.Size
     """The whole parameter's shape."""
     tensors: Dict[str, torch.Tensor]
-    """'param' (the fp32 main values) and the optimizer's moments (STATE_KEYS), 1-D, end - start elements
-    each. In a description taken from an optimizer they are views of its state (copy before keeping them).
+    """'param' (the fp32 main values) and the optimizer's state (ShardedOptimizerState.state_keys), 1-D,
+    end - start elements each: its moments, and its per-parameter scalars (NAdam's mu_product) repeated. In
+    a description taken from an optimizer the moments are views of its state (copy before keeping them).
     The moments are absent before the optimizer's first step; zeros (torch's initial state) for a parameter
     that skipped every step so far while the others stepped."""
     step: Optional[int] = None
@@ -65,11 +63,11 @@ class ShardedOptimizerState:
     """The rank's shards, in the optimizer's order."""
     params_sharded: bool = False
     """Whether the model, too, keeps only these shards of its parameters (ZeRO-3; see ParamShard.model_data)."""
-
-    @property
-    def state_keys(self) -> Tuple[str, ...]:
-        """The names of the moments of the optimizer's kind."""
-        return STATE_KEYS[self.common["optimizer"]]
+    state_keys: Tuple[str, ...] = ()
+    """The names of the optimizer's state each shard carries besides 'param' (elementwise.OptimizerKind,
+    found by probing the optimizer class): moments, then per-parameter scalars."""
+    scalar_keys: Tuple[str, ...] = ()
+    """Those of state_keys that are one value per parameter, carried as a tensor of the shard's numel."""
 
     def own_step(self, shard: ParamShard) -> int:
         """The step count of `shard`: its own, else the optimizer's."""
