@@ -100,7 +100,8 @@ class OptimizerConfig:
         if self.params_dtype is None:
             self.params_dtype = self._precision_dtype
         check_fields(self, _RULES)
-        optimizer_kind(self)  # the probe (cached): raises for a class it cannot shard
+        if self.optimizer_class is not None:  # the probe (cached) refuses a class it cannot shard, here
+            optimizer_kind(self)
 
     @property
     def _precision_dtype(self) -> torch.dtype:
