@@ -96,15 +96,19 @@ def _probe(name, cls, kwargs, weight_decay) -> OptimizerKind:
                                 f"set OptimizerConfig.{key} (the scheduler and the weight-decay groups use it)"))
     refuse = functools.partial(_refusal, name)
     kw = dict(kwargs)
+    # Kernel options say how to compute, not what, and some need an accelerator (capturable: CUDA tensors): the
+    # class must take them, but the probe steps torch's default kernel on the CPU.
+    math_kw = {k: v for k, v in kw.items() if k not in KERNEL_KEYS}
     whole = torch.nn.Parameter(torch.linspace(-1.0, 1.5, 24).reshape(4, 6))
     pieces = [torch.nn.Parameter(whole.detach().reshape(-1)[a:b].clone()) for a, b in ((0, 7), (7, 24))]
     try:
-        optimizers = [cls([{"params": [whole], "weight_decay": weight_decay}], lr=1e-2, **kw)]
+        cls([{"params": [whole], "weight_decay": weight_decay}], lr=1e-2, **kw)
+        optimizers = [cls([{"params": [whole], "weight_decay": weight_decay}], lr=1e-2, **math_kw)]
     except Exception as error:  # noqa: BLE001 - any failure to build is the user's class or kwargs
         raise ValueError(f"OptimizerConfig.optimizer_class {name} cannot be built with optimizer_kwargs "
                          f"{kw}: {type(error).__name__}: {error}") from error
     try:
-        optimizers += [cls([{"params": [p], "weight_decay": weight_decay}], lr=1e-2, **kw) for p in pieces]
+        optimizers += [cls([{"params": [p], "weight_decay": weight_decay}], lr=1e-2, **math_kw) for p in pieces]
     except Exception as error:  # noqa: BLE001 - e.g. Muon, which takes matrices only
         raise refuse(f"it cannot be built on a flat piece of a parameter ({type(error).__name__}: {error})") from error
     if weight_decay and "weight_decay" not in optimizers[0].defaults:

@@ -131,6 +131,22 @@ def test_optimizer_class_errors_name_the_field(kwargs, error, message):
         OptimizerConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kernel", [{"capturable": True}, {"foreach": False}, {"differentiable": False}],
+                         ids=["capturable", "foreach", "differentiable"])
+def test_kernel_options_are_taken_not_probed(kernel):
+    """Would catch the probe stepping a kernel option that needs an accelerator (capturable=True wants CUDA
+    tensors; the probe's are on the CPU): NAdam refused as 'not elementwise' for a valid CUDA setting. The
+    class must still take the option: a kernel option it does not know is refused."""
+    from megatron_lite import OptimizerConfig
+    from megatron_lite.optimizer import optimizer_kind
+
+    for cls in (torch.optim.AdamW, torch.optim.NAdam):
+        kind = optimizer_kind(OptimizerConfig(optimizer_class=cls, optimizer_kwargs=kernel))
+        assert dict(kind.kwargs) == kernel  # built with it: the probe steps without it
+    with pytest.raises(ValueError, match="cannot be built with optimizer_kwargs .*'fused'"):
+        OptimizerConfig(optimizer_class=torch.optim.NAdam, optimizer_kwargs={"fused": True})
+
+
 def test_a_class_without_weight_decay_needs_weight_decay_zero():
     """Would catch weight decay silently dropped by a class that takes none."""
     from megatron_lite import OptimizerConfig
