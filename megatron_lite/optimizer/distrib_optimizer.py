@@ -129,8 +129,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def recv_shard_state(self, src: int):
         """Replace this rank's main params, optimizer moments and step by those of replica `src` (which
         calls send_shard_state(dst=this rank)) and write the params into the model's shard. What arrives
-        is validated first (finite; second moments >= 0): a damaged replica raises ValueError and leaves
-        this rank's state untouched."""
+        is validated first (finite; moments of squares >= 0, OptimizerKind.nonnegative_keys): a damaged
+        replica raises ValueError and leaves this rank's state untouched."""
         if not self.holds_same_shards(src):
             raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
                              f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
@@ -138,10 +138,12 @@ class DistributedOptimizer(MegatronOptimizer):
         flat = torch.empty(flat_numel(layout), dtype=torch.float32, device=self.device)
         collectives.recv(flat, src, self.data_parallel_group)
         received = unflatten(flat, layout)
-        second_moments = [s.tensors["exp_avg_sq"] for s in received.shards if "exp_avg_sq" in s.tensors]
-        if not torch.isfinite(flat).all() or any((t < 0).any() for t in second_moments):
+        nonnegative = self.shard_state.kind.nonnegative_keys  # e.g. Adam's exp_avg_sq, RMSprop's square_avg
+        squares = [s.tensors[k] for s in received.shards for k in nonnegative if k in s.tensors]
+        if not torch.isfinite(flat).all() or any((t < 0).any() for t in squares):
             raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
-                             f"second moments); refusing to restore it")
+                             f"values in {', '.join(nonnegative) or 'no state'}, which cannot be); refusing to "
+                             f"restore it")
         if not received.step:  # the replica never stepped: neither has this rank's state now
             self.shard_state.forget_moments()
             received = received.params_only()

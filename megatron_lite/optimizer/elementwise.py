@@ -25,6 +25,11 @@ import torch
 # Hyperparameters that say how to compute, not what: never checked against a checkpoint's.
 KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
+# State torch.optim's elementwise classes keep as running sums, averages or maxima of squares or magnitudes
+# (Adam's second moments, RMSprop's and Adadelta's square averages, Adagrad's sum, Adamax's infinity norm): never
+# negative, so a negative value marks a damaged copy (DistributedOptimizer.recv_shard_state refuses it).
+NONNEGATIVE_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf")
+
 # Megatron's --optimizer choices and the torch.optim class each builds (config -> constructor kwargs).
 NAMED = {
     "adam": (torch.optim.AdamW, lambda c: {"betas": (c.adam_beta1, c.adam_beta2), "eps": c.adam_eps}),
@@ -54,6 +59,14 @@ class OptimizerKind:
     key with (Adagrad's 'step' 0 and 'sum' initial_accumulator_value)."""
     hyperparameter_keys: Tuple[str, ...]
     """Param-group keys checked against a checkpoint's on resume (all its defaults but lr and kernels)."""
+
+    @property
+    def nonnegative_keys(self) -> Tuple[str, ...]:
+        """The moments that cannot be negative (NONNEGATIVE_STATE, for torch.optim's own classes only: another
+        class may give the same name to a signed quantity)."""
+        if not self.cls.__module__.startswith("torch.optim."):
+            return ()
+        return tuple(k for k in self.tensor_keys if k in NONNEGATIVE_STATE)
 
     @property
     def state_keys(self) -> Tuple[str, ...]:

@@ -310,3 +310,52 @@ def test_replicas_and_last_words_carry_every_state(tmp_path):
         for name, r in per_rank.items():
             assert r["worst"] <= 1e-6, (name, r)
             assert r["rebuilt"] and r["written"] and r["from_words"] and r["resumed"], (name, r)
+
+
+SQUARES = {torch.optim.Adam: ("exp_avg_sq", "max_exp_avg_sq"), torch.optim.RMSprop: ("square_avg",),
+           torch.optim.Adagrad: ("sum",), torch.optim.Adamax: ("exp_inf",)}
+SQUARES_KWARGS = {torch.optim.Adam: {"amsgrad": True}, torch.optim.RMSprop: {"centered": True}}
+
+
+def _negative_replica_worker():
+    """dp=4, R=2: after one step rank 3 (rank 1's replica) sends its state with one element of each moment of
+    squares negated; rank 1 must refuse it and keep its own."""
+    import torch.distributed as dist
+    from optim_testing import build, full_state, megatron_steps, states_equal
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for cls, keys in SQUARES.items():
+        _, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40, num_distributed_optimizer_instances=2),
+                            _config(cls, SQUARES_KWARGS.get(cls, {}), True))
+        megatron_steps(ddp, opt, rank, dp, 1)
+        before, error = full_state(opt), None
+        if rank == 3:
+            for shard in opt.shard_state.main_shards:
+                for key in keys:
+                    opt.optimizer.state[shard.main][key].view(-1)[0] = -1.0
+            opt.send_shard_state(dst=1)
+        elif rank == 1:
+            try:
+                opt.recv_shard_state(src=3)
+            except ValueError as e:
+                error = str(e)
+        out[cls.__name__] = dict(error=error, kept=states_equal(full_state(opt), before))
+    return out
+
+
+def test_a_replica_with_a_negative_moment_of_squares_is_refused():
+    """Would catch the receive check looking at Adam's exp_avg_sq alone: a damaged RMSprop square_avg,
+    Adagrad sum, Adamax exp_inf or amsgrad max_exp_avg_sq restored (its square root: NaN parameters). The
+    signed moments (exp_avg, grad_avg, momentum_buffer) are not checked: they are negative in every transfer."""
+    from megatron_lite import OptimizerConfig
+    from megatron_lite.optimizer import optimizer_kind
+
+    for cls, keys in SQUARES.items():
+        kind = optimizer_kind(OptimizerConfig(optimizer_class=cls, optimizer_kwargs=SQUARES_KWARGS.get(cls)))
+        assert set(kind.nonnegative_keys) == set(keys), cls
+    results = run_distributed(_negative_replica_worker, 4, timeout=300)
+    assert all(results[1][cls.__name__]["error"] for cls in SQUARES), results[1]
+    for cls, keys in SQUARES.items():
+        got = results[1][cls.__name__]
+        assert "recv_shard_state(src=3)" in got["error"] and keys[0] in got["error"] and got["kept"], (cls, got)
