@@ -185,7 +185,9 @@ class ShardState:
         pick_hyperparameter), loss scaler."""
         if state_dict.get("optimizer") != self.kind.name:
             raise ValueError(f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is "
-                             f"{self.kind.name!r}")
+                             f"{self.kind.name!r}: build the one it was written with (OptimizerConfig.optimizer, "
+                             f"--optimizer, or OptimizerConfig.optimizer_class), or load the model without the "
+                             f"optimizer state (--no-load-optim, load_checkpoint(load_optim=False))")
         # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
         saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
         for group in self.inner.param_groups:

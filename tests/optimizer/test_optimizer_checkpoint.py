@@ -89,3 +89,4 @@ def test_loading_a_checkpoint_of_another_optimizer_kind_is_a_clear_error(tmp_pat
     run_distributed(_save_worker, 2, path, "float32")
     for message in run_distributed(_mismatch_worker, 2, path):
         assert "'adam'" in message and "'sgd'" in message
+        assert "OptimizerConfig.optimizer" in message and "--no-load-optim" in message  # what to do
