@@ -105,8 +105,10 @@ class ShardState:
             state = self.inner.state.get(shard.main, {})
             if "step" in state:
                 own_step = int(state["step"].item())
-            else:  # no state after updates: a parameter that skipped every step (torch's count: 0)
-                skipped_all = self.kind.keeps_step and step and not state
+            else:  # no state after updates: a parameter that skipped every step (torch's count: 0). Recorded
+                # for SGD too (no 'step'), whose first step starts its momentum from the gradient, not from zeros.
+                lazy = (self.kind.keeps_step or self.kind.tensor_keys) and self.kind.initial_state is None
+                skipped_all = lazy and step and not state
                 own_step = 0 if skipped_all else None
             shards.append(ParamShard(self.param_to_name[shard.param], shard.start, shard.end, shard.param.shape,
                                      self._tensors(shard.main, step), own_step,
@@ -143,7 +145,7 @@ class ShardState:
             step = state.own_step(described)
             if not (moments or scalars):
                 continue
-            if step == 0 and self.kind.keeps_step and self.kind.initial_state is None:
+            if step == 0 and self.kind.initial_state is None:
                 self.inner.state.pop(shard.main, None)  # never stepped: torch makes the state at the first step
             else:
                 self._set_state_of(shard.main, step, moments, scalars, adopt)
