@@ -68,8 +68,10 @@ def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
                                                  adam_w_mode=True)
             return apex_optimizers.FusedSGD(groups, lr=lr, weight_decay=config.weight_decay,
                                             momentum=config.sgd_momentum)
-        # Each group carries its own weight_decay (_get_param_groups), so the class need not take one.
-        return kind.cls(groups, lr=lr, **dict(kind.kwargs), **kernel)
+        # Each group carries its own weight_decay (_get_param_groups), so the class need not take one; one that
+        # does gets it as its default too (as before optimizer_class: a group added later inherits it).
+        decay = {"weight_decay": config.weight_decay} if "weight_decay" in kind.hyperparameter_keys else {}
+        return kind.cls(groups, lr=lr, **decay, **dict(kind.kwargs), **kernel)
 
     return make
 

@@ -440,3 +440,33 @@ def test_a_parameter_that_never_stepped_resumes_like_torch(resume, optimizer):
     sgd, dampening 0, is bitwise either way)."""
     for diffs in run_distributed(_never_stepped_worker, 2, resume, optimizer):
         assert diffs == [0.0] * 5, diffs
+
+
+def _inner_worker():
+    from ddp_testing import make_model
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    out = {}
+    for name, kind in [("adam", {}), ("sgd", dict(optimizer="sgd")), ("offload", dict(optimizer_cpu_offload=True)),
+                       ("NAdam", dict(optimizer_class=torch.optim.NAdam))]:
+        ddp = DistributedDataParallel(make_model(), DistributedDataParallelConfig(use_distributed_optimizer=True))
+        inner = get_megatron_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.1, use_distributed_optimizer=True,
+                                                       **kind), ddp).optimizer
+        out[name] = (type(inner).__name__, inner.defaults["weight_decay"], inner.defaults.get("foreach"),
+                     inner.defaults.get("fused"))
+    return out
+
+
+def test_the_inner_optimizer_is_built_as_before_optimizer_class():
+    """--optimizer adam / sgd build the inner optimizer as they did before optimizer_class existed: the class,
+    its kernel (foreach on CPU, fused for CPU offload) and weight_decay as its default too. Would catch the
+    default left at torch's (AdamW 0.01, SGD 0): a param group added later would get it."""
+    got = run_distributed(_inner_worker, 1)[0]
+    assert got == {"adam": ("AdamW", 0.1, True, None), "sgd": ("SGD", 0.1, True, None),
+                   "offload": ("AdamW", 0.1, None, True), "NAdam": ("NAdam", 0.1, None, None)}, got
