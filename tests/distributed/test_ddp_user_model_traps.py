@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed_helper import run_distributed
+from optim_testing import HEADS, TwoHeads, heads_side_by_side
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -379,66 +380,22 @@ def test_grad_after_sync_is_whole_or_none(strategy):
 
 
 # ------------------------------------------------------------------------------ parameters no rank used
-class TwoHeads(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(6, 8)
-        self.heads = nn.ModuleList([nn.Linear(8, 2), nn.Linear(8, 2)])
-
-    def forward(self, x, head):
-        return self.heads[head](torch.tanh(self.trunk(x)))
-
-
-# Which head each rank uses at each step. The checkpoint round trip happens before step 3.
-HEADS = {
-    # head 1 unused at steps 1-2: its step count lags the optimizer's at the checkpoint
-    "lagging": [lambda rank: rank, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank],
-    # head 1 unused at steps 0-2: it has no optimizer state at all at the checkpoint
-    "never_stepped": [lambda rank: 0, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank],
-}
-
-
 def _unused_worker(strategy, resume, heads):
     """Steps that leave a head unused on every rank (torch skips it: no moments, no weight decay, its own
     step count lags), then a checkpoint round trip into a fresh optimizer, which must continue alike."""
     import torch.distributed as dist
-
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = TwoHeads()
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     ddp = _wrap(model, strategy, find_unused_parameters=True, overlap_grad_reduce=True, bucket_size=30)
-    kwargs = dict(weight_decay=0.1, clip_grad=0.0)
-    opt = _optimizer(ddp, strategy, **kwargs)
     decay = [p for n, p in reference.named_parameters() if not n.endswith(".bias")]
     no_decay = [p for n, p in reference.named_parameters() if n.endswith(".bias")]
     torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-2, foreach=True)
-    gen = torch.Generator().manual_seed(10 + rank)
-    diffs = []
-    for step, head_of in enumerate(HEADS[heads]):
-        if step == 3 and resume == "torch":  # resume from the torch-format state dict into a new optimizer
-            state = opt.state_dict()
-            opt = _optimizer(ddp, strategy, **kwargs)
-            opt.load_state_dict(state)
-        elif step == 3:  # the rank's own shards (what torch_dist and last words write)
-            described = opt.sharded_state()
-            shards = {(s.name, s.start): {k: v.clone() for k, v in s.tensors.items()} for s in described.shards}
-            common, step_count, lagging = described.common, described.step, described.lagging_steps()
-            opt = _optimizer(ddp, strategy, **kwargs)
-            opt.load_common_state_dict(common)
-            opt.load_sharded_state(opt.sharded_state().with_values(shards, step_count, lagging))
-        x, y, head = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen), head_of(rank)
-        ddp.zero_grad_buffer()
-        ((ddp(x, head) - y) ** 2).mean().backward()
-        ddp.finish_grad_sync()
-        opt.step()
-        torch_opt.zero_grad()
-        ((reference(x, head) - y) ** 2).mean().backward()
-        torch_opt.step()
-        with ddp.full_parameters():
-            diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    diffs, _ = heads_side_by_side(ddp, lambda: _optimizer(ddp, strategy, weight_decay=0.1, clip_grad=0.0),
+                                  reference, torch_opt, heads, resume, rank)
     return diffs, sorted(ddp.param_to_name[p] for p in ddp.unused_params)
 
 

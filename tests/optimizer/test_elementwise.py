@@ -52,11 +52,15 @@ def _reference(cls, kwargs, dp):
 
 
 # ---------------------------------------------------------------------- the probe (one process)
-class _NormalizedSGD(torch.optim.Optimizer):
-    """Not elementwise: the whole update is scaled to unit norm (what LARS/LAMB-style trust ratios do)."""
+class _Toy(torch.optim.Optimizer):
+    """An optimizer with torch's constructor signature (lr, weight_decay) and a step() of the subclass's."""
 
     def __init__(self, params, lr=1e-2, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+
+class _NormalizedSGD(_Toy):
+    """Not elementwise: the whole update is scaled to unit norm (what LARS/LAMB-style trust ratios do)."""
 
     @torch.no_grad()
     def step(self):
@@ -65,11 +69,8 @@ class _NormalizedSGD(torch.optim.Optimizer):
                 p.add_(p.grad / p.grad.norm(), alpha=-group["lr"])
 
 
-class _RowState(torch.optim.Optimizer):
+class _RowState(_Toy):
     """Elementwise update, but state of its own shape (one value per row): a flat shard cannot hold it."""
-
-    def __init__(self, params, lr=1e-2, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self):
@@ -362,22 +363,13 @@ def test_a_replica_with_a_negative_moment_of_squares_is_refused():
 
 
 # ---------------------------------------------------------------------- a parameter that never stepped
-class _TwoHeads(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.trunk = torch.nn.Linear(6, 8)
-        self.heads = torch.nn.ModuleList([torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)])
-
-    def forward(self, x, head):
-        return self.heads[head](torch.tanh(self.trunk(x)))
-
-
 def _never_stepped_worker(resume, optimizer):
     """Head 1 unused at steps 0-2 (no state at the checkpoint), a round trip before step 3, then used: the
     parameters against torch's class on torch DDP after each step."""
     import copy
 
     import torch.distributed as dist
+    from optim_testing import TwoHeads, heads_side_by_side
     from torch import nn
 
     from megatron_lite import (
@@ -389,46 +381,22 @@ def _never_stepped_worker(resume, optimizer):
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _TwoHeads()
+    model = TwoHeads()
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
         use_distributed_optimizer=True, find_unused_parameters=True, overlap_grad_reduce=True, bucket_size=30))
     kind = (dict(optimizer="sgd", sgd_momentum=0.9) if optimizer == "sgd" else
             dict(optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(momentum=0.9, dampening=0.5)))
+    decay = [p for n, p in reference.named_parameters() if not n.endswith(".bias")]
+    no_decay = [p for n, p in reference.named_parameters() if n.endswith(".bias")]
+    torch_opt = torch.optim.SGD([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-2, momentum=0.9, dampening=0.0 if optimizer == "sgd" else 0.5)
 
     def built():
         return get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0,
                                                       use_distributed_optimizer=True, **kind), ddp)
 
-    opt = built()
-    decay = [p for n, p in reference.named_parameters() if not n.endswith(".bias")]
-    no_decay = [p for n, p in reference.named_parameters() if n.endswith(".bias")]
-    torch_opt = torch.optim.SGD([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=1e-2, momentum=0.9, dampening=0.0 if optimizer == "sgd" else 0.5)
-    gen = torch.Generator().manual_seed(10 + rank)
-    diffs = []
-    for step, head in enumerate([0, 0, 0, 1, 1 - rank]):
-        if step == 3 and resume == "torch":
-            state = opt.state_dict()
-            opt = built()
-            opt.load_state_dict(state)
-        elif step == 3:  # the rank's own shards (what torch_dist and last words write)
-            described = opt.sharded_state()
-            shards = {(s.name, s.start): {k: v.clone() for k, v in s.tensors.items()} for s in described.shards}
-            common, count, lagging = described.common, described.step, described.lagging_steps()
-            opt = built()
-            opt.load_common_state_dict(common)
-            opt.load_sharded_state(opt.sharded_state().with_values(shards, count, lagging))
-        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
-        ddp.zero_grad_buffer()
-        ((ddp(x, head) - y) ** 2).mean().backward()
-        ddp.finish_grad_sync()
-        opt.step()
-        torch_opt.zero_grad()
-        ((reference(x, head) - y) ** 2).mean().backward()
-        torch_opt.step()
-        diffs.append(max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
-    return diffs
+    return heads_side_by_side(ddp, built, reference, torch_opt, "never_stepped", resume, rank)[0]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd_dampening"])

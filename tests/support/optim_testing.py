@@ -86,3 +86,60 @@ def states_equal(a, b) -> bool:
     """Whether two full_state() results hold the same keys and bitwise-equal tensors."""
     return a.keys() == b.keys() and all(a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n])
                                         for n in a)
+
+
+class TwoHeads(torch.nn.Module):
+    """A trunk and two heads; a step uses one head, so the other gets no gradient on any rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(6, 8)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)])
+
+    def forward(self, x, head):
+        return self.heads[head](torch.tanh(self.trunk(x)))
+
+
+# Which head each rank uses at each step of heads_side_by_side. The round trip happens before step 3.
+HEADS = {
+    # head 1 unused at steps 1-2: its step count lags the optimizer's at the checkpoint
+    "lagging": [lambda rank: rank, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank],
+    # head 1 unused at steps 0-2: it has no optimizer state at all at the checkpoint
+    "never_stepped": [lambda rank: 0, lambda rank: 0, lambda rank: 0, lambda rank: 1, lambda rank: 1 - rank],
+}
+
+
+def heads_side_by_side(ddp, build_optimizer, reference, torch_opt, heads, resume, rank):
+    """Train the wrapped TwoHeads (its optimizer from build_optimizer()) and torch DDP's `reference` (stepped
+    by `torch_opt`) side by side on the same batches, each step on the head HEADS[heads][step](rank). Before
+    step 3 the optimizer's state makes a round trip into a new one: resume 'torch' through state_dict(), else
+    through the rank's own shards (what torch_dist and last words write).
+
+    Returns (the largest parameter difference after each step, the wrapped optimizer)."""
+    opt = build_optimizer()
+    gen = torch.Generator().manual_seed(10 + rank)
+    diffs = []
+    for step, head_of in enumerate(HEADS[heads]):
+        if step == 3 and resume == "torch":
+            state = opt.state_dict()
+            opt = build_optimizer()
+            opt.load_state_dict(state)
+        elif step == 3:
+            described = opt.sharded_state()
+            shards = {(s.name, s.start): {k: v.clone() for k, v in s.tensors.items()} for s in described.shards}
+            common, step_count, lagging = described.common, described.step, described.lagging_steps()
+            opt = build_optimizer()
+            opt.load_common_state_dict(common)
+            opt.load_sharded_state(opt.sharded_state().with_values(shards, step_count, lagging))
+        x, y, head = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen), head_of(rank)
+        ddp.zero_grad_buffer()
+        ((ddp(x, head) - y) ** 2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        torch_opt.zero_grad()
+        ((reference(x, head) - y) ** 2).mean().backward()
+        torch_opt.step()
+        with ddp.full_parameters():
+            diffs.append(max((p - q).abs().max().item()
+                             for p, q in zip(ddp.module.parameters(), reference.module.parameters())))
+    return diffs, opt
