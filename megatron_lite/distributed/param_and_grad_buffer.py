@@ -24,7 +24,7 @@ distributed-optimizer instances: the instance's m ranks, i.e. its position; see 
 """
 
 from dataclasses import dataclass
-from typing import AbstractSet, Dict, List, Optional, Sequence
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from . import collectives
 from .bucket import Bucket
 from .distributed_data_parallel_config import DistributedDataParallelConfig, pattern_matches
-from .layout import compute_buffer_layout
+from .layout import OwnedRange, compute_buffer_layout
 
 __all__ = ["Bucket", "ParamAndGradBuffer", "ShardRange", "gather_full_buffers", "shard_ranges"]
 
@@ -114,11 +114,12 @@ class ParamAndGradBuffer:
         self._shapes = {param: tuple(param.shape) for param in self.params}
         self._param_to_name = param_to_name
         self.buckets = []
-        # What this rank owns, decided by the layout: its shard of every bucket and each parameter's part of it.
-        owned = {}
+        # What this rank owns, decided by the layout: its shard of every bucket and each parameter's part of it
+        # (in buffer order; none without the distributed optimizer, where nothing is sharded).
+        self.owned_ranges: Tuple[OwnedRange, ...] = ()
         if ddp_config.use_distributed_optimizer:
-            owned = {r.param_index: r for r in layout.owned_ranges(self.data_parallel_world_size,
-                                                                   self.data_parallel_rank)}
+            self.owned_ranges = layout.owned_ranges(self.data_parallel_world_size, self.data_parallel_rank)
+        owned = {r.param_index: r for r in self.owned_ranges}  # a parameter lies in one bucket: one part at most
         for bucket_id, b in enumerate(layout.buckets):
             # ZeRO-2/3's full-size storages are released by the Bucket before anything reads them (grown back
             # zeroed, or gathered): empty, so that building never touches their pages.
@@ -180,10 +181,11 @@ class ParamAndGradBuffer:
             self.buckets[part.bucket_id].param_to_owned_range[self.params[index]] = part
 
     def shard_ranges(self) -> List["ShardRange"]:
-        """The parts of this buffer's parameters that this rank owns, in buffer order (layout.owned_ranges)."""
+        """The parts of this buffer's parameters that this rank owns, in buffer order (self.owned_ranges, with
+        their tensors)."""
         return [ShardRange(self.params[r.param_index], self, r.buffer_start, r.buffer_end, r.param_start, r.param_end,
                            self.buckets[r.bucket_id], r.shard_start)
-                for r in self.layout.owned_ranges(self.data_parallel_world_size, self.data_parallel_rank)]
+                for r in self.owned_ranges]
 
     def misplaced_params(self) -> List[str]:
         """Parameters that no longer are what the buffer was built around: another dtype, device or shape
