@@ -230,6 +230,27 @@ def all_gather(bucket: torch.Tensor, group=None, async_op: bool = False):
     return _handle(_all_gather_single(bucket, own, group=group, async_op=async_op))
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                      input_split_sizes: List[int], group=None, async_op: bool = False):
+    """Piece q of the flat `input` (input_split_sizes[q] elements, pieces in rank order) goes to rank q; piece p
+    of the flat `output` (output_split_sizes[p] elements) receives what rank p sent this rank. Uneven splits
+    are fine on every backend (gloo on the CPU checked; gloo stages CUDA tensors through host memory itself,
+    NCCL moves them directly). On a one-rank group the one piece is copied (nothing is sent)."""
+    world_size = dist.get_world_size(group)
+    if len(output_split_sizes) != world_size or len(input_split_sizes) != world_size:
+        raise ValueError(f"all_to_all_single: one split size per rank of the group ({world_size}), got "
+                         f"{len(input_split_sizes)} to send and {len(output_split_sizes)} to receive")
+    if sum(input_split_sizes) != input.numel() or sum(output_split_sizes) != output.numel():
+        raise ValueError(f"all_to_all_single: split sizes {list(input_split_sizes)} / {list(output_split_sizes)} "
+                         f"do not add up to the input's {input.numel()} / the output's {output.numel()} elements")
+    if world_size == 1:
+        output.copy_(input)
+        return DONE
+    _notify("all_to_all", input, world_size)
+    return _handle(dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes),
+                                          group=group, async_op=async_op))
+
+
 def broadcast(tensor: torch.Tensor, group=None, src_group_rank: int = 0, async_op: bool = False):
     """In place: every rank ends with the tensor of the group's rank `src_group_rank`."""
     world_size = dist.get_world_size(group)

@@ -41,6 +41,18 @@ at one position hold the same; a fused parameter (QKV) is orthogonalized as row-
     dp=4, R=2: positions 0, 1     position 0 (ranks 0, 2): fc1, qkv    load 3392
                                   position 1 (ranks 1, 3): fc2, proj   load 3072
 
+The buffer layout is the same for both kinds: a matrix's momentum lives in the flat shards like Adam's moments.
+For the orthogonalization, `compute_matrix_exchange` says what each position sends to which owner (its flat pieces
+of the owner's matrices) and gets back (the orthogonalized values of the same pieces), in one fixed order, so that
+one all-to-all over an instance brings every matrix together at its owner and a second one brings the pieces home::
+
+    dp=2, one bucket [A (owner 0) | B (owner 1)], B straddles the shard boundary:
+    buffer     | A ........ | B ....... : ....... | pad |
+    shards     |<------ position 0 --->:<--- position 1 ---->|
+    position 0 sends: to 0 A[all]           to 1 B[0:k]          (send splits |A|, k)
+    position 1 sends: to 0 nothing          to 1 B[k:]           (send splits 0, |B|-k)
+    owner 1 receives: from 0 B[0:k], from 1 B[k:] -> B whole; the orthogonalized pieces go back the same way
+
 Nothing here touches tensors, so the rules are unit-tested exhaustively without processes.
 """
 
@@ -419,3 +431,92 @@ def compute_matrix_ownership(
         owner[index] = position
         loads[position] += costs[index]
     return MatrixOwnership(topology, tuple(owner), tuple(sub_matrices), tuple(costs))
+
+
+# ----------------------------------------------------------------------------------- whole-matrix exchange
+@dataclass(frozen=True)
+class ExchangePiece:
+    """Elements [param_start, param_end) of the flattened parameter `param_index`: one position's flat piece of
+    a matrix (its overlap with the position's shard), as it travels to the matrix's owner and back."""
+
+    param_index: int
+    """Index into the caller's parameter list (the layouts' parameters, concatenated)."""
+    param_start: int
+    param_end: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+
+@dataclass(frozen=True)
+class MatrixExchange:
+    """What one position of an instance sends and receives to bring matrices whole to their owners (see the
+    module docstring). The way back mirrors it: the owner returns each received piece, orthogonalized, to where
+    it came from, in the same order, so the second all-to-all's splits are the first one's, swapped."""
+
+    position: int
+    sends: Tuple[Tuple[ExchangePiece, ...], ...]
+    """Per destination position q: this position's pieces of q's matrices, by matrix index (ascending); the
+    send buffer is their concatenation, destination by destination."""
+    receives: Tuple[Tuple[ExchangePiece, ...], ...]
+    """Per source position p: p's pieces of this position's matrices, in p's send order; the receive buffer
+    is their concatenation, source by source."""
+    owned: Tuple[int, ...]
+    """The matrices this position assembles whole and orthogonalizes (MatrixOwnership.owned), ascending."""
+
+    @property
+    def send_splits(self) -> Tuple[int, ...]:
+        """Elements sent to each position (all_to_all_single's input split sizes)."""
+        return tuple(sum(piece.numel for piece in pieces) for pieces in self.sends)
+
+    @property
+    def recv_splits(self) -> Tuple[int, ...]:
+        """Elements received from each position (all_to_all_single's output split sizes)."""
+        return tuple(sum(piece.numel for piece in pieces) for pieces in self.receives)
+
+
+def _matrix_pieces(layouts: Sequence[BufferLayout], ownership: MatrixOwnership, num_shards: int, position: int):
+    """Per matrix owned by anyone: `position`'s piece of it (global index -> ExchangePiece), in the layouts'
+    concatenated indexing."""
+    pieces, offset = {}, 0
+    for layout in layouts:
+        for owned in layout.owned_ranges(num_shards, position):
+            index = offset + owned.param_index
+            if ownership.owner[index] is not None:  # a parameter lies in one bucket: one piece per shard at most
+                pieces[index] = ExchangePiece(index, owned.param_start, owned.param_end)
+        offset += len(layout.param_ranges)
+    return pieces
+
+
+def compute_matrix_exchange(layouts: Sequence[BufferLayout], ownership: MatrixOwnership,
+                            position: int) -> MatrixExchange:
+    """What `position` sends to and receives from every position of its instance so that each matrix is whole
+    at its owner (compute_matrix_ownership), and the orthogonalized pieces come back where the buffer layout
+    keeps them (BufferLayout.owned_ranges with the instance's m shards).
+
+    Order (the same on every rank, so the splits agree): destination (source) positions ascending; within one,
+    the owner's matrices by index; a position sends a matrix only if its shard overlaps it.
+
+    Args:
+        layouts: the buffers sharded over the instance, in order; `ownership` indexes their parameters
+            concatenated (layout 0's parameters, then layout 1's, ...).
+        ownership: whole-matrix ownership over those parameters; its topology gives m = dp / R.
+        position: this rank's position in its instance.
+    Returns:
+        A MatrixExchange.
+    """
+    total = sum(len(layout.param_ranges) for layout in layouts)
+    if total != len(ownership.owner):
+        raise ValueError(f"the layouts hold {total} parameters, the matrix ownership {len(ownership.owner)}: both "
+                         f"must index the same parameters")
+    m = ownership.topology.intra_distributed_optimizer_instance_size
+    ownership.topology.holders(position)  # validates position
+    owned = [ownership.owned(q) for q in range(m)]
+    mine = _matrix_pieces(layouts, ownership, m, position)
+    sends = tuple(tuple(mine[i] for i in owned[q] if i in mine) for q in range(m))
+    receives = []
+    for p in range(m):
+        theirs = mine if p == position else _matrix_pieces(layouts, ownership, m, p)
+        receives.append(tuple(theirs[i] for i in owned[position] if i in theirs))
+    return MatrixExchange(position, sends, tuple(receives), owned[position])

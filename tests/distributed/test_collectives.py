@@ -109,6 +109,42 @@ def test_gloo_reduce_scatter_and_all_gather_paths(dp):
     assert all(all(ok) for ok in run_distributed(_gloo_paths_worker, dp))
 
 
+def _all_to_all_worker():
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.distributed import collectives
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # rank r sends (r + q) % 3 elements to rank q (some zero), valued 100 r + q: uneven splits both ways
+    send_splits = [(rank + q) % 3 for q in range(world)]
+    recv_splits = [(p + rank) % 3 for p in range(world)]
+    data = torch.cat([torch.full((n,), 100.0 * rank + q) for q, n in enumerate(send_splits)])
+    out = torch.full((sum(recv_splits),), float("nan"))
+    seen = []
+    with collectives.observe(lambda name, tensor, size: seen.append(name)):
+        collectives.all_to_all_single(out, data, recv_splits, send_splits).wait()
+    expected = torch.cat([torch.full((n,), 100.0 * p + rank) for p, n in enumerate(recv_splits)])
+    solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+    one = torch.empty(2)
+    collectives.all_to_all_single(one, torch.tensor([1.0, 2.0]), [2], [2], solo)
+    try:
+        collectives.all_to_all_single(out, data, recv_splits, send_splits[:-1])
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return torch.equal(out, expected), seen, one.tolist(), error
+
+
+def test_all_to_all_single_uneven_splits():
+    """dp=3 on gloo, uneven splits with empty pieces: each piece arrives from its rank in its place; the
+    observer sees it; a one-rank group copies; wrong split counts are a ValueError (not gloo's abort). Would
+    catch input and output splits swapped (they differ here), or a call that bypasses the observers."""
+    for equal, seen, one, error in run_distributed(_all_to_all_worker, 3):
+        assert equal and seen == ["all_to_all"] and one == [1.0, 2.0]
+        assert "one split size per rank of the group (3)" in error
+
+
 def _scratch_worker():
     import time
     import weakref
