@@ -228,7 +228,26 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if not config.share_embeddings_and_output_weights:
             self.output_layer = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype)
+        self._tag_matrices()
         self._init_weights()
+
+    def __setstate__(self, state):
+        # copy.deepcopy and pickle rebuild each Parameter without its attributes: tag the copy's again.
+        super().__setstate__(state)
+        self._tag_matrices()
+
+    def _tag_matrices(self):
+        """Mark what optimizers that treat each weight matrix as a whole (Muon) need to know: megatron-core's
+        is_embedding_or_output_parameter on the word embeddings and the output layer (left to AdamW: a row is a
+        token's vector, not a map), and each fused linear_qkv weight's matrix_row_splits, the row counts of its
+        contiguous [Q; K; V] blocks."""
+        for layer in (self.word_embeddings, self.output_layer):
+            if layer is not None:
+                layer.weight.is_embedding_or_output_parameter = True
+        for layer in self.layers:
+            attention = layer.self_attention
+            kv = attention.num_query_groups * attention.head_dim
+            attention.linear_qkv.weight.matrix_row_splits = (self.config.hidden_size, kv, kv)
 
     @torch.no_grad()
     def _init_weights(self):

@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from ..config_checks import Check, check_fields
+from ..config_checks import Check, check_fields, is_int
 from .elementwise import optimizer_kind
+from .muon import COEFFICIENT_SETS, SCALE_MODES, ns_steps_rule
 
 
 @dataclass
@@ -15,8 +16,9 @@ class OptimizerConfig:
     """What `get_megatron_optimizer` builds; validated on construction."""
 
     optimizer: str = "adam"
-    """'adam' (torch.optim.AdamW: decoupled weight decay) or 'sgd' (torch.optim.SGD with momentum, coupled
-    weight decay); optimizer_class, when set, is built instead."""
+    """'adam' (torch.optim.AdamW: decoupled weight decay), 'sgd' (torch.optim.SGD with momentum, coupled
+    weight decay) or 'muon' (Muon on the 2-D weight matrices, AdamW on the rest: optimizer/muon.py);
+    optimizer_class, when set, is built instead."""
 
     optimizer_class: Optional[type] = None
     """Python API only (as torch's ZeroRedundancyOptimizer's optimizer_class): any elementwise torch.optim
@@ -48,6 +50,36 @@ class OptimizerConfig:
 
     sgd_momentum: float = 0.9
     """SGD momentum."""
+
+    muon_momentum: float = 0.95
+    """Muon's momentum: buf = lerp(buf, grad, 1 - muon_momentum) (megatron-core's config default; Megatron's
+    --muon-momentum defaults to 0.9)."""
+
+    muon_nesterov: bool = False
+    """Muon: orthogonalize lerp(grad, buf, muon_momentum) instead of buf (torch.optim.Muon's default is True)."""
+
+    muon_split_qkv: bool = True
+    """Muon: orthogonalize the query, key and value rows of each fused linear_qkv weight as three matrices
+    (the parameter's matrix_row_splits, set by models/gpt.py)."""
+
+    muon_scale_mode: str = "spectral"
+    """Muon's update scale per matrix of rows x cols: 'spectral' sqrt(max(rows, cols)), 'unit_rms_norm'
+    sqrt(rows / cols), 'shape_scaling' sqrt(max(1, rows / cols)) (torch.optim.Muon's default)."""
+
+    muon_coefficient_type: str = "quintic"
+    """Muon's Newton-Schulz coefficients per iteration: 'simple' (torch.optim.Muon's), 'quintic', 'polar_express'
+    or 'aol' (optimizer/muon.py COEFFICIENT_SETS)."""
+
+    muon_num_ns_steps: int = 5
+    """Muon's Newton-Schulz iterations (>= 1; a multiple of 5 for 'quintic', of 4 for 'aol', >= 8 for
+    'polar_express')."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Muon: multiplies the scale of muon_scale_mode (0.2 with 'spectral' is torch's 'match_rms_adamw')."""
+
+    muon_scalar_optimizer: str = "adam"
+    """Muon: the optimizer of the parameters Muon does not step (1-D, embeddings, output layer): 'adam'
+    (torch.optim.AdamW with adam_beta1/2, adam_eps and the weight-decay groups)."""
 
     fp16: bool = False
     """Parameters are fp16: keep fp32 main params and use loss scaling."""
@@ -108,6 +140,11 @@ class OptimizerConfig:
         """The parameters' dtype that fp16 / bf16 say."""
         return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
 
+    @property
+    def _muon_steps_rule(self) -> str:
+        """What muon_coefficient_type asks of muon_num_ns_steps, in words (for the error)."""
+        return ns_steps_rule(self.muon_coefficient_type)[1]
+
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -120,7 +157,8 @@ _FRACTION = Check(lambda v: 0.0 <= v < 1.0, "{name} must be in [0, 1), got {valu
 # range, with the rules across fields where their fields come up. The comparisons are written as the error
 # says (`not v < 0` for ">= 0"), so a value of the wrong type fails as it always did.
 _RULES = tuple((f.name, (_FINITE,)) for f in fields(OptimizerConfig)) + (
-    ("optimizer", (Check(lambda v: v in ("adam", "sgd"), "{name} must be 'adam' or 'sgd', got {value!r}"),)),
+    ("optimizer", (Check(lambda v: v in ("adam", "sgd", "muon"),
+                         "{name} must be 'adam', 'sgd' or 'muon', got {value!r}"),)),
     (None, (Check(lambda c: c.optimizer_class is not None or c.optimizer_kwargs is None,
                   "optimizer_kwargs is for optimizer_class (set it, or use the adam_* / sgd_* fields)"),
             Check(lambda c: c.optimizer_class is None or c.optimizer == "adam",
@@ -136,6 +174,24 @@ _RULES = tuple((f.name, (_FINITE,)) for f in fields(OptimizerConfig)) + (
     (("adam_beta1", "adam_beta2"), (_FRACTION,)),
     ("adam_eps", (Check(lambda v: not v <= 0, "{name} must be > 0, got {value}"),)),
     ("sgd_momentum", (_FRACTION,)),
+    ("muon_momentum", (_FRACTION,)),
+    (("muon_nesterov", "muon_split_qkv"), (Check(lambda v: isinstance(v, bool), "{name} must be a bool, got {value!r}",
+                                                 TypeError),)),
+    ("muon_scale_mode", (Check(lambda v: v in SCALE_MODES, f"{{name}} must be one of {list(SCALE_MODES)}, got "
+                                                           f"{{value!r}}"),)),
+    ("muon_coefficient_type", (Check(lambda v: v in COEFFICIENT_SETS, f"{{name}} must be one of "
+                                                                      f"{list(COEFFICIENT_SETS)}, got {{value!r}}"),)),
+    ("muon_num_ns_steps", (Check(lambda v: is_int(v), "{name} must be an int, got {value!r}", TypeError),
+                           Check(lambda v: 1 <= v < 100, "{name} must be in [1, 100), got {value}"))),
+    (None, (Check(lambda c: ns_steps_rule(c.muon_coefficient_type)[0](c.muon_num_ns_steps),
+                  "muon_num_ns_steps must be {config._muon_steps_rule} with muon_coefficient_type "
+                  "{config.muon_coefficient_type!r}, got {config.muon_num_ns_steps}"),)),
+    ("muon_extra_scale_factor", (Check(lambda v: _is_number(v) and v > 0,
+                                       "{name} must be a number > 0, got {value!r}"),)),
+    ("muon_scalar_optimizer", (Check(lambda v: v == "adam", "{name} must be 'adam' (AdamW; Megatron's 'lion' is not "
+                                                            "available here), got {value!r}"),)),
+    (None, (Check(lambda c: not (c.optimizer == "muon" and c.optimizer_cpu_offload),
+                  "optimizer='muon' does not support optimizer_cpu_offload: turn one of them off"),)),
     (None, (
         Check(lambda c: not (c.fp16 and c.bf16), "fp16 and bf16 are mutually exclusive"),
         Check(lambda c: c.params_dtype == c._precision_dtype,
