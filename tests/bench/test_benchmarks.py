@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/compare_ddp.py and compare_ddp_zero3.py: they run end to end and report complete
-results (no timing checks)."""
+"""Smoke tests of benchmarks/compare_ddp.py, compare_ddp_zero3.py and muon_work.py: they run end to end and report
+complete results (no timing checks)."""
 
 import csv
 import importlib.util
@@ -50,3 +50,25 @@ def test_compare_ddp_zero3_tiny_reports_every_setting():
     assert rows["ml-zero3"]["comm"] <= rows["fsdp2"]["comm"]
     assert rows["zero3 reuse all"]["comm"] < rows["ml-zero3"]["comm"]
     assert rows["ml-zero3"]["peak"] != "n/a" and rows["fsdp2"]["peak"] == "n/a"
+
+
+def test_muon_work_counts_each_matrix_once_and_splits_the_work():
+    """Catches Newton-Schulz work the code issues but the ownership does not predict (a QKV orthogonalized fused,
+    an extra matmul per iteration), a matrix owned twice or by nobody (shares not summing to 1), and a balance
+    worse than LPT's bound."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.muon_work", "--model", "tiny", "--dp", "1", "2", "4",
+                          "--bucket-sizes", "0", "1000"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    work, exchange = {}, {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0] == "tiny" and cells[2].isdigit():
+            work.setdefault(int(cells[1]), []).append((float(cells[4]), float(cells[5]), float(cells[6])))
+        if len(cells) == 7 and cells[0] == "tiny":
+            exchange[(int(cells[1]), cells[2])] = float(cells[4])
+    assert sorted(work) == [1, 2, 4] and all(len(rows) == dp for dp, rows in work.items()), out.stdout
+    for dp, rows in work.items():
+        assert all(predicted == counted for predicted, counted, _ in rows), rows
+        assert abs(sum(share for _, _, share in rows) - 1) < 2e-3 and max(s for _, _, s in rows) < 4 / 3 / dp, rows
+    assert set(exchange) == {(2, "one bucket"), (2, "1000"), (4, "one bucket"), (4, "1000")}
+    assert all(0 < share <= 1 for share in exchange.values()), exchange
