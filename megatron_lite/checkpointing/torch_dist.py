@@ -99,6 +99,8 @@ def _tensors(model, optimizer, fill=None) -> Dict[str, object]:
     for key in ["param", *described.state_keys]:
         pieces: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         for shard in described.shards:
+            if key != "param" and key not in described.keys_of(shard):  # optimizer='muon': Muon's or AdamW's
+                continue
             if fill:
                 value = torch.zeros(shard.numel, dtype=torch.float32, device=optimizer.device)
             else:

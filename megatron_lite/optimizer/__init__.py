@@ -9,6 +9,7 @@ from .distrib_optimizer import DistributedOptimizer
 from .elementwise import OptimizerKind, optimizer_kind
 from .full_param_optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, make_grad_scaler
+from .muon import MuonWithAdamW, matrix_specs
 from .optimizer import MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
@@ -20,14 +21,19 @@ __all__ = [
 
 
 def _get_param_groups(model_chunks, config: OptimizerConfig) -> List[dict]:
-    """Two groups, Megatron's rule: no weight decay for biases and other 1-D parameters."""
+    """Two groups, Megatron's rule: no weight decay for biases and other 1-D parameters. optimizer='muon' splits
+    them again by Muon's rule (muon.matrix_specs): each group has 'use_muon', Muon's first."""
+    on_muon = {p for p, spec in matrix_specs(model_chunks, config).items() if spec is not None} \
+        if config.optimizer == "muon" else None
     groups = {}
     for chunk in model_chunks:
         for param, name in chunk.param_to_name.items():
             no_wd = name.endswith(".bias") or param.dim() == 1
             wd_mult = 0.0 if no_wd else 1.0
-            group = groups.setdefault(wd_mult, {"params": [], "wd_mult": wd_mult, "lr_mult": 1.0,
-                                                "weight_decay": config.weight_decay * wd_mult})
+            use_muon = None if on_muon is None else param in on_muon
+            group = groups.setdefault((bool(use_muon), wd_mult), {
+                "params": [], "wd_mult": wd_mult, "lr_mult": 1.0, "weight_decay": config.weight_decay * wd_mult,
+                **({} if use_muon is None else {"use_muon": use_muon})})
             group["params"].append(param)
     return [groups[k] for k in sorted(groups, reverse=True)]
 
@@ -59,6 +65,8 @@ def _inner_optimizer_factory(config: OptimizerConfig, device: torch.device):
 
     def _make(groups):
         lr = 0.0 if config.lr is None else config.lr  # torch validates a number at construction
+        if config.optimizer == "muon":
+            return MuonWithAdamW(groups, lr=lr, weight_decay=config.weight_decay, config=config, **kernel)
         if apex_optimizers is not None:
             # apex's kernels index group["params"][0]; a rank's shard may leave a group empty.
             groups = [g for g in groups if g["params"]]
@@ -95,7 +103,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     """Build the optimizer for DDP-wrapped `model_chunks` (one DistributedDataParallel or a list).
 
     fp32 params -> FP32Optimizer; fp16/bf16 -> Float16OptimizerWithFloat16Params (fp32 main copies);
-    `config.use_distributed_optimizer` -> DistributedOptimizer (sharded main params and state).
+    `config.use_distributed_optimizer` -> DistributedOptimizer (sharded main params and state). optimizer='muon':
+    the inner optimizer is muon.MuonWithAdamW (Muon on the weight matrices, AdamW on the rest).
     """
     if not isinstance(config, OptimizerConfig):
         raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")

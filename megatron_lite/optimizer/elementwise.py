@@ -22,6 +22,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .muon import MuonWithAdamW, muon_hyperparameters
+
 # Hyperparameters that say how to compute, not what: never checked against a checkpoint's.
 KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
@@ -59,6 +61,17 @@ class OptimizerKind:
     key with (Adagrad's 'step' 0 and 'sum' initial_accumulator_value)."""
     hyperparameter_keys: Tuple[str, ...]
     """Param-group keys checked against a checkpoint's on resume (all its defaults but lr and kernels)."""
+    group_kinds: Optional[Tuple[Tuple[str, "OptimizerKind"], ...]] = None
+    """An optimizer whose param groups keep different state (optimizer='muon': Muon's matrices a
+    'momentum_buffer', AdamW's rest its moments and step): (name, kind) of each part, a group's part named by
+    its 'use_muon' key (of_group). None: every group is this kind. The fields above are then the parts'
+    union, what a description may carry at most."""
+
+    def of_group(self, group: dict) -> "OptimizerKind":
+        """The kind that steps param group `group` (see group_kinds)."""
+        if self.group_kinds is None:
+            return self
+        return dict(self.group_kinds)["muon" if group.get("use_muon") else "adam"]
 
     @property
     def nonnegative_keys(self) -> Tuple[str, ...]:
@@ -79,6 +92,9 @@ class OptimizerKind:
 def optimizer_kind(config) -> OptimizerKind:
     """The kind an OptimizerConfig builds: its optimizer_class (+ optimizer_kwargs) or its named optimizer.
     Raises ValueError (TypeError for a non-class) when the class cannot step flat shards."""
+    if config.optimizer == "muon":
+        return _muon_kind(tuple(sorted(muon_hyperparameters(config).items())), config.adam_beta1, config.adam_beta2,
+                          config.adam_eps, config.weight_decay)
     if config.optimizer_class is None:
         cls, kwargs_of = NAMED[config.optimizer]
         name, kwargs = config.optimizer, kwargs_of(config)
@@ -166,6 +182,19 @@ def _probe(name, cls, kwargs, weight_decay) -> OptimizerKind:
     hyper = tuple(k for k in sorted(optimizers[0].defaults) if k not in KERNEL_KEYS and k != "lr")
     return OptimizerKind(name, cls, tuple(kwargs), tuple(tensor_keys), tuple(scalar_keys), "step" in state,
                          initial_state, hyper)
+
+
+@functools.lru_cache(maxsize=16)
+def _muon_kind(muon_kwargs, beta1, beta2, eps, weight_decay) -> OptimizerKind:
+    """optimizer='muon': Muon's part (torch.optim.Muon's state: 'momentum_buffer' only, no step count) and the
+    AdamW part (probed as 'adam' is), together (muon.MuonWithAdamW)."""
+    adam = _probe_cached("adam", torch.optim.AdamW, (("betas", (beta1, beta2)), ("eps", eps)), weight_decay)
+    muon = OptimizerKind("muon", MuonWithAdamW, muon_kwargs, ("momentum_buffer",), (), False, None,
+                         tuple(sorted(("weight_decay", "use_muon", *dict(muon_kwargs)))))
+    return OptimizerKind("muon", MuonWithAdamW, muon_kwargs + adam.kwargs, muon.tensor_keys + adam.tensor_keys,
+                         adam.scalar_keys, adam.keeps_step, None,
+                         tuple(sorted(set(muon.hyperparameter_keys) | set(adam.hyperparameter_keys))),
+                         (("muon", muon), ("adam", adam)))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

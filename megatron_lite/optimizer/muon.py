@@ -122,10 +122,11 @@ class MatrixSpec:
             start += r * self.cols
         return tuple(out)
 
-    def scales(self, config) -> Tuple[float, ...]:
-        """Each block's update scale times muon_extra_scale_factor (the ratio the learning rate is multiplied by,
-        formed first as torch.optim.Muon forms its adjusted ratio)."""
-        return tuple(muon_scale_factor(r, self.cols, config.muon_scale_mode) * config.muon_extra_scale_factor
+    def scales(self, group: dict) -> Tuple[float, ...]:
+        """Each block's update scale times muon_extra_scale_factor, from a Muon param group's (or an
+        OptimizerConfig's as dict) values: the ratio the learning rate is multiplied by, formed first as
+        torch.optim.Muon forms its adjusted ratio."""
+        return tuple(muon_scale_factor(r, self.cols, group["muon_scale_mode"]) * group["muon_extra_scale_factor"]
                      for r in self.row_splits)
 
 
@@ -182,3 +183,108 @@ def orthogonalize(u: torch.Tensor, spec: MatrixSpec, config) -> torch.Tensor:
     pieces = [newton_schulz(flat[a:b].view(r, spec.cols), config.muon_num_ns_steps, config.muon_coefficient_type)
               for a, b, r in spec.blocks]
     return pieces[0].reshape(-1) if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
+
+
+# ---------------------------------------------------------------------------------------------- the optimizer
+MUON_GROUP_KEYS = ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode", "muon_coefficient_type",
+                   "muon_num_ns_steps", "muon_extra_scale_factor")
+
+
+def muon_hyperparameters(config) -> Dict[str, object]:
+    """The OptimizerConfig's muon_* values a Muon param group carries (and a resume checks)."""
+    return {key: getattr(config, key) for key in MUON_GROUP_KEYS}
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """The inner optimizer of optimizer='muon': Muon steps the param groups with 'use_muon' True, torch.optim.AdamW
+    the others (the same group dicts and state: `state[main]` is 'momentum_buffer' for a Muon tensor, as
+    torch.optim.Muon keeps it, AdamW's 'step', 'exp_avg', 'exp_avg_sq' for the rest).
+
+    A Muon tensor is a whole matrix or a flat piece of one (the distributed optimizer's shard): `matrices[main]`
+    = (MatrixSpec, start, end), set by the MegatronOptimizer that owns it. The step comes in two stages around the
+    orthogonalization, which may need other ranks' pieces of a matrix (MegatronOptimizer._orthogonalize)::
+
+        updates = inner.momentum_updates()     {main: u}: lerp'ed momentum, out of place (no state changed)
+        O = orthogonalize(updates)             {main: O piece}, flat, per matrix block
+        inner.step(O)                          under the update lock: the momentum buffers, p *= 1 - lr * wd,
+                                               p -= lr * scale * extra * O per block; AdamW's step
+
+    Args:
+        param_groups: dicts with 'params' (main tensors), 'weight_decay', 'use_muon'; Muon groups get the
+            config's muon_* values (muon_hyperparameters).
+        lr, weight_decay: defaults of a group that lacks them.
+        config: the OptimizerConfig (muon_* and adam_* fields).
+        adam_kernel: AdamW's kernel option ({'foreach': True}, {'fused': True}).
+    """
+
+    def __init__(self, param_groups, lr: float, weight_decay: float, config, **adam_kernel):
+        groups = [dict(g) for g in param_groups]
+        for group in groups:
+            group.setdefault("use_muon", False)
+            if group["use_muon"]:
+                for key, value in muon_hyperparameters(config).items():
+                    group.setdefault(key, value)
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+        adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+        self._adamw = None
+        if adam_groups:  # the same dicts (AdamW fills in its defaults), the same state
+            self._adamw = torch.optim.AdamW(adam_groups, lr=lr, weight_decay=weight_decay,
+                                            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                            **adam_kernel)
+            self._adamw.state = self.state
+        self.matrices: Dict[torch.Tensor, Tuple[MatrixSpec, int, int]] = {}
+        self._pending: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+
+    @torch.no_grad()
+    def momentum_updates(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """Stage 1: {main: u} for every Muon tensor with a gradient, u = lerp(grad, buf', momentum) with Nesterov
+        else buf', where buf' = lerp(buf, grad, 1 - momentum) (buf: zeros before the first step). Nothing is
+        changed: step() stores buf'."""
+        self._pending, updates = {}, {}
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            momentum = group["muon_momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if buf is None:
+                    buf = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = buf.lerp(grad, 1 - momentum)
+                self._pending[p] = buf
+                updates[p] = grad.lerp(buf, momentum) if group["muon_nesterov"] else buf
+        return updates
+
+    @torch.no_grad()
+    def step(self, orthogonalized: Optional[Dict[torch.Tensor, torch.Tensor]] = None, closure=None):
+        """Stage 3: `orthogonalized` = {main: its flat O piece} for every tensor momentum_updates() returned."""
+        if closure is not None:
+            raise ValueError("MuonWithAdamW.step takes no closure (MegatronOptimizer.step computes the gradients)")
+        pending, self._pending = self._pending or {}, None
+        missing = [p for p in pending if orthogonalized is None or p not in orthogonalized]
+        if missing or (orthogonalized and pending.keys() != orthogonalized.keys()):
+            raise RuntimeError("MuonWithAdamW.step(orthogonalized) needs the orthogonalized update of exactly the "
+                               "tensors momentum_updates() returned (MegatronOptimizer.step does both)")
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            lr, weight_decay = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p not in pending:
+                    continue
+                self.state[p]["momentum_buffer"] = pending[p]
+                p.mul_(1 - lr * weight_decay)  # torch.optim.Muon's decoupled decay (Megatron: p -= lr * wd * p)
+                spec, start, end = self.matrices[p]
+                scales, update = spec.scales(group), orthogonalized[p].reshape(-1)
+                if len(scales) == 1 and start == 0 and end == spec.rows * spec.cols:
+                    p.add_(update.view_as(p), alpha=-(lr * scales[0]))  # torch.optim.Muon's own call
+                    continue
+                flat = p.view(-1)
+                for (a, b, _), scale in zip(spec.blocks, scales):
+                    lo, hi = max(a, start), min(b, end)
+                    if lo < hi:
+                        flat[lo - start:hi - start].add_(update[lo - start:hi - start], alpha=-(lr * scale))
+        if self._adamw is not None:
+            self._adamw.step()

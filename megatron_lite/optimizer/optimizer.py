@@ -5,7 +5,8 @@ implementations are in full_param_optimizer.py, the sharded one in distrib_optim
 
     step():  main grads <- model main_grad      (alias for fp32; fp32 copy for fp16/bf16)
              collectives: fp16 inf/NaN check agreed by all ranks; global grad norm (and zero count)
-             local update, under update_lock: loss scaler; unless overflow: clip -> inner optimizer step
+             optimizer='muon', unless overflow: clip -> momentum updates (out of place) -> _orthogonalize
+             local update, under update_lock: loss scaler; unless overflow: clip (not Muon) -> inner optimizer step
              model params <- main params         (cast; the distributed optimizer then all-gathers)
              returns (update_successful, grad_norm, num_zeros_in_grad)
 """
@@ -21,6 +22,7 @@ from ..distributed.layout import DataParallelTopology
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .cpu_offload import GradStaging
 from .elementwise import optimizer_kind
+from .muon import matrix_specs, orthogonalize
 from .optimizer_config import OptimizerConfig
 from .optimizer_state import MainShard, ShardState, cut_shards
 from .sharded_state import ShardedOptimizerState
@@ -75,6 +77,11 @@ class MegatronOptimizer:
         self.last_grad_norm = None  # the last step()'s gradient norm (a tensor; None: skipped or not computed)
         self._grad_staging = GradStaging()  # optimizer_cpu_offload: the host copies of the main grads
         self.shard_state = ShardState(optimizer, optimizer_kind(config), main_shards, self.param_to_name, grad_scaler)
+        # optimizer='muon': each model parameter's MatrixSpec (None: AdamW's), and for the inner optimizer each
+        # Muon main tensor's matrix and range.
+        self.matrix_specs = matrix_specs(model_chunks, config) if config.optimizer == "muon" else {}
+        if self.matrix_specs:
+            self._attach_matrices(main_shards)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -121,6 +128,18 @@ class MegatronOptimizer:
         if not found_inf and self.config.log_num_zeros_in_grad:
             num_zeros = count_zeros_fp32(stats_grads, self.grad_stats_group, self.sharded, self.device,
                                          distinct_grads)
+        muon = bool(self.matrix_specs)
+        orthogonalized = None
+        if muon and not found_inf:
+            # Muon orthogonalizes the momentum of the clipped gradients, which may take other ranks' pieces of a
+            # matrix (collectives): clipped here, outside the lock (gradients are not optimizer state), and the
+            # momentum computed out of place, so that the state changes only under the lock below.
+            if self.config.clip_grad > 0.0:
+                clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
+            updates = self.optimizer.momentum_updates()
+            pieces = self._orthogonalize({shard: updates[shard.main].reshape(-1)
+                                          for shard in self.shard_state.main_shards if shard.main in updates})
+            orthogonalized = {shard.main: o for shard, o in pieces.items()}
         # The update itself is local (no collective): a rank's failure elsewhere never leaves it half done,
         # and a last-words checkpoint (megatron_lite/checkpointing/last_words.py) waits for it under update_lock.
         with self.update_lock:
@@ -128,10 +147,13 @@ class MegatronOptimizer:
             if self.grad_scaler is not None:
                 self.grad_scaler.update(found_inf)
             if not found_inf:
-                if self.config.clip_grad > 0.0:
+                if self.config.clip_grad > 0.0 and not muon:
                     clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
                 self._grad_staging.to_host()  # offloaded main params: their grads, unscaled and clipped
-                self.optimizer.step()
+                if muon:
+                    self.optimizer.step(orthogonalized)
+                else:
+                    self.optimizer.step()
                 self.update_count += 1
             self.steps_taken += 1
             self.last_step_successful = not found_inf
@@ -157,6 +179,42 @@ class MegatronOptimizer:
     # ------------------------------------------------------------------ subclass hooks
     def _prepare_for_step(self):
         pass
+
+    def _orthogonalize(self, updates: Dict[MainShard, torch.Tensor]) -> Dict[MainShard, torch.Tensor]:
+        """optimizer='muon': the orthogonalized update of each Muon main shard. `updates`: {MainShard: its flat
+        fp32 momentum update u}, for the shards with a gradient; returns {MainShard: its flat piece of O}, O =
+        muon.orthogonalize of the whole parameter's u (each block of a split QKV its own matrix; bfloat16, as
+        Newton-Schulz leaves it). The distributed optimizer, whose shards cut matrices anywhere, overrides this
+        (the exchange); here every shard is a whole parameter, orthogonalized locally. Collective where
+        overridden: every rank calls it at every Muon step, also with no updates."""
+        out = {}
+        for shard, u in updates.items():
+            spec = self.matrix_specs[shard.param]
+            if shard.start != 0 or shard.end != spec.rows * spec.cols:
+                raise NotImplementedError(f"{type(self).__name__}: Muon main shard [{shard.start}, {shard.end}) of "
+                                          f"{self.param_to_name[shard.param]} is not the whole parameter: the "
+                                          f"optimizer must override _orthogonalize to gather its matrices")
+            out[shard] = orthogonalize(u, spec, self.config)
+        return out
+
+    def _attach_matrices(self, main_shards: List[MainShard]):
+        """Tell the inner Muon optimizer which matrix and range each of its Muon main tensors is, after checking
+        that the param groups put exactly the matrices on Muon (a parameter silently left to AdamW, or the
+        reverse, raises)."""
+        on_muon = {id(p) for g in self.optimizer.param_groups if g.get("use_muon") for p in g["params"]}
+        matrices = {}
+        for shard in main_shards:
+            spec = self.matrix_specs.get(shard.param)
+            if (spec is not None) != (id(shard.main) in on_muon):
+                raise ValueError(f"parameter {self.param_to_name[shard.param]} is in a "
+                                 f"{'Muon' if id(shard.main) in on_muon else 'AdamW'} param group but Muon's rule "
+                                 f"(muon.matrix_specs) says {'AdamW' if spec is None else 'Muon'}")
+            if spec is not None:
+                matrices[shard.main] = (spec, shard.start, shard.end)
+        self.optimizer.matrices = matrices
+        if self.sharded and type(self)._orthogonalize is MegatronOptimizer._orthogonalize:
+            raise ValueError("optimizer='muon' with use_distributed_optimizer=True is not available yet (its "
+                             "matrices are cut across ranks): use_distributed_optimizer=False")
 
     def _main_params(self) -> List[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

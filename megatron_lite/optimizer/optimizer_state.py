@@ -44,7 +44,7 @@ def pick_hyperparameter(name: str, current, saved, policy: str = "check"):
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MainShard:
     """One tensor the inner optimizer steps: the fp32 main values of the range [start, end) of a flattened
     model parameter (the full-parameter optimizers step every parameter whole: [0, numel))."""
@@ -57,6 +57,8 @@ class MainShard:
     """One past the range's last element."""
     main: torch.nn.Parameter
     """The fp32 main values (main_params.py), end - start elements: what the inner optimizer's state is keyed by."""
+    # eq=False: compared and hashed as the object it is (a dict key of MegatronOptimizer._orthogonalize), never
+    # by its tensors' values.
 
 
 def cut_shards(full: Dict[str, Dict[str, torch.Tensor]], layout: ShardedOptimizerState) -> ShardedOptimizerState:
@@ -69,7 +71,7 @@ def cut_shards(full: Dict[str, Dict[str, torch.Tensor]], layout: ShardedOptimize
             raise ValueError(f"shape mismatch for {shard.name}: checkpoint {tuple(entry['param'].shape)}, "
                              f"model {tuple(shard.shape)}")
         values[(shard.name, shard.start)] = {k: entry[k].reshape(-1)[shard.start:shard.end]
-                                             for k in ("param", *layout.state_keys) if k in entry}
+                                             for k in ("param", *layout.keys_of(shard)) if k in entry}
     own = {shard.name: full[shard.name].get("step") for shard in layout.shards}
     step = max([int(e.get("step", 0)) for e in full.values()] + [0])
     return layout.with_values(values, step, {n: s for n, s in own.items() if s is not None})
@@ -95,6 +97,13 @@ class ShardState:
         self.main_shards = tuple(main_shards)
         self.param_to_name = param_to_name
         self.grad_scaler = grad_scaler
+        # The kind that steps each main tensor: the same for all, except optimizer='muon' (OptimizerKind.of_group).
+        self._kind_of = {id(p): kind.of_group(g) for g in inner.param_groups for p in g["params"]}
+        self._mixed = kind.group_kinds is not None
+
+    def kind_of(self, main: torch.Tensor):
+        """The OptimizerKind stepping `main` (its param group's part, OptimizerKind.of_group)."""
+        return self._kind_of.get(id(main), self.kind)
 
     def describe(self, step: int, model_data: Optional[Sequence[torch.Tensor]] = None) -> ShardedOptimizerState:
         """The state as shards of named flat parameters (megatron-core's sharded_state_dict; views of the live
@@ -102,29 +111,30 @@ class ShardState:
         model's own copy of each main shard (aligned with main_shards), else None."""
         shards = []
         for i, shard in enumerate(self.main_shards):
-            state = self.inner.state.get(shard.main, {})
+            state, kind = self.inner.state.get(shard.main, {}), self.kind_of(shard.main)
             if "step" in state:
                 own_step = int(state["step"].item())
             else:  # no state after updates: a parameter that skipped every step (torch's count: 0). Recorded
                 # for SGD too (no 'step'), whose first step starts its momentum from the gradient, not from zeros.
-                lazy = (self.kind.keeps_step or self.kind.tensor_keys) and self.kind.initial_state is None
+                lazy = (kind.keeps_step or kind.tensor_keys) and kind.initial_state is None
                 skipped_all = lazy and step and not state
                 own_step = 0 if skipped_all else None
             shards.append(ParamShard(self.param_to_name[shard.param], shard.start, shard.end, shard.param.shape,
                                      self._tensors(shard.main, step), own_step,
-                                     None if model_data is None else model_data[i]))
+                                     None if model_data is None else model_data[i],
+                                     kind.state_keys if self._mixed else None))
         return ShardedOptimizerState(self.common_state_dict(), step, tuple(shards), model_data is not None,
                                      self.kind.state_keys, self.kind.scalar_keys)
 
     def _tensors(self, main: torch.Tensor, step: int) -> Dict[str, torch.Tensor]:
         """A main tensor flattened as 'param', with its optimizer-state tensors (see ParamShard.tensors): the
         moments as views, each scalar (NAdam's mu_product) as the shard's numel copies of it."""
-        state = self.inner.state.get(main, {})
+        state, kind = self.inner.state.get(main, {}), self.kind_of(main)
         flat = main.detach().reshape(-1)
         if not state and step:  # skipped every step: zeros stand for "no state yet" (load() drops them)
-            return {"param": flat, **{k: torch.zeros_like(flat) for k in self.kind.state_keys}}
-        tensors = {"param": flat, **{k: state[k].reshape(-1) for k in self.kind.tensor_keys if k in state}}
-        for key in self.kind.scalar_keys:
+            return {"param": flat, **{k: torch.zeros_like(flat) for k in kind.state_keys}}
+        tensors = {"param": flat, **{k: state[k].reshape(-1) for k in kind.tensor_keys if k in state}}
+        for key in kind.scalar_keys:
             if key in state:
                 tensors[key] = state[key].to(device=flat.device, dtype=torch.float32).expand(flat.numel()).clone()
         return tensors
@@ -139,13 +149,14 @@ class ShardState:
         for shard in self.main_shards:
             described = given[(self.param_to_name[shard.param], shard.start)]
             shard.main.data.copy_(described.tensors["param"].view_as(shard.main))
-            moments = {k: described.tensors[k].view_as(shard.main) for k in self.kind.tensor_keys
+            kind = self.kind_of(shard.main)
+            moments = {k: described.tensors[k].view_as(shard.main) for k in kind.tensor_keys
                        if k in described.tensors}
-            scalars = {k: described.tensors[k].reshape(-1)[0] for k in self.kind.scalar_keys if k in described.tensors}
+            scalars = {k: described.tensors[k].reshape(-1)[0] for k in kind.scalar_keys if k in described.tensors}
             step = state.own_step(described)
             if not (moments or scalars):
                 continue
-            if step == 0 and self.kind.initial_state is None:
+            if step == 0 and kind.initial_state is None:
                 self.inner.state.pop(shard.main, None)  # never stepped: torch makes the state at the first step
             else:
                 self._set_state_of(shard.main, step, moments, scalars, adopt)
@@ -155,10 +166,11 @@ class ShardState:
         (made by the first step), or the constructor's constants (Adagrad's)."""
         for shard in self.main_shards:
             self.inner.state.pop(shard.main, None)
-            if self.kind.initial_state is not None:
+            kind = self.kind_of(shard.main)
+            if kind.initial_state is not None:
                 state = self.inner.state[shard.main]
-                for key, value in self.kind.initial_state.items():
-                    like = shard.main if key in self.kind.tensor_keys else torch.tensor(0.0)
+                for key, value in kind.initial_state.items():
+                    like = shard.main if key in kind.tensor_keys else torch.tensor(0.0)
                     state[key] = torch.full_like(like, value, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _set_state_of(self, main: torch.Tensor, step, tensors: Dict[str, torch.Tensor],
@@ -172,7 +184,7 @@ class ShardState:
         where = main.device if on_device else "cpu"
         for key, value in scalars.items():
             state[key] = value.detach().to(device=where, dtype=torch.float32).clone().reshape(())
-        if step is not None and self.kind.keeps_step:
+        if step is not None and self.kind_of(main).keeps_step:
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=where)
 
     # ------------------------------------------------------------------ what every rank shares
@@ -191,14 +203,15 @@ class ShardState:
                              f"--optimizer, or OptimizerConfig.optimizer_class), or load the model without the "
                              f"optimizer state (--no-load-optim, load_checkpoint(load_optim=False))")
         # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
-        saved_groups = {(g.get("wd_mult"), g.get("lr_mult")): g for g in state_dict["param_groups"]}
+        # (optimizer='muon' has a Muon group and an AdamW group with the same multipliers: use_muon tells them.)
+        saved_groups = {(g.get("wd_mult"), g.get("lr_mult"), g.get("use_muon")): g for g in state_dict["param_groups"]}
         for group in self.inner.param_groups:
-            saved = saved_groups.get((group.get("wd_mult"), group.get("lr_mult")))
+            saved = saved_groups.get((group.get("wd_mult"), group.get("lr_mult"), group.get("use_muon")))
             if saved is None:
                 continue
             if "step" in saved:
                 group["step"] = saved["step"]
-            for key in self.kind.hyperparameter_keys:
+            for key in self.kind.of_group(group).hyperparameter_keys:
                 if key in saved and key in group:
                     current = tuple(group[key]) if isinstance(group[key], (list, tuple)) else group[key]
                     value = tuple(saved[key]) if isinstance(saved[key], (list, tuple)) else saved[key]

@@ -44,6 +44,10 @@ class ParamShard:
     model_data: Optional[torch.Tensor] = None
     """ZeRO-3 only: the model's own copy of the shard (the parameter's dtype), a view into the model's
     storage, so writing it sets the model's parameter shard. None where the model keeps whole parameters."""
+    state_keys: Optional[Tuple[str, ...]] = None
+    """The optimizer state this shard can carry, where its optimizer keeps different state for different
+    parameters (optimizer='muon': 'momentum_buffer' for a Muon matrix, AdamW's moments for the rest); None:
+    all of ShardedOptimizerState.state_keys (ShardedOptimizerState.keys_of)."""
 
     @property
     def numel(self) -> int:
@@ -68,6 +72,11 @@ class ShardedOptimizerState:
     found by probing the optimizer class): moments, then per-parameter scalars."""
     scalar_keys: Tuple[str, ...] = ()
     """Those of state_keys that are one value per parameter, carried as a tensor of the shard's numel."""
+
+    def keys_of(self, shard: ParamShard) -> Tuple[str, ...]:
+        """The state keys `shard` can carry besides 'param' (ParamShard.state_keys): what every format writes
+        and reads for it, no more."""
+        return self.state_keys if shard.state_keys is None else shard.state_keys
 
     def own_step(self, shard: ParamShard) -> int:
         """The step count of `shard`: its own, else the optimizer's."""
@@ -96,19 +105,20 @@ class ShardedOptimizerState:
 
 # ---------------------------------------------------------------------- the replica transfer's wire format
 def flatten(state: ShardedOptimizerState, device) -> torch.Tensor:
-    """[step, each shard's own step, every shard's 'param', then each moment of every shard] as one fp32
-    tensor of flat_numel(state) elements (moments never created yet travel as zeros)."""
+    """[step, each shard's own step, every shard's 'param', then each moment of every shard that carries it
+    (keys_of)] as one fp32 tensor of flat_numel(state) elements (moments never created yet travel as zeros)."""
     steps = [float(state.step)] + [float(state.own_step(s)) for s in state.shards]
     parts = [torch.tensor(steps, device=device)]
     parts += [s.tensors["param"] for s in state.shards]
     for key in state.state_keys:
-        parts += [s.tensors[key] if key in s.tensors else torch.zeros_like(s.tensors["param"]) for s in state.shards]
+        parts += [s.tensors[key] if key in s.tensors else torch.zeros_like(s.tensors["param"]) for s in state.shards
+                  if key in state.keys_of(s)]
     return torch.cat([p.to(device=device, dtype=torch.float32) for p in parts])  # host state: offloaded
 
 
 def flat_numel(state: ShardedOptimizerState) -> int:
     """The number of elements flatten(state) has (known from the layout alone)."""
-    return 1 + len(state.shards) + (1 + len(state.state_keys)) * sum(s.numel for s in state.shards)
+    return 1 + len(state.shards) + sum((1 + len(state.keys_of(s))) * s.numel for s in state.shards)
 
 
 def unflatten(flat: torch.Tensor, like: ShardedOptimizerState) -> ShardedOptimizerState:
@@ -120,6 +130,8 @@ def unflatten(flat: torch.Tensor, like: ShardedOptimizerState) -> ShardedOptimiz
     offset, tensors = 1 + len(like.shards), [{} for _ in like.shards]
     for key in ("param", *like.state_keys):
         for i, s in enumerate(like.shards):
+            if key != "param" and key not in like.keys_of(s):
+                continue
             tensors[i][key] = flat[offset:offset + s.numel]
             offset += s.numel
     shards = tuple(replace(s, tensors=tensors[i], step=int(own_steps[i])) for i, s in enumerate(like.shards))

@@ -225,3 +225,278 @@ def test_zero3_and_meta_builds_still_put_the_matrices_on_muon(strategy, meta):
         assert named == results[0][1]
     if strategy == "optim_grads_params":  # the matrices really are released placeholders there
         assert results[0][2] == 9
+
+
+# ---------------------------------------------------------------------------------------------- the optimizer
+LR, WD, CLIP = 2e-2, 0.1, 0.5
+SCALES = {"original": dict(muon_scale_mode="shape_scaling", muon_extra_scale_factor=1.0),
+          "match_rms_adamw": dict(muon_scale_mode="spectral", muon_extra_scale_factor=0.2)}
+
+
+def _gpt_batches(step, dp=2, micro_batches=2):
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 40, (dp, micro_batches, 2, 8), generator=gen)
+    return tokens, torch.roll(tokens, -1, -1)
+
+
+def _reference_grads(master, step, dtype):
+    """The data-parallel mean gradient with the ranks' arithmetic (ddp_testing.reference_grads, for the GPT):
+    each rank's micro-batch gradients summed (in a `dtype` copy), then pre-scaled by 1/2 and added."""
+    tokens, labels = _gpt_batches(step)
+    per_rank = []
+    for r in range(2):
+        copy_ = copy.deepcopy(master).to(dtype)
+        acc = {n: torch.zeros_like(p) for n, p in copy_.named_parameters()}
+        for m in range(tokens.shape[1]):
+            copy_.zero_grad(set_to_none=True)
+            (copy_(tokens[r, m], labels=labels[r, m]).mean() / tokens.shape[1]).backward()
+            for n, p in copy_.named_parameters():
+                acc[n].add_(p.grad)
+        per_rank.append(acc)
+    return {n: (per_rank[0][n] * 0.5 + per_rank[1][n] * 0.5).float() for n in per_rank[0]}
+
+
+class TorchMuonAdamW:
+    """The reference: torch.optim.Muon on the matrices (a fused QKV held as three parameters, Q, K and V,
+    sliced from it) and torch.optim.AdamW (foreach) on the rest, with torch's clip_grad_norm_ on the model's
+    own gradients first."""
+
+    def __init__(self, model, nesterov, adjust_lr_fn, momentum=0.95, clip=CLIP):
+        self.model, self.clip, self.splits = model, clip, {}
+        matrices, decay, no_decay = [], [], []
+        for name, p in model.named_parameters():
+            if len(p.shape) == 2 and not getattr(p, "is_embedding_or_output_parameter", False):
+                if name.endswith("linear_qkv.weight"):
+                    parts = [torch.nn.Parameter(b.detach().clone()) for b in p.split(list(p.matrix_row_splits))]
+                    self.splits[p] = parts
+                    matrices += parts
+                else:
+                    matrices.append(p)
+            else:
+                (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+        self.muon = torch.optim.Muon(matrices, lr=LR, weight_decay=WD, momentum=momentum, nesterov=nesterov,
+                                     ns_coefficients=SIMPLE, ns_steps=5, adjust_lr_fn=adjust_lr_fn)
+        groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+        self.adam = torch.optim.AdamW(groups, lr=LR, foreach=True)
+        self.num_matrices = len(matrices)
+
+    @torch.no_grad()
+    def step(self, grads=None):
+        """`grads`: by name (else the model's .grad as they are)."""
+        if grads is not None:
+            for n, p in self.model.named_parameters():
+                p.grad = grads[n].clone()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), self.clip, foreach=True)
+        for fused, parts in self.splits.items():
+            if fused.grad is None:
+                continue
+            for part, g in zip(parts, fused.grad.split([q.shape[0] for q in parts])):
+                part.grad = g.clone()
+        self.muon.step()
+        self.adam.step()
+        for fused, parts in self.splits.items():
+            fused.copy_(torch.cat([q.detach() for q in parts]))
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+        for parts in self.splits.values():
+            for q in parts:
+                q.grad = None
+
+
+def _muon_config(**overrides):
+    config = dict(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=CLIP, muon_coefficient_type="simple",
+                  muon_num_ns_steps=5)
+    config.update(overrides)
+    return OptimizerConfig(**config)
+
+
+def _build(dtype=torch.float32, **config):
+    """The tiny GPT (untied), wrapped at no_shard, and its optimizer."""
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    torch.manual_seed(0)
+    model = tiny_gpt(share_embeddings_and_output_weights=False).to(dtype)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(bucket_size=700))
+    return model, ddp, get_megatron_optimizer(_muon_config(bf16=dtype == torch.bfloat16, **config), ddp)
+
+
+def _train_step(ddp, opt, rank, step):
+    tokens, labels = _gpt_batches(step)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    for m in range(tokens.shape[1]):
+        loss = ddp(tokens[rank, m], labels=labels[rank, m]).mean() / tokens.shape[1]
+        if m < tokens.shape[1] - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    ddp.finish_grad_sync()
+    return opt.step()
+
+
+def _gpt_worker(nesterov, adjust_lr_fn, dtype, steps):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, ddp, opt = _build(dtype, muon_nesterov=nesterov, **SCALES[adjust_lr_fn])
+    torch.manual_seed(0)
+    master = tiny_gpt(share_embeddings_and_output_weights=False)
+    with torch.no_grad():  # the reference starts from the (rounded) low-precision weights
+        for p, q in zip(master.parameters(), model.parameters()):
+            p.copy_(q.float())
+    reference = TorchMuonAdamW(master, nesterov, adjust_lr_fn)
+    counts = (sum(len(g["params"]) for g in opt.param_groups if g["use_muon"]), reference.num_matrices)
+    diffs, sgd_like = [], None
+    for step in range(steps):
+        fc1 = model.layers[0].mlp.linear_fc1.weight
+        before = fc1.detach().float().clone()
+        _train_step(ddp, opt, rank, step)
+        reference.step(_reference_grads(master, step, dtype))
+        if step == 0 and adjust_lr_fn == "original":  # no_shard really orthogonalizes (DeepSpeed's stage-0 Muon
+            # was plain SGD): the update over lr x scale has singular values near 1, not the gradient's direction
+            update = (before * (1 - LR * WD) - fc1.detach().float()) / (LR * muon_scale_factor(64, 16, "shape_scaling"))
+            s = torch.linalg.svdvals(update)
+            cosine = torch.nn.functional.cosine_similarity(update.reshape(-1), fc1.main_grad.float().reshape(-1), dim=0)
+            sgd_like = (s.min().item(), s.max().item(), cosine.item())
+        # the fp32 main params (the model's own with fp32; its bf16 copy is their rounding)
+        diffs.append(max((opt.main_of[p] - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                                                  master.parameters())))
+    state = opt.state_dict()["state"]
+    keys = {n: sorted(k for k in e if k not in ("param", "step")) for n, e in state.items()}
+    return counts, diffs, sgd_like, keys
+
+
+@pytest.mark.parametrize("nesterov, adjust_lr_fn", [(False, "original"), (True, "match_rms_adamw")])
+def test_no_shard_is_torch_muon_and_adamw_bitwise(nesterov, adjust_lr_fn):
+    """dp=2, no_shard, fp32, clipping on, 4 steps: every parameter bitwise what torch.optim.Muon (Q, K, V as three
+    parameters) + torch.optim.AdamW give on one process. Would catch a matrix left to AdamW (or an embedding on
+    Muon), the QKV split skipped, the update scaled or decayed otherwise, clipping after the momentum, or an
+    SGD-like update (no Newton-Schulz, DeepSpeed issue 8441)."""
+    for counts, diffs, sgd_like, keys in run_distributed(_gpt_worker, 2, nesterov, adjust_lr_fn, torch.float32, 4,
+                                                         timeout=180):
+        assert counts == (9, 13)  # 9 matrices; the reference's 13 are them with the two QKVs as three each
+        assert diffs == [0.0] * 4, diffs
+        if sgd_like is not None:
+            assert 0.3 < sgd_like[0] and sgd_like[1] < 1.5 and sgd_like[2] < 0.9, sgd_like
+        # the torch-format state: a Muon matrix carries torch.optim.Muon's one key, the rest AdamW's
+        assert keys["layers.0.self_attention.linear_qkv.weight"] == ["momentum_buffer"]
+        assert keys["position_embeddings.weight"] == ["momentum_buffer"]
+        assert keys["word_embeddings.weight"] == keys["layers.1.mlp.linear_fc2.bias"] == ["exp_avg", "exp_avg_sq"]
+
+
+def test_bf16_main_params_are_the_reference_on_bf16_gradients_bitwise():
+    """bf16 parameters, fp32 main params: after 3 steps the main params are bitwise the fp32 reference's when its
+    gradients come from a bf16 copy of its weights with the ranks' arithmetic (the bound: 0; the bf16 model is
+    their rounding, within 4e-3 of them here). Would catch the momentum or Newton-Schulz run on the bf16
+    model copy, or the update written in bf16."""
+    for counts, diffs, _, _ in run_distributed(_gpt_worker, 2, False, "original", torch.bfloat16, 3, timeout=180):
+        assert counts == (9, 13)
+        assert diffs == [0.0] * 3, diffs
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def _resume_worker(root):
+    import os
+
+    import torch.distributed as dist
+    from optim_testing import full_state, states_equal
+
+    from megatron_lite import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank, failures = dist.get_rank(), []
+    for fmt in ("torch", "torch_dist"):
+        for dtype in (torch.float32, torch.bfloat16):
+            where = os.path.join(root, f"{fmt}_{dtype}")
+            model, ddp, opt = _build(dtype, muon_nesterov=True)
+            sched = OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+            for step in range(2):
+                _train_step(ddp, opt, rank, step)
+            checkpointing.save_checkpoint(where, 2, ddp, opt, sched, 16, ckpt_format=fmt)
+            for step in range(2, 4):
+                _train_step(ddp, opt, rank, step)
+            straight = full_state(opt)
+            model, ddp, opt = _build(dtype, muon_nesterov=True)
+            sched = OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+            checkpointing.load_checkpoint(where, ddp, opt, sched)
+            for step in range(2, 4):
+                _train_step(ddp, opt, rank, step)
+            resumed = full_state(opt)
+            if not states_equal(straight, resumed):
+                failures.append((fmt, str(dtype)))
+            qkv = opt.main_of[model.layers[0].self_attention.linear_qkv.weight]
+            adam = opt.main_of[model.layers[0].self_attention.linear_qkv.bias]
+            keys = sorted(opt.optimizer.state[qkv]), sorted(opt.optimizer.state[adam])
+            if keys != (["momentum_buffer"], ["exp_avg", "exp_avg_sq", "step"]):
+                failures.append((fmt, str(dtype), "state keys", keys))
+    return failures
+
+
+def test_resume_is_bit_exact_in_both_formats(tmp_path):
+    """fp32 and bf16 at no_shard, saved after 2 steps ('torch' and 'torch_dist') and resumed for 2: every main
+    param, momentum buffer and AdamW moment equal to the run that went straight on, and a Muon matrix's state
+    only torch.optim.Muon's 'momentum_buffer' (no zero exp_avg made for it, no buffer for an AdamW parameter).
+    Would catch a momentum buffer left out of a format or restored under another key."""
+    for failures in run_distributed(_resume_worker, 2, str(tmp_path), timeout=300):
+        assert not failures, failures
+
+
+def _heads_worker(heads, resume):
+    import torch.distributed as dist
+    from optim_testing import TwoHeads, heads_side_by_side
+    from torch import nn
+
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(find_unused_parameters=True, bucket_size=30))
+    torch_opt = TorchMuonAdamW(reference, nesterov=False, adjust_lr_fn="original", clip=0.0)
+
+    def built():
+        return get_megatron_optimizer(_muon_config(clip_grad=0.0, **SCALES["original"]), ddp)
+
+    return heads_side_by_side(ddp, built, reference, torch_opt, heads, resume, dist.get_rank())[0]
+
+
+@pytest.mark.parametrize("heads", ["lagging", "never_stepped"])
+@pytest.mark.parametrize("resume", ["torch", "shards"])
+def test_a_head_that_skipped_steps_resumes_like_torch(heads, resume):
+    """A head no rank used for some steps (its AdamW bias lags, its Muon matrix keeps its buffer) or for every
+    step before the round trip (no state at all: torch.optim.Muon starts its buffer from zeros at its first
+    gradient): bitwise torch.optim.Muon + AdamW on torch DDP after each step. Would catch a zero buffer or
+    moments saved for a parameter that never stepped and restored as state, or a Muon matrix given a step."""
+    for diffs in run_distributed(_heads_worker, 2, heads, resume):
+        assert diffs == [0.0] * 5, diffs
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _one_rank_optimizer(**config):
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    sharded = config.get("use_distributed_optimizer", False)
+    ddp = DistributedDataParallel(tiny_gpt(), DistributedDataParallelConfig(use_distributed_optimizer=sharded))
+    return get_megatron_optimizer(_muon_config(**config), ddp)
+
+
+def test_resume_checks_the_muon_hyperparameters(single_rank_group):
+    """Would catch a checkpoint of another momentum (or Newton-Schulz setting) resumed silently."""
+    state = _one_rank_optimizer().state_dict()
+    assert [g["use_muon"] for g in state["param_groups"]] == [True, False, False]
+    assert state["param_groups"][0]["muon_momentum"] == 0.95 and "muon_momentum" not in state["param_groups"][1]
+    with pytest.raises(ValueError, match="optimizer muon_momentum .* is 0.9 in this run but 0.95"):
+        _one_rank_optimizer(muon_momentum=0.9).load_state_dict(state)
+    with pytest.raises(ValueError, match="written by optimizer 'muon', this is 'adam'"):
+        from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+        ddp = DistributedDataParallel(tiny_gpt(), DistributedDataParallelConfig())
+        get_megatron_optimizer(OptimizerConfig(lr=LR), ddp).load_state_dict(state)
+
+
+def test_the_distributed_optimizer_is_refused_until_it_gathers_matrices(single_rank_group):
+    with pytest.raises(ValueError, match="optimizer='muon' with use_distributed_optimizer=True is not available"):
+        _one_rank_optimizer(use_distributed_optimizer=True)
