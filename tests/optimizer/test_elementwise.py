@@ -39,8 +39,10 @@ def _config(cls, kwargs, distopt, **extra):
                 use_distributed_optimizer=distopt, **extra)
 
 
-def _reference(cls, kwargs, dp):
-    """The class itself on fp32 master weights, Megatron's groups (no decay for biases and 1-D)."""
+def _reference(cls, kwargs, phases):
+    """The class itself on fp32 master weights, Megatron's groups (no decay for biases and 1-D), stepped on
+    the global batches of each (dp, steps) phase in turn (a run resharded between them). Returns (master
+    weights, the torch optimizer)."""
     from ddp_testing import make_model
     from optim_testing import reference_steps
 
@@ -48,7 +50,11 @@ def _reference(cls, kwargs, dp):
     decay = [p for n, p in master.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
     no_decay = [p for n, p in master.named_parameters() if n.endswith(".bias") or p.dim() == 1]
     inner = cls([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, **kwargs)
-    return reference_steps(dp, STEPS, LR, WD, NO_CLIP, master=master, optimizer=inner)[0]
+    first = 0
+    for dp, steps in phases:
+        reference_steps(dp, steps, LR, WD, NO_CLIP, first_step=first, master=master, optimizer=inner)
+        first += steps
+    return master, inner
 
 
 # ---------------------------------------------------------------------- the probe (one process)
@@ -175,7 +181,7 @@ def _equivalence_worker():
     rank, dp = dist.get_rank(), dist.get_world_size()
     failures = []
     for cls, kwargs in CLASSES:
-        master = _reference(cls, kwargs, dp)
+        master = _reference(cls, kwargs, [(dp, STEPS)])[0]
         for ddp_config, extra in STRATEGIES:
             model, ddp, opt = build(ddp_config, _config(cls, kwargs, ddp_config["use_distributed_optimizer"],
                                                         **extra))
@@ -245,6 +251,96 @@ def test_resume_is_bit_exact_in_both_formats(tmp_path):
         assert not failures, failures
 
 
+# ---------------------------------------------------------------------- reshard: dp=2 ZeRO-1 -> other dp and strategy
+ZERO1, ZERO3, NO_SHARD = STRATEGIES[1][0], STRATEGIES[3][0], STRATEGIES[0][0]
+RESHARD_TARGETS = {"dp2-zero3": (2, ZERO3), "dp2-no_shard": (2, NO_SHARD), "dp4-zero1": (4, ZERO1),
+                   "dp4-zero3": (4, ZERO3), "dp4-no_shard": (4, NO_SHARD)}
+
+
+def _reshard_save_worker(root):
+    """dp=2 ZeRO-1: two steps of each class in RESUMED, saved in both formats."""
+    import torch.distributed as dist
+    from optim_testing import build, megatron_steps
+
+    from megatron_lite import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    for cls, kwargs in RESUMED:
+        model, ddp, opt = build(ZERO1, _config(cls, kwargs, True))
+        sched = OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+        megatron_steps(ddp, opt, rank, dp, 2)
+        for fmt in ("torch", "torch_dist"):
+            checkpointing.save_checkpoint(os.path.join(root, f"{cls.__name__}_{fmt}"), 2, ddp, opt, sched, 16,
+                                          ckpt_format=fmt)
+
+
+def _reshard_load_worker(root, target):
+    """The checkpoints of _reshard_save_worker loaded at RESHARD_TARGETS[target], two more steps: the largest
+    relative difference of the parameters and of each state entry from the torch class's (2 steps at dp=2, then 2 at
+    this dp), by class and format."""
+    import torch.distributed as dist
+    from optim_testing import build, megatron_steps
+
+    from megatron_lite import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    ddp_config = RESHARD_TARGETS[target][1]
+    out = {}
+    for cls, kwargs in RESUMED:
+        master, reference = _reference(cls, kwargs, [(2, 2), (dp, 2)])
+        expected = {name: {"param": q.detach(), **reference.state[q]} for name, q in master.named_parameters()}
+        for fmt in ("torch", "torch_dist"):
+            model, ddp, opt = build(ddp_config, _config(cls, kwargs, ddp_config["use_distributed_optimizer"]))
+            sched = OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+            loaded = checkpointing.load_checkpoint(os.path.join(root, f"{cls.__name__}_{fmt}"), ddp, opt, sched)
+            assert loaded["iteration"] == 2
+            megatron_steps(ddp, opt, rank, dp, 2, first_step=2)
+            ddp.finish_param_sync()
+            with ddp.full_parameters():
+                diffs = {"weights": max(_relative(p.detach(), q.detach())
+                                        for p, q in zip(model.parameters(), master.parameters()))}
+            for name, entry in opt.state_dict()["state"].items():  # full tensors, also for the sharded ones
+                for key, value in entry.items():
+                    if torch.is_tensor(value):  # a scalar (NAdam's mu_product) rides as a tensor of the param's shape
+                        want = expected[name][key].float().expand_as(value)
+                        diffs[key] = max(diffs.get(key, 0.0), _relative(value, want))
+                missing = {k for k, v in expected[name].items() if k != "step" and v.dim()} - set(entry)
+                assert not missing, (name, missing)
+            out[cls.__name__, fmt] = diffs
+    return out
+
+
+def _relative(value, want):
+    return ((value - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def saved_at_dp2_zero1(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    run_distributed(_reshard_save_worker, 2, root, timeout=300)
+    return root
+
+
+@pytest.mark.parametrize("target", list(RESHARD_TARGETS))
+def test_a_checkpoint_reshards_to_another_size_and_strategy(saved_at_dp2_zero1, target):
+    """NAdam (mu_product), RMSprop centered with momentum and Adagrad (its constructor state), saved at dp=2
+    ZeRO-1 after 2 steps in both formats, resumed at dp=2 ZeRO-3 / no_shard and dp=4 ZeRO-1 / ZeRO-3 /
+    no_shard for 2 more: weights and every state entry equal to the torch class's on the same global
+    batches (2 steps at dp=2, then 2 at the new dp), bit for bit. Would catch a shard of a moment or of
+    mu_product read at the old layout's offsets, Adagrad's 'sum' rebuilt from its constructor value instead
+    of loaded, the step count lost in the reshard, or a scalar restored as another parameter's."""
+    dp = RESHARD_TARGETS[target][0]
+    # gloo's all-reduce over 4 ranks adds the ranks' gradients in another order than the reference's (its
+    # reduce-scatter, the distributed optimizer's, in the same): no_shard at dp=4 within fp32 rounding.
+    bound = 1e-6 if target == "dp4-no_shard" else 0.0
+    for per_rank in run_distributed(_reshard_load_worker, dp, saved_at_dp2_zero1, target, timeout=300):
+        for (name, fmt), diffs in per_rank.items():
+            pass
+            assert all(d <= bound for d in diffs.values()), (name, fmt, diffs)
+
+
 # ---------------------------------------------------------------------- dp=4, R=2: replicas and last words
 def _replicas_worker(root):
     import torch.distributed as dist
@@ -262,7 +358,7 @@ def _replicas_worker(root):
                                          num_distributed_optimizer_instances=2), _config(cls, kwargs, True))
             return model, ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
 
-        master = _reference(cls, kwargs, dp)
+        master = _reference(cls, kwargs, [(dp, STEPS)])[0]
         model, ddp, opt, _ = built()
         megatron_steps(ddp, opt, rank, dp, STEPS)
         straight = full_state(opt)  # after STEPS steps, uninterrupted
