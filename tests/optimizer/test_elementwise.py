@@ -31,6 +31,9 @@ STRATEGIES = [  # (DDP config, OptimizerConfig extras)
     (dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
           data_parallel_sharding_strategy="optim_grads_params", fsdp_unit_modules=("Linear", "LayerNorm")), {}),
     (dict(use_distributed_optimizer=True, bucket_size=100), dict(optimizer_cpu_offload=True)),
+    (dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+          data_parallel_sharding_strategy="optim_grads_params", fsdp_unit_modules=("Linear", "LayerNorm")),
+     dict(optimizer_cpu_offload=True)),
 ]
 
 
@@ -342,7 +345,15 @@ def test_a_checkpoint_reshards_to_another_size_and_strategy(saved_at_dp2_zero1, 
 
 
 # ---------------------------------------------------------------------- dp=4, R=2: replicas and last words
-def _replicas_worker(root):
+REPLICA_CONFIGS = {  # dp=4, two distributed-optimizer instances: (DDP config, OptimizerConfig extras)
+    "zero1": (dict(ZERO1, bucket_size=40, num_distributed_optimizer_instances=2), {}),
+    "zero1-offload": (dict(ZERO1, bucket_size=40, num_distributed_optimizer_instances=2),
+                      dict(optimizer_cpu_offload=True)),
+    "zero3-offload": (dict(ZERO3, num_distributed_optimizer_instances=2), dict(optimizer_cpu_offload=True)),
+}
+
+
+def _replicas_worker(root, config):
     import torch.distributed as dist
     from optim_testing import build, full_state, megatron_steps, states_equal
 
@@ -351,27 +362,35 @@ def _replicas_worker(root):
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     rank, dp = dist.get_rank(), dist.get_world_size()
+    ddp_config, extra = REPLICA_CONFIGS[config]
     out = {}
     for cls, kwargs in RESUMED[:2]:
-        def built():
-            model, ddp, opt = build(dict(use_distributed_optimizer=True, bucket_size=40,
-                                         num_distributed_optimizer_instances=2), _config(cls, kwargs, True))
+        def built(extra=extra):
+            model, ddp, opt = build(ddp_config, _config(cls, kwargs, True, **extra))
             return model, ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
 
         master = _reference(cls, kwargs, [(dp, STEPS)])[0]
         model, ddp, opt, _ = built()
         megatron_steps(ddp, opt, rank, dp, STEPS)
         straight = full_state(opt)  # after STEPS steps, uninterrupted
+        ddp.finish_param_sync()
         # R=2 sums a gradient in another order (reduce-scatter over 2 ranks, all-reduce over 2): fp32 bound.
-        worst = max(((p - q).abs().max() / q.abs().max()).item()
-                    for p, q in zip(model.parameters(), master.parameters()))
+        with ddp.full_parameters():
+            worst = max(((p - q).abs().max() / q.abs().max()).item()
+                        for p, q in zip(model.parameters(), master.parameters()))
+        # Offloaded, the same class steps the same shards on the host: bitwise the run that keeps them in place.
+        _, ddp, opt, _ = built(extra={})
+        megatron_steps(ddp, opt, rank, dp, STEPS)
+        as_in_place = states_equal(full_state(opt), straight)
 
-        # A wiped shard on rank 1 rebuilt from its replica (rank 3) after step 1; then the rest of the steps.
+        # A wiped shard on rank 1 (main params and state, and the model's own range: a new process's) rebuilt
+        # from its replica (rank 3) after step 1; then the rest of the steps.
         model, ddp, opt, sched = built()
         megatron_steps(ddp, opt, rank, dp, 1)
         if rank == 1:
-            for shard in opt.shard_state.main_shards:
+            for s, shard in zip(opt.shards, opt.shard_state.main_shards):
                 shard.main.data.fill_(float("nan"))
+                s.params.fill_(float("nan"))
                 opt.optimizer.state.pop(shard.main, None)
             opt.recv_shard_state(src=3)
         elif rank == 3:
@@ -392,21 +411,24 @@ def _replicas_worker(root):
         model, ddp, opt, sched = built()
         loaded = checkpointing.load_checkpoint(where, ddp, opt, sched)
         megatron_steps(ddp, opt, rank, dp, STEPS - 1, first_step=1)
-        out[cls.__name__] = dict(worst=worst, rebuilt=rebuilt, written=written,
+        out[cls.__name__] = dict(worst=worst, as_in_place=as_in_place, rebuilt=rebuilt, written=written,
                                  from_words=bool(loaded.get("last_words")),
                                  resumed=states_equal(full_state(opt), straight))
     return out
 
 
-def test_replicas_and_last_words_carry_every_state(tmp_path):
-    """dp=4 with two distributed-optimizer instances, NAdam and RMSprop (centered, momentum): the result
-    within an fp32 bound of the torch class, a shard wiped on one rank rebuilt from its replica, and last
-    words loaded by a fresh run, both continuing bitwise as the uninterrupted run. Would catch mu_product
-    or a moment left out of the replica transfer or the last words."""
-    for per_rank in run_distributed(_replicas_worker, 4, str(tmp_path), timeout=600):
+@pytest.mark.parametrize("config", list(REPLICA_CONFIGS))
+def test_replicas_and_last_words_carry_every_state(tmp_path, config):
+    """dp=4 with two distributed-optimizer instances (ZeRO-1; ZeRO-1 and ZeRO-3 with CPU offload), NAdam and
+    RMSprop (centered, momentum): the result within an fp32 bound of the torch class (and, offloaded,
+    bitwise the run without offload), a shard wiped on one rank rebuilt from its replica, and last words
+    loaded by a fresh run, both continuing bitwise as the uninterrupted run. Would catch mu_product or a
+    moment left out of the replica transfer or the last words, or left on the device's side of an
+    offloaded shard."""
+    for per_rank in run_distributed(_replicas_worker, 4, str(tmp_path), config, timeout=600):
         for name, r in per_rank.items():
             assert r["worst"] <= 1e-6, (name, r)
-            assert r["rebuilt"] and r["written"] and r["from_words"] and r["resumed"], (name, r)
+            assert r["as_in_place"] and r["rebuilt"] and r["written"] and r["from_words"] and r["resumed"], (name, r)
 
 
 SQUARES = {torch.optim.Adam: ("exp_avg_sq", "max_exp_avg_sq"), torch.optim.RMSprop: ("square_avg",),
