@@ -21,8 +21,8 @@ class OptimizerConfig:
     optimizer_class, when set, is built instead."""
 
     optimizer_class: Optional[type] = None
-    """Python API only (as torch's ZeroRedundancyOptimizer's optimizer_class): any elementwise torch.optim
-    class, e.g. torch.optim.NAdam, built with lr, weight_decay and optimizer_kwargs. Checked at
+    """As torch's ZeroRedundancyOptimizer's optimizer_class (pretrain_gpt.py: --optimizer-class): any
+    elementwise torch.optim class, e.g. torch.optim.NAdam, built with lr, weight_decay and optimizer_kwargs. Checked at
     construction by a probe (optimizer/elementwise.py): a class whose update is not elementwise is refused."""
 
     optimizer_kwargs: Optional[dict] = None

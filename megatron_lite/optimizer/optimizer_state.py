@@ -200,8 +200,8 @@ class ShardState:
         if state_dict.get("optimizer") != self.kind.name:
             raise ValueError(f"checkpoint was written by optimizer {state_dict.get('optimizer')!r}, this is "
                              f"{self.kind.name!r}: build the one it was written with (OptimizerConfig.optimizer, "
-                             f"--optimizer, or OptimizerConfig.optimizer_class), or load the model without the "
-                             f"optimizer state (--no-load-optim, load_checkpoint(load_optim=False))")
+                             f"--optimizer, or OptimizerConfig.optimizer_class, --optimizer-class), or load the "
+                             f"model without the optimizer state (--no-load-optim, load_checkpoint(load_optim=False))")
         # Group-level state (apex keeps Adam's step per group) and the hyperparameters stored with it.
         # (optimizer='muon' has a Muon group and an AdamW group with the same multipliers: use_muon tells them.)
         saved_groups = {(g.get("wd_mult"), g.get("lr_mult"), g.get("use_muon")): g for g in state_dict["param_groups"]}

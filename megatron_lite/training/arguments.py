@@ -6,7 +6,8 @@ flag for each field, the flag's help text is the field's docstring, and the rule
 into argparse's flag error (exit code 2), with field names rewritten as flags. What is not a config field
 (batch sizes, intervals, data paths) is checked in `validate_args`. The data, torch.compile and checkpoint
 flags have modules of their own (data_arguments.py, compile_arguments.py, checkpoint_arguments.py: an add_*
-function for the parser and a check_* function that validate_args or check_configs calls).
+function for the parser and a check_* function that validate_args or check_configs calls), as have
+--optimizer-class / --optimizer-kwargs (optimizer_class_arguments.py: they map onto OptimizerConfig's fields).
 """
 
 import argparse
@@ -26,6 +27,8 @@ from .checkpoint_arguments import add_checkpoint_arguments, check_checkpoint_arg
 from .compile_arguments import add_compile_arguments, check_compile_args
 from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
 from .data_arguments import add_data_arguments, check_data_args
+from .optimizer_class_arguments import FLAGS as OPTIMIZER_CLASS_FLAGS
+from .optimizer_class_arguments import add_optimizer_class_arguments, optimizer_class_from_args
 from .scheduler import check_schedule
 
 # Megatron's flag for every config field a flag sets: the one mapping from the command line to the configs.
@@ -122,7 +125,8 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
     return config_from_args(OptimizerConfig, OPTIMIZER_FLAGS, args, params_dtype=params_dtype_from_args(args),
-                            use_distributed_optimizer=use_distributed_optimizer_from_args(args))
+                            use_distributed_optimizer=use_distributed_optimizer_from_args(args),
+                            **optimizer_class_from_args(args))  # optimizer_class_arguments.py
 
 
 def use_distributed_optimizer_from_args(args) -> bool:
@@ -148,7 +152,7 @@ def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
 def flag_error_message(error: ValueError) -> str:
     """A config's message with its field names replaced by the flags that set them ('overlap_param_gather
     =True requires use_distributed_optimizer=True' -> '--overlap-param-gather requires ...')."""
-    table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS, **DDP_LIST_FLAGS}
+    table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **OPTIMIZER_CLASS_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS, **DDP_LIST_FLAGS}
     table.pop("optimizer")  # also an English word in messages; argparse's choices guard its values
     return rewrite_field_names(str(error), table)
 
@@ -242,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, help="iteration at which the decay reaches --min-lr (default: "
                                                       "--train-iters)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], help="shape of the decay after warmup")
+    add_optimizer_class_arguments(g)  # optimizer_class_arguments.py: any elementwise torch.optim class
 
     g = p.add_argument_group("data parallelism (DistributedDataParallelConfig)")
     add_config_arguments(g, DistributedDataParallelConfig, DDP_FLAGS,

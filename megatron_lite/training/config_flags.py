@@ -50,6 +50,9 @@ def config_from_args(config_cls, flags: Dict[str, str], args, **fields):
 
 
 def rewrite_field_names(text: str, flags: Dict[str, str]) -> str:
-    """`text` with every field name of `flags` (field -> flag) replaced by its flag, '=True' dropped."""
+    """`text` with every field name of `flags` (field -> flag) replaced by its flag, with the config class
+    before it ('OptimizerConfig.weight_decay' -> '--weight-decay') and '=True' after it dropped. A quoted
+    name is a value or a dict key ("optimizer_kwargs must not hold 'lr'"), not the field: left as it is."""
     names = "|".join(sorted(flags, key=len, reverse=True))
-    return re.sub(rf"(?<![-\w])({names})(?![-\w])(=True\b)?", lambda m: flags[m.group(1)], text)
+    return re.sub(rf"(?<![-\w'])(?:[A-Z]\w*Config\.)?({names})(?![-\w'])(=True\b)?", lambda m: flags[m.group(1)],
+                  text)
