@@ -83,11 +83,11 @@ def wait_making_progress(job, watched, stall_s=STALL_S, what="the job", until=No
 
 
 def run_live(directory, faults, supervisor_flags=(), collective_timeout="10", sigterm_at=None, log_name="job.log",
-             flags=FLAGS):
-    """The supervisor's run of pretrain_gpt.py `flags` in `directory`: (return code, {rank: [pids]}, {iteration:
-    {losses}}, output). `collective_timeout` None: the supervisor's default. `sigterm_at`: a text; once the job's
-    log holds it, the supervisor gets SIGTERM (as from `timeout`, Slurm, Kubernetes). Output to `log_name` in
-    `directory`."""
+             flags=None):
+    """The supervisor's run of pretrain_gpt.py `flags` (None: FLAGS, read at the call, so a test may patch it) in
+    `directory`: (return code, {rank: [pids]}, {iteration: {losses}}, output). `collective_timeout` None: the
+    supervisor's default. `sigterm_at`: a text; once the job's log holds it, the supervisor gets SIGTERM (as
+    from `timeout`, Slurm, Kubernetes). Output to `log_name` in `directory`."""
     # Most failures here are killed processes, which gloo reports at once: the collective timeout bounds a hung
     # peer (the SIGSTOP fault's detection), so it is long enough for the ranks' skew on a loaded machine (a
     # spurious timeout would cost a re-forming after the trouble grace).
@@ -96,7 +96,7 @@ def run_live(directory, faults, supervisor_flags=(), collective_timeout="10", si
     timeout = [] if collective_timeout is None else ["--collective-timeout", collective_timeout, "--join-timeout", "25"]
     command = [sys.executable, "-m", "megatron_lite.fault_tolerance.launch", "--nproc-per-node", "4", *timeout,
                "--trouble-grace", "5", *supervisor_flags,
-               WORKER, *flags, "--save", str(directory), "--load", str(directory)]
+               WORKER, *(FLAGS if flags is None else flags), "--save", str(directory), "--load", str(directory)]
     log_path = os.path.join(directory, log_name)
     job = start_job(command, log_path, job_env(LIVE_FAULTS=faults, LIVE_FAULTS_DIR=str(directory)))
     watched = [log_path, os.path.join(directory, "metrics.jsonl")]
@@ -126,11 +126,11 @@ def run_torchrun(directory, flags=FLAGS, nproc=4):
     return output
 
 
-def uninterrupted(directory, flags=FLAGS):
+def uninterrupted(directory, flags=None):
     """The reference of a live run of `flags`: `torchrun pretrain_gpt.py flags` in `directory`, without fault.
     Returns ({iteration: lm loss}, {iteration: validation lm loss}, the final checkpoint's files), what
     check_exact compares with."""
-    run_torchrun(directory, flags)
+    run_torchrun(directory, FLAGS if flags is None else flags)
     losses = logged_losses(directory)
     assert sorted(losses) == list(range(1, ITERS + 1)) and all(len(v) == 1 for v in losses.values()), losses
     valid = logged_losses(directory, "valid_lm_loss")
