@@ -184,6 +184,20 @@ def _probe(name, cls, kwargs, weight_decay) -> OptimizerKind:
                          initial_state, hyper)
 
 
+def state_changes(kind: OptimizerKind, taken: Dict[str, object]) -> Tuple[str, ...]:
+    """The state keys that the class of `kind` (an elementwise part, probed) keeps, or not, once the group
+    hyperparameters `taken` replace its own (a resume taking a checkpoint's: RMSprop's centered, Adam's amsgrad):
+    () when the state is the same, as for most values (a beta, eps, weight_decay)."""
+    if kind.group_kinds is not None or kind.name == "muon" or not set(taken) - {"weight_decay"}:
+        return ()
+    kwargs = {**dict(kind.kwargs), **{k: v for k, v in taken.items() if k != "weight_decay"}}
+    other = _probe(kind.name, kind.cls, tuple(sorted(kwargs.items())), taken.get("weight_decay", 0.0))
+    if (other.scalar_keys, other.keeps_step, other.initial_state) != (kind.scalar_keys, kind.keeps_step,
+                                                                      kind.initial_state):
+        return tuple(sorted(set(other.state_keys) ^ set(kind.state_keys))) or ("step",)
+    return tuple(sorted(set(other.tensor_keys) ^ set(kind.tensor_keys)))
+
+
 @functools.lru_cache(maxsize=16)
 def _muon_kind(muon_kwargs, beta1, beta2, eps, weight_decay) -> OptimizerKind:
     """optimizer='muon': Muon's part (torch.optim.Muon's state: 'momentum_buffer' only, no step count) and the

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from .elementwise import KERNEL_KEYS, OptimizerKind
+from .elementwise import KERNEL_KEYS, OptimizerKind, state_changes
 from .sharded_state import ParamShard, ShardedOptimizerState
 
 # Kernel choices are the loading machine's business (e.g. foreach on CPU, fused on CUDA), not the checkpoint's.
@@ -211,11 +211,20 @@ class ShardState:
                 continue
             if "step" in saved:
                 group["step"] = saved["step"]
+            taken = {}
             for key in self.kind.of_group(group).hyperparameter_keys:
                 if key in saved and key in group:
                     current = tuple(group[key]) if isinstance(group[key], (list, tuple)) else group[key]
                     value = tuple(saved[key]) if isinstance(saved[key], (list, tuple)) else saved[key]
                     group[key] = pick_hyperparameter(f"optimizer {key} (wd_mult {group.get('wd_mult')})",
                                                      current, value, hyperparameters)
+                    if group[key] != current:
+                        taken[key] = group[key]
+            changed = state_changes(self.kind.of_group(group), taken)
+            if changed:  # the inner optimizer would step without (or beside) state its class then keeps
+                raise ValueError(f"the checkpoint's optimizer hyperparameters {taken} change the state "
+                                 f"{self.kind.name} keeps ({', '.join(changed)}): build the optimizer with them "
+                                 f"(OptimizerConfig.optimizer_kwargs, --optimizer-kwargs) instead of taking them from "
+                                 f"the checkpoint (hyperparameters='checkpoint', --use-checkpoint-opt_param-scheduler)")
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])

@@ -431,6 +431,57 @@ def test_replicas_and_last_words_carry_every_state(tmp_path, config):
             assert r["as_in_place"] and r["rebuilt"] and r["written"] and r["from_words"] and r["resumed"], (name, r)
 
 
+TAKEN_FROM_CHECKPOINT = {  # saved with, resumed with (hyperparameters='checkpoint'): whether it must be refused
+    "centered_on": (torch.optim.RMSprop, {"centered": True}, {"centered": False}, True),
+    "centered_off": (torch.optim.RMSprop, {"centered": False}, {"centered": True}, True),
+    "amsgrad_on": (torch.optim.Adam, {"amsgrad": True}, {}, True),
+    "alpha": (torch.optim.RMSprop, {"alpha": 0.9}, {"alpha": 0.99}, False),
+}
+
+
+def _taken_from_checkpoint_worker(root):
+    import torch.distributed as dist
+    from optim_testing import build, megatron_steps
+
+    from megatron_lite import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for case, (cls, saved_with, resumed_with, _) in TAKEN_FROM_CHECKPOINT.items():
+        def built(kwargs):
+            model, ddp, opt = build(ZERO1, _config(cls, kwargs, True))
+            return ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+
+        where = os.path.join(root, case)
+        ddp, opt, sched = built(saved_with)
+        megatron_steps(ddp, opt, rank, dp, 1)
+        checkpointing.save_checkpoint(where, 1, ddp, opt, sched, 16, ckpt_format="torch_dist")
+        ddp, opt, sched = built(resumed_with)
+        try:
+            checkpointing.load_checkpoint(where, ddp, opt, sched, hyperparameters="checkpoint")
+            megatron_steps(ddp, opt, rank, dp, 1, first_step=1)
+            out[case] = {k: opt.param_groups[0][k] for k in saved_with}
+        except ValueError as error:
+            out[case] = str(error)
+    return out
+
+
+def test_a_hyperparameter_taken_from_the_checkpoint_must_not_change_the_state(tmp_path):
+    """hyperparameters='checkpoint' (--use-checkpoint-opt_param-scheduler) may take a checkpoint's value that
+    changes what the class keeps (RMSprop's centered: grad_avg; Adam's amsgrad: max_exp_avg_sq): refused on
+    every rank, naming the values and --optimizer-kwargs, instead of a KeyError at the next step (or a state
+    the probe never saw, saved without it). A value that changes no state (RMSprop's alpha) is taken."""
+    for per_rank in run_distributed(_taken_from_checkpoint_worker, 2, str(tmp_path)):
+        for case, (_, saved_with, _, refused) in TAKEN_FROM_CHECKPOINT.items():
+            got = per_rank[case]
+            if refused:
+                assert isinstance(got, str) and "change the state" in got and "--optimizer-kwargs" in got, (case, got)
+                assert all(repr(key) in got for key in saved_with), (case, got)
+            else:
+                assert got == saved_with, (case, got)
+
+
 SQUARES = {torch.optim.Adam: ("exp_avg_sq", "max_exp_avg_sq"), torch.optim.RMSprop: ("square_avg",),
            torch.optim.Adagrad: ("sum",), torch.optim.Adamax: ("exp_inf",)}
 SQUARES_KWARGS = {torch.optim.Adam: {"amsgrad": True}, torch.optim.RMSprop: {"centered": True}}
