@@ -1,16 +1,19 @@
 """--optimizer-class / --optimizer-kwargs (training/optimizer_class_arguments.py): any elementwise torch.optim
 class from pretrain_gpt.py's command line, onto OptimizerConfig.optimizer_class / optimizer_kwargs; its refusals
 as flag errors; a run that checkpoints and resumes bit-exact; and live recovery under the supervisor with a
-rank killed, bitwise the uninterrupted torchrun run of the same flags."""
+rank killed, bitwise the uninterrupted torchrun run of the same flags; tools/checkpoint_convert.py on its
+checkpoints."""
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from distributed_helper import run_distributed
 from live_testing import FLAGS, PROGRESS_BOUNDED, check_exact, run_live, uninterrupted
-from pretrain_testing import flag_error, pretrain_losses, pretrain_outcome, tiny_pretrain_flags
+from pretrain_testing import REPO, flag_error, pretrain_losses, pretrain_outcome, tiny_pretrain_flags
 
 from megatron_lite.training import parse_args
 from megatron_lite.training.arguments import build_parser, optimizer_config_from_args
@@ -95,6 +98,24 @@ def test_a_run_resumes_bit_exact_and_only_with_its_class(tmp_path):
         for outcome, message in run_distributed(pretrain_outcome, 2, flags):
             assert outcome == "error" and "written by optimizer 'torch.optim.nadam.NAdam'" in message, message
             assert "--optimizer-class" in message, message
+
+
+def test_a_checkpoint_converted_both_ways_resumes_bit_exact(tmp_path):
+    """tools/checkpoint_convert.py on a NAdam checkpoint (torch_dist -> torch -> torch_dist): each resumes with
+    the losses of the run that went straight on, bit for bit. Would catch the tool keeping Adam's keys only
+    (mu_product dropped: a KeyError or other numbers) or the class's name lost (resume refused)."""
+    tool = [sys.executable, f"{REPO}/tools/checkpoint_convert.py"]
+    straight = run_distributed(pretrain_losses, 2, TINY)[0]
+    dist_dir, torch_dir, back_dir = (str(tmp_path / n) for n in ("dist", "torch", "back"))
+    run_distributed(pretrain_losses, 2, TINY + ["--save", dist_dir, "--exit-interval", "2", "--ckpt-format",
+                                                "torch_dist"])
+    for source, target, fmt in ((dist_dir, torch_dir, "torch"), (torch_dir, back_dir, "torch_dist")):
+        out = subprocess.run(tool + ["--input", source, "--output", target, "--to", fmt], capture_output=True,
+                             text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 0, out.stdout + out.stderr
+    for directory in (torch_dir, back_dir):
+        resumed = run_distributed(pretrain_losses, 2, TINY + ["--load", directory])[0]
+        assert sorted(resumed) == [3, 4] and all(resumed[i] == straight[i] for i in (3, 4)), (directory, resumed)
 
 
 # ------------------------------------------------------------------------------------------- live recovery
