@@ -12,13 +12,22 @@ grads are views (fp32 grads) or fp32 copies of it; norm and clipping are global 
 all-reduced); the inner optimizer updates the main shards; they are written (cast) into the parameter
 buffer and each bucket's param_data is all-gathered, so every rank holds bitwise-identical parameters.
 With overlap_param_gather the all-gathers are dispatched by DDP's forward pre-hooks instead.
+
+Muon's unit is a whole matrix, its momentum still a flat shard (layout.py's two kinds of ownership). Its update
+pieces go to the matrix's owner and come back orthogonalized (_orthogonalize), over this rank's instance::
+
+    rank (position) p: u pieces of its shard --all_to_all_single--> owner q: whole u of each matrix it owns
+                                                                     O = orthogonalize(u, spec), per sub-matrix
+    rank p: O pieces of its shard      <--all_to_all_single--        owner q: O cut as the pieces came
 """
+
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from ..distributed.layout import DataParallelTopology
+from ..distributed.layout import DataParallelTopology, MatrixExchange, compute_matrix_exchange, compute_matrix_ownership
 from ..distributed.param_and_grad_buffer import gather_full_buffers, shard_ranges
 from .main_params import copy_main_to_model, copy_model_to_main, main_params
 from .optimizer import MegatronOptimizer
@@ -81,6 +90,55 @@ class DistributedOptimizer(MegatronOptimizer):
                 copy_model_to_main(s.params, shard.main)
             else:
                 shard.main.data.copy_(values[s.model_param].reshape(-1)[s.param_start:s.param_end])
+
+    # ------------------------------------------------------------------ whole matrices (Muon)
+    def _plan_matrix_exchange(self, specs: Dict[torch.nn.Parameter, Optional[object]]):
+        """Decide once who orthogonalizes which matrix and what travels where (layout.compute_matrix_ownership and
+        compute_matrix_exchange over the dense buffers, sharded over this rank's instance). `specs`: per model
+        parameter its MatrixSpec (rows, cols, row_splits) or None (not a matrix: AdamW's)."""
+        buffers = [buffer for chunk in self.model_chunks for buffer in chunk.param_and_grad_buffers]
+        experts = [self.param_to_name[p] for chunk in self.model_chunks for buffer in chunk.expert_parallel_buffers
+                   for p in buffer.params if specs.get(p) is not None]
+        if experts:
+            raise ValueError(f"expert parameters {experts[:3]} would be Muon matrices, which the distributed "
+                             f"optimizer does not orthogonalize across the expert data-parallel group; mark them "
+                             f"use_muon = False (AdamW) or use another optimizer")
+        params = [p for buffer in buffers for p in buffer.params]
+        spec_list = [specs.get(p) for p in params]
+        shapes = [(spec.rows, spec.cols) if spec is not None else tuple(p.shape) for p, spec in zip(params, spec_list)]
+        splits = [None if spec is None or spec.row_splits is None else tuple(spec.row_splits) for spec in spec_list]
+        topology = self.data_parallel_topology
+        self.matrix_ownership = compute_matrix_ownership(shapes, [spec is not None for spec in spec_list], topology,
+                                                         row_splits=splits)
+        position = topology.position(dist.get_rank(self.data_parallel_group))
+        self.matrix_exchange = compute_matrix_exchange([buffer.layout for buffer in buffers], self.matrix_ownership,
+                                                       position)
+        self._matrix_params = params  # the plan's parameter indices
+        self._matrix_specs = spec_list
+        self._matrix_index = {p: i for i, p in enumerate(params)}
+
+    def _orthogonalize(self, updates: Dict[MainShard, torch.Tensor]) -> Dict[MainShard, torch.Tensor]:
+        """Muon's orthogonalized update of each of `updates`' flat pieces (fp32 u, one per matrix main shard):
+        the pieces go to their matrices' owners, which orthogonalize whole matrices (_orthogonalize_whole), and
+        come back (exchange_whole_matrices). Collective over this rank's instance, even with nothing to send."""
+        index_of = self._matrix_index
+        pieces = {(index_of[shard.param], shard.start): u for shard, u in updates.items()}
+        skipped = {index_of[p] for p in self._skipped() if p in index_of}
+
+        def orthogonalize(index: int, whole: torch.Tensor) -> Optional[torch.Tensor]:
+            if index in skipped:  # no rank has its gradient (agreed): nothing to orthogonalize, nothing asks back
+                return None
+            param = self._matrix_params[index]
+            spec = self._matrix_specs[index]
+            return self._orthogonalize_whole(param, spec, whole.view(spec.rows, spec.cols))
+
+        results = exchange_whole_matrices(self.matrix_exchange, pieces, [p.numel() for p in self._matrix_params],
+                                          orthogonalize, self.grad_stats_group, self.device)
+        return {shard: results[(index_of[shard.param], shard.start)] for shard in updates}
+
+    def _orthogonalize_whole(self, param: torch.nn.Parameter, spec, u: torch.Tensor) -> torch.Tensor:
+        """The orthogonalized update of one whole matrix (u: rows x cols, fp32), as a tensor of u's shape."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ state (see optimizer_state.py)
     @property
@@ -150,3 +208,46 @@ class DistributedOptimizer(MegatronOptimizer):
         self._load_shards(received)
         for s, shard in zip(self.shards, self.shard_state.main_shards):  # this rank's shard only: no collective
             copy_main_to_model(shard.main, s.params)
+
+
+def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], torch.Tensor], numels,
+                            orthogonalize: Callable[[int, torch.Tensor], Optional[torch.Tensor]], group,
+                            device) -> Dict[Tuple[int, int], torch.Tensor]:
+    """Bring matrices whole to their owners, transform them there, and bring the pieces back (module docstring).
+
+    Args:
+        plan: this rank's layout.MatrixExchange.
+        pieces: this rank's flat pieces, by (parameter index, param_start); a piece of the plan that is missing
+            (a parameter no rank has a gradient for) travels as zeros.
+        numels: each parameter's element count, by index.
+        orthogonalize: (index, the whole parameter flat) -> its transform (any shape of that many elements), or
+            None to leave it (its pieces come back as zeros); called at the owner for plan.owned, by index.
+        group: the instance's process group (plan's positions are its ranks).
+    Returns:
+        Per (parameter index, param_start) of plan.sends: the transformed flat piece (fp32).
+    """
+    send_pieces = [piece for pieces_to in plan.sends for piece in pieces_to]
+    send = torch.cat([pieces[(p.param_index, p.param_start)].reshape(-1).float()
+                      if (p.param_index, p.param_start) in pieces
+                      else torch.zeros(p.numel, dtype=torch.float32, device=device) for p in send_pieces]
+                     + [torch.zeros(0, dtype=torch.float32, device=device)])
+    received = torch.empty(sum(plan.recv_splits), dtype=torch.float32, device=device)
+    collectives.all_to_all_single(received, send, plan.recv_splits, plan.send_splits, group)
+    wholes, offset = {i: torch.empty(numels[i], dtype=torch.float32, device=device) for i in plan.owned}, 0
+    for pieces_from in plan.receives:
+        for p in pieces_from:
+            wholes[p.param_index][p.param_start:p.param_end].copy_(received[offset:offset + p.numel])
+            offset += p.numel
+    for i in plan.owned:  # the pieces tile each matrix exactly once (test_matrix_exchange)
+        result = orthogonalize(i, wholes[i])
+        wholes[i] = torch.zeros_like(wholes[i]) if result is None else result.reshape(-1).float()
+    # The way back mirrors the way there: each piece returns to where it came from, in the same order.
+    back = torch.cat([wholes[p.param_index][p.param_start:p.param_end] for pieces_from in plan.receives
+                      for p in pieces_from] + [torch.zeros(0, dtype=torch.float32, device=device)])
+    returned = torch.empty_like(send)
+    collectives.all_to_all_single(returned, back, plan.send_splits, plan.recv_splits, group)
+    out, offset = {}, 0
+    for p in send_pieces:
+        out[(p.param_index, p.param_start)] = returned[offset:offset + p.numel]
+        offset += p.numel
+    return out
