@@ -29,7 +29,9 @@ import torch.distributed as dist
 from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology, MatrixExchange, compute_matrix_exchange, compute_matrix_ownership
 from ..distributed.param_and_grad_buffer import gather_full_buffers, shard_ranges
+from . import muon
 from .main_params import copy_main_to_model, copy_model_to_main, main_params
+from .muon import MatrixSpec
 from .optimizer import MegatronOptimizer
 from .optimizer_state import MainShard
 from .sharded_state import flat_numel, flatten, unflatten
@@ -60,6 +62,8 @@ class DistributedOptimizer(MegatronOptimizer):
         for shard in main_shards:
             groups[group_of[shard.param]]["params"].append(shard.main)
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler, main_shards)
+        if config.optimizer == "muon":  # who orthogonalizes which matrix, and what travels where: decided once
+            self._plan_matrix_exchange(muon.matrix_specs(model_chunks, config))
 
     # ------------------------------------------------------------------ step pieces
     def _prepare_for_step(self):
@@ -92,7 +96,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 shard.main.data.copy_(values[s.model_param].reshape(-1)[s.param_start:s.param_end])
 
     # ------------------------------------------------------------------ whole matrices (Muon)
-    def _plan_matrix_exchange(self, specs: Dict[torch.nn.Parameter, Optional[object]]):
+    def _plan_matrix_exchange(self, specs: Dict[torch.nn.Parameter, Optional[MatrixSpec]]):
         """Decide once who orthogonalizes which matrix and what travels where (layout.compute_matrix_ownership and
         compute_matrix_exchange over the dense buffers, sharded over this rank's instance). `specs`: per model
         parameter its MatrixSpec (rows, cols, row_splits) or None (not a matrix: AdamW's)."""
@@ -106,7 +110,7 @@ class DistributedOptimizer(MegatronOptimizer):
         params = [p for buffer in buffers for p in buffer.params]
         spec_list = [specs.get(p) for p in params]
         shapes = [(spec.rows, spec.cols) if spec is not None else tuple(p.shape) for p, spec in zip(params, spec_list)]
-        splits = [None if spec is None or spec.row_splits is None else tuple(spec.row_splits) for spec in spec_list]
+        splits = [None if spec is None else tuple(spec.row_splits) for spec in spec_list]
         topology = self.data_parallel_topology
         self.matrix_ownership = compute_matrix_ownership(shapes, [spec is not None for spec in spec_list], topology,
                                                          row_splits=splits)
@@ -136,9 +140,10 @@ class DistributedOptimizer(MegatronOptimizer):
                                           orthogonalize, self.grad_stats_group, self.device)
         return {shard: results[(index_of[shard.param], shard.start)] for shard in updates}
 
-    def _orthogonalize_whole(self, param: torch.nn.Parameter, spec, u: torch.Tensor) -> torch.Tensor:
-        """The orthogonalized update of one whole matrix (u: rows x cols, fp32), as a tensor of u's shape."""
-        raise NotImplementedError
+    def _orthogonalize_whole(self, param: torch.nn.Parameter, spec: MatrixSpec, u: torch.Tensor) -> torch.Tensor:
+        """The orthogonalized update of one whole matrix (u: rows x cols, fp32; each of spec's row blocks on its
+        own), flat: muon.orthogonalize. Runs only on the matrix's owner."""
+        return muon.orthogonalize(u, spec, self.config)
 
     # ------------------------------------------------------------------ state (see optimizer_state.py)
     @property
