@@ -234,8 +234,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                       input_split_sizes: List[int], group=None, async_op: bool = False):
     """Piece q of the flat `input` (input_split_sizes[q] elements, pieces in rank order) goes to rank q; piece p
     of the flat `output` (output_split_sizes[p] elements) receives what rank p sent this rank. Uneven splits
-    are fine on every backend (gloo on the CPU checked; gloo stages CUDA tensors through host memory itself,
-    NCCL moves them directly). On a one-rank group the one piece is copied (nothing is sent)."""
+    and empty pieces are fine (gloo and NCCL). NCCL moves device tensors directly; on gloo, tensors off the CPU
+    go through host memory (as send/recv here: gloo's tensor support off the CPU is op by op) and the call
+    completes before it returns. On a one-rank group the one piece is copied (nothing is sent)."""
     world_size = dist.get_world_size(group)
     if len(output_split_sizes) != world_size or len(input_split_sizes) != world_size:
         raise ValueError(f"all_to_all_single: one split size per rank of the group ({world_size}), got "
@@ -247,6 +248,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         output.copy_(input)
         return DONE
     _notify("all_to_all", input, world_size)
+    if backend(group) == "gloo" and output.device.type != "cpu":
+        staged = torch.empty(output.shape, dtype=output.dtype)
+        dist.all_to_all_single(staged, input.cpu(), list(output_split_sizes), list(input_split_sizes), group=group)
+        output.copy_(staged)
+        return DONE
     return _handle(dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes),
                                           group=group, async_op=async_op))
 

@@ -137,12 +137,13 @@ class DistributedOptimizer(MegatronOptimizer):
             return self._orthogonalize_whole(param, spec, whole.view(spec.rows, spec.cols))
 
         results = exchange_whole_matrices(self.matrix_exchange, pieces, [p.numel() for p in self._matrix_params],
-                                          orthogonalize, self.grad_stats_group, self.device)
+                                          orthogonalize, self.grad_stats_group, self.device, torch.bfloat16)
         return {shard: results[(index_of[shard.param], shard.start)] for shard in updates}
 
     def _orthogonalize_whole(self, param: torch.nn.Parameter, spec: MatrixSpec, u: torch.Tensor) -> torch.Tensor:
         """The orthogonalized update of one whole matrix (u: rows x cols, fp32; each of spec's row blocks on its
-        own), flat: muon.orthogonalize. Runs only on the matrix's owner."""
+        own), flat, in bfloat16 (Newton-Schulz's dtype, in which the pieces travel back): muon.orthogonalize.
+        Runs only on the matrix's owner."""
         return muon.orthogonalize(u, spec, self.config)
 
     # ------------------------------------------------------------------ state (see optimizer_state.py)
@@ -217,7 +218,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
 def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], torch.Tensor], numels,
                             orthogonalize: Callable[[int, torch.Tensor], Optional[torch.Tensor]], group,
-                            device) -> Dict[Tuple[int, int], torch.Tensor]:
+                            device, result_dtype: torch.dtype = torch.float32) -> Dict[Tuple[int, int], torch.Tensor]:
     """Bring matrices whole to their owners, transform them there, and bring the pieces back (module docstring).
 
     Args:
@@ -228,8 +229,10 @@ def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], 
         orthogonalize: (index, the whole parameter flat) -> its transform (any shape of that many elements), or
             None to leave it (its pieces come back as zeros); called at the owner for plan.owned, by index.
         group: the instance's process group (plan's positions are its ranks).
+        result_dtype: the dtype the results travel back in (cast to it at the owner): the dtype `orthogonalize`
+            returns, Newton-Schulz's bfloat16 for Muon (half the bytes of fp32, and no rounding).
     Returns:
-        Per (parameter index, param_start) of plan.sends: the transformed flat piece (fp32).
+        Per (parameter index, param_start) of plan.sends: the transformed flat piece, in result_dtype.
     """
     send_pieces = [piece for pieces_to in plan.sends for piece in pieces_to]
     send = torch.cat([pieces[(p.param_index, p.param_start)].reshape(-1).float()
@@ -245,11 +248,12 @@ def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], 
             offset += p.numel
     for i in plan.owned:  # the pieces tile each matrix exactly once (test_matrix_exchange)
         result = orthogonalize(i, wholes[i])
-        wholes[i] = torch.zeros_like(wholes[i]) if result is None else result.reshape(-1).float()
+        wholes[i] = torch.zeros(numels[i], dtype=result_dtype, device=device) if result is None \
+            else result.reshape(-1).to(result_dtype)
     # The way back mirrors the way there: each piece returns to where it came from, in the same order.
     back = torch.cat([wholes[p.param_index][p.param_start:p.param_end] for pieces_from in plan.receives
-                      for p in pieces_from] + [torch.zeros(0, dtype=torch.float32, device=device)])
-    returned = torch.empty_like(send)
+                      for p in pieces_from] + [torch.zeros(0, dtype=result_dtype, device=device)])
+    returned = torch.empty(send.numel(), dtype=result_dtype, device=device)
     collectives.all_to_all_single(returned, back, plan.send_splits, plan.recv_splits, group)
     out, offset = {}, 0
     for p in send_pieces:

@@ -125,6 +125,8 @@ def _all_to_all_worker():
     with collectives.observe(lambda name, tensor, size: seen.append(name)):
         collectives.all_to_all_single(out, data, recv_splits, send_splits).wait()
     expected = torch.cat([torch.full((n,), 100.0 * p + rank) for p, n in enumerate(recv_splits)])
+    half = torch.empty(out.shape, dtype=torch.bfloat16)  # the dtype Newton-Schulz's results travel back in
+    collectives.all_to_all_single(half, data.bfloat16(), recv_splits, send_splits)
     solo = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
     one = torch.empty(2)
     collectives.all_to_all_single(one, torch.tensor([1.0, 2.0]), [2], [2], solo)
@@ -133,12 +135,12 @@ def _all_to_all_worker():
         error = None
     except ValueError as e:
         error = str(e)
-    return torch.equal(out, expected), seen, one.tolist(), error
+    return torch.equal(out, expected) and torch.equal(half, expected.bfloat16()), seen, one.tolist(), error
 
 
 def test_all_to_all_single_uneven_splits():
-    """dp=3 on gloo, uneven splits with empty pieces: each piece arrives from its rank in its place; the
-    observer sees it; a one-rank group copies; wrong split counts are a ValueError (not gloo's abort). Would
+    """dp=3 on gloo, uneven splits with empty pieces, fp32 and bf16: each piece arrives from its rank in its
+    place; the observer sees it; a one-rank group copies; wrong split counts are a ValueError (not gloo's abort). Would
     catch input and output splits swapped (they differ here), or a call that bypasses the observers."""
     for equal, seen, one, error in run_distributed(_all_to_all_worker, 3):
         assert equal and seen == ["all_to_all"] and one == [1.0, 2.0]

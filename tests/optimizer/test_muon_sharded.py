@@ -51,7 +51,7 @@ def _exchange_worker(instances):
         results = opt._orthogonalize(updates)
         assert results.keys() == updates.keys()
         for shard, result in results.items():
-            expected = _whole_function(full[shard.param]).reshape(-1)[shard.start:shard.end]
+            expected = _whole_function(full[shard.param]).reshape(-1)[shard.start:shard.end].bfloat16()
             if not torch.equal(result, expected):
                 failures.append((ddp_config.get("data_parallel_sharding_strategy"), opt.param_to_name[shard.param]))
         calls.append(sorted(seen))
