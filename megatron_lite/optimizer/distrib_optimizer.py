@@ -100,13 +100,8 @@ class DistributedOptimizer(MegatronOptimizer):
         """Decide once who orthogonalizes which matrix and what travels where (layout.compute_matrix_ownership and
         compute_matrix_exchange over the dense buffers, sharded over this rank's instance). `specs`: per model
         parameter its MatrixSpec (rows, cols, row_splits) or None (not a matrix: AdamW's)."""
+        # The dense buffers only: muon.matrix_specs leaves expert parameters to AdamW or refuses them.
         buffers = [buffer for chunk in self.model_chunks for buffer in chunk.param_and_grad_buffers]
-        experts = [self.param_to_name[p] for chunk in self.model_chunks for buffer in chunk.expert_parallel_buffers
-                   for p in buffer.params if specs.get(p) is not None]
-        if experts:
-            raise ValueError(f"expert parameters {experts[:3]} would be Muon matrices, which the distributed "
-                             f"optimizer does not orthogonalize across the expert data-parallel group; mark them "
-                             f"use_muon = False (AdamW) or use another optimizer")
         params = [p for buffer in buffers for p in buffer.params]
         spec_list = [specs.get(p) for p in params]
         shapes = [(spec.rows, spec.cols) if spec is not None else tuple(p.shape) for p, spec in zip(params, spec_list)]

@@ -506,3 +506,62 @@ def test_replica_rebuild_and_last_words_carry_the_momentum(tmp_path):
     the last words."""
     for r in run_distributed(_replicas_worker, 4, str(tmp_path), timeout=600):
         assert r["rebuilt"] and r["written"] and r["from_words"] and r["resumed"], r
+
+
+# ---------------------------------------------------------------------- a matrix no rank used
+class _Both:
+    """torch.optim.Muon and AdamW stepped as one optimizer (the reference of heads_side_by_side)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def zero_grad(self):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def _unused_worker(heads, resume):
+    import copy
+
+    import torch.distributed as dist
+    from optim_testing import TwoHeads, heads_side_by_side
+    from torch import nn
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, find_unused_parameters=True, overlap_grad_reduce=True, bucket_size=30))
+    matrices = [p for p in reference.parameters() if p.dim() == 2]
+    biases = [p for p in reference.parameters() if p.dim() == 1]
+    torch_opt = _Both(torch.optim.Muon(matrices, lr=LR, weight_decay=WD, momentum=0.95, nesterov=False,
+                                       ns_coefficients=SIMPLE, adjust_lr_fn="original"),
+                      torch.optim.AdamW([{"params": biases, "weight_decay": 0.0}], lr=LR))
+
+    def built():
+        return get_megatron_optimizer(OptimizerConfig(**{**_muon_config(True), "clip_grad": 0.0}), ddp)
+
+    return heads_side_by_side(ddp, built, reference, torch_opt, heads, resume, dist.get_rank())[0]
+
+
+@pytest.mark.parametrize("heads", ["lagging", "never_stepped"])
+@pytest.mark.parametrize("resume", ["torch", "shards"])
+def test_a_matrix_no_rank_used_is_left_as_torch_leaves_it(heads, resume):
+    """dp=2, ZeRO-1, a head (a Muon matrix, cut across the ranks by the small buckets) that no rank uses for some
+    steps, and a round trip of the state before step 3: every parameter equal to torch DDP + torch.optim.Muon
+    after every step. Would catch the exchange or the step waiting for, or stepping, a matrix no rank has a
+    gradient for (torch leaves it: no weight decay, momentum kept), or its missing momentum restored as zeros
+    after the round trip."""
+    for diffs in run_distributed(_unused_worker, 2, heads, resume):
+        assert diffs == [0.0] * 5, diffs
