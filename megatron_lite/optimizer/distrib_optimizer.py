@@ -62,8 +62,8 @@ class DistributedOptimizer(MegatronOptimizer):
         for shard in main_shards:
             groups[group_of[shard.param]]["params"].append(shard.main)
         super().__init__(make_inner(groups), config, model_chunks, grad_scaler, main_shards)
-        if config.optimizer == "muon":  # who orthogonalizes which matrix, and what travels where: decided once
-            self._plan_matrix_exchange(muon.matrix_specs(model_chunks, config))
+        if self.matrix_specs:  # optimizer='muon': who orthogonalizes which matrix, what travels where, decided once
+            self._plan_matrix_exchange(self.matrix_specs)
 
     # ------------------------------------------------------------------ step pieces
     def _prepare_for_step(self):

@@ -495,8 +495,3 @@ def test_resume_checks_the_muon_hyperparameters(single_rank_group):
 
         ddp = DistributedDataParallel(tiny_gpt(), DistributedDataParallelConfig())
         get_megatron_optimizer(OptimizerConfig(lr=LR), ddp).load_state_dict(state)
-
-
-def test_the_distributed_optimizer_is_refused_until_it_gathers_matrices(single_rank_group):
-    with pytest.raises(ValueError, match="optimizer='muon' with use_distributed_optimizer=True is not available"):
-        _one_rank_optimizer(use_distributed_optimizer=True)
