@@ -565,3 +565,44 @@ def test_a_matrix_no_rank_used_is_left_as_torch_leaves_it(heads, resume):
     after the round trip."""
     for diffs in run_distributed(_unused_worker, 2, heads, resume):
         assert diffs == [0.0] * 5, diffs
+
+
+# ---------------------------------------------------------------------- bf16 parameters
+def _bf16_worker(names):
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name in names:
+        ddp_config, _ = MATRIX[name]
+        model = _gpt().to(torch.bfloat16)
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(**ddp_config, grad_reduce_in_fp32=True))
+        config = {**_muon_config(ddp_config["use_distributed_optimizer"]), "clip_grad": 0.0, "bf16": True}
+        opt = get_megatron_optimizer(OptimizerConfig(**config), [ddp])
+        _train(ddp, opt, rank, dp, STEPS)
+        main = {n: entry["param"] for n, entry in opt.state_dict()["state"].items()}
+        out[name] = (_params(model, ddp), main)
+    return out
+
+
+def test_bf16_parameters_shard_like_no_shard():
+    """bf16 parameters with fp32 main params (and gradients reduced in fp32), dp=2, no clipping: ZeRO-1/2/3 (with
+    overlap) give the bf16 parameters and fp32 main params of no_shard bit for bit (at dp=2 both reduce with one
+    commutative addition; every rank of no_shard orthogonalizes each whole matrix itself). Would catch the sharded
+    path stepping a bf16 model otherwise than no_shard: the update pieces taken from anything but the fp32 main
+    shards, updated main shards not cast back into the bf16 buffer before its all-gather, or a piece returned
+    to another range."""
+    names = ["no_shard", "optim", "optim_grads_overlap", "optim_grads_params_overlap"]
+    for per_rank in run_distributed(_bf16_worker, 2, names):
+        params, main = per_rank["no_shard"]
+        assert all(p.dtype == torch.bfloat16 for p in params.values())
+        for name in names[1:]:
+            assert all(torch.equal(per_rank[name][0][n], params[n]) for n in params), name
+            assert all(torch.equal(per_rank[name][1][n], main[n]) for n in main), name
