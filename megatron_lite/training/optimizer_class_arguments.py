@@ -8,10 +8,11 @@ megatron-lite extension; Megatron-LM's --optimizer knows its own names only).
 The class is imported here; whether it can step flat shards is the config's probe's to say
 (optimizer/elementwise.py), and its refusal comes back as a flag error like every config error. What this
 module checks itself is what only the command line has: an import path, JSON, --optimizer given beside it,
-and the named optimizers' flags (--adam-*, --sgd-momentum), which the class does not read.
+and the named optimizers' flags (--adam-*, --sgd-momentum, --muon-*), which the class does not read.
 """
 
 import argparse
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -22,10 +23,10 @@ import torch
 from ..optimizer import OptimizerConfig
 
 FLAGS = {"optimizer_class": "--optimizer-class", "optimizer_kwargs": "--optimizer-kwargs"}
-# The named optimizers' own hyperparameters: not read with --optimizer-class (its own go in --optimizer-kwargs).
-NAMED_OPTIMIZER_FLAGS = {"adam_beta1": "--adam-beta1", "adam_beta2": "--adam-beta2", "adam_eps": "--adam-eps",
-                         "sgd_momentum": "--sgd-momentum"}
-_DEFAULTS = {key: getattr(OptimizerConfig, key) for key in NAMED_OPTIMIZER_FLAGS}  # what "not given" reads as
+# The named optimizers' own hyperparameters (adam_*, sgd_*, muon_*: whatever OptimizerConfig has), not read with
+# --optimizer-class (its own go in --optimizer-kwargs), and their defaults: what "not given" reads as.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig) if f.name.startswith(("adam_", "sgd_",
+                                                                                                   "muon_"))}
 
 
 def add_optimizer_class_arguments(g: argparse._ArgumentGroup) -> None:
@@ -37,8 +38,8 @@ def add_optimizer_class_arguments(g: argparse._ArgumentGroup) -> None:
                         "with its state in both checkpoint formats, last words, replicas and live recovery. A "
                         "probe at start-up refuses a class whose update is not elementwise (torch.optim.Muon, "
                         "LAMB-style trust ratios). --lr, --weight-decay (the class must take it; 0 if it does "
-                        "not) and the schedule apply; --optimizer stays adam, the --adam-* / --sgd-momentum flags "
-                        "are not read")
+                        "not) and the schedule apply; --optimizer stays adam; the --adam-*, --sgd-momentum and "
+                        "--muon-* flags are refused beside it")
     g.add_argument("--optimizer-kwargs", metavar="JSON",
                    help="with --optimizer-class: its other hyperparameters as a JSON object, e.g. "
                         "'{\"momentum_decay\": 0.004, \"betas\": [0.9, 0.95]}' (arrays become tuples; not lr or "
@@ -57,10 +58,10 @@ def optimizer_class_from_args(args) -> dict:
         raise ValueError(f"--optimizer {args.optimizer} and --optimizer-class {path} both name the optimizer: "
                          f"drop --optimizer (--optimizer-class replaces it)")
     preset = getattr(args, "preset_values", {})
-    given = [flag for key, flag in NAMED_OPTIMIZER_FLAGS.items()
-             if getattr(args, key, None) not in (None, _DEFAULTS[key]) and key not in preset]
+    given = ["--" + key.replace("_", "-") for key, default in _DEFAULTS.items()
+             if getattr(args, key, None) not in (None, default) and key not in preset]
     if given:
-        raise ValueError(f"{', '.join(given)} set the hyperparameters of --optimizer adam / sgd, which "
+        raise ValueError(f"{', '.join(given)} set the hyperparameters of --optimizer's named optimizers, which "
                          f"--optimizer-class {path} replaces: give the class's own in --optimizer-kwargs "
                          f"(e.g. '{{\"betas\": [0.9, 0.95]}}')")
     return {"optimizer_class": _import_class(path),

@@ -48,8 +48,8 @@ def test_the_flags_map_onto_the_config(argv, cls, kwargs):
     (["--optimizer-class", "torch.optim.Muon"], "--optimizer-class torch.optim.Muon is not elementwise"),
     (["--optimizer-class", "torch.optim.NAdam", "--optimizer", "sgd"],
      "--optimizer sgd and --optimizer-class torch.optim.NAdam both name the optimizer: drop --optimizer"),
-    (["--optimizer-class", "NAdam", "--adam-beta1", "0.8"], "--adam-beta1 set the hyperparameters of --optimizer "
-                                                            "adam / sgd, which --optimizer-class NAdam replaces"),
+    (["--optimizer-class", "NAdam", "--adam-beta1", "0.8"], "--adam-beta1 set the hyperparameters of --optimizer's "
+                                                            "named optimizers, which --optimizer-class NAdam replaces"),
     (["--optimizer-class", "NAdam", "--sgd-momentum", "0.5"], "--sgd-momentum set the hyperparameters"),
     (["--optimizer-kwargs", '{"momentum": 0.9}'], "--optimizer-kwargs is for --optimizer-class"),
     (["--optimizer-class", "NAdam", "--optimizer-kwargs", "{momentum_decay: 1}"], "--optimizer-kwargs "
@@ -66,6 +66,20 @@ def test_refusals_are_flag_errors(argv, message, capsys):
     or misspelt class, one that cannot be imported, a module, a class the probe finds not elementwise, the
     named optimizer's flags beside the class (not read: silently ignored before), and bad JSON."""
     assert message in flag_error(argv, capsys)
+
+
+def test_every_named_optimizer_field_given_beside_the_class_is_refused():
+    """The refusal reads OptimizerConfig's adam_* / sgd_* / muon_* fields, so a named optimizer's flag added
+    later (the muon flags) is refused beside --optimizer-class too, not silently ignored."""
+    import argparse
+
+    from megatron_lite.training.optimizer_class_arguments import optimizer_class_from_args
+
+    args = argparse.Namespace(optimizer="adam", optimizer_class="NAdam", optimizer_kwargs=None, muon_momentum=0.9)
+    with pytest.raises(ValueError, match="^--muon-momentum set the hyperparameters"):
+        optimizer_class_from_args(args)
+    args.muon_momentum = 0.95  # the config's default: not given
+    assert optimizer_class_from_args(args)["optimizer_class"] is torch.optim.NAdam
 
 
 def test_help_documents_the_flags():
