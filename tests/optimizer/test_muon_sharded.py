@@ -340,7 +340,8 @@ def test_each_rank_orthogonalizes_only_its_matrices(dp, instances, ddp_config):
     each rank about 1/(dp/R) of the work (the highest load within list scheduling's bound, total/m + the largest
     matrix), the two instances' ranks at one position the same; no_shard orthogonalizes everything everywhere.
     Would catch every rank orthogonalizing every matrix (no saving), a matrix done by two ranks of an instance
-    or by none, or the work piled on one rank."""
+    or by none, the work piled on one rank, Newton-Schulz run per micro-batch (the step has two; DeepSpeed's
+    ZeRO-3 issue 8443), or none at all without sharding (its issue 8441: Muon training as SGD)."""
     from megatron_lite.distributed.layout import newton_schulz_cost
 
     results = run_distributed(_count_worker, dp, ddp_config, instances)
