@@ -58,7 +58,7 @@ def _exchange_worker(instances):
     return dist.get_rank(), failures, calls
 
 
-@pytest.mark.parametrize("dp, instances", [(2, 1), (4, 2), (4, 1)])
+@pytest.mark.parametrize("dp, instances", [(1, 1), (2, 1), (4, 2), (4, 1)])
 def test_exchange_brings_whole_matrices_to_their_owner_and_back(dp, instances):
     """A stand-in for Newton-Schulz that mixes the whole matrix: every rank's pieces come back equal to the
     function of the whole matrix, at ZeRO-1/2/3 with parameters cut across ranks; each matrix is transformed
