@@ -229,11 +229,13 @@ def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], 
     Returns:
         Per (parameter index, param_start) of plan.sends: the transformed flat piece, in result_dtype.
     """
+    def outgoing(piece):
+        u = pieces.get((piece.param_index, piece.param_start))
+        return torch.zeros(piece.numel, dtype=torch.float32, device=device) if u is None else u.reshape(-1).float()
+
     send_pieces = [piece for pieces_to in plan.sends for piece in pieces_to]
-    send = torch.cat([pieces[(p.param_index, p.param_start)].reshape(-1).float()
-                      if (p.param_index, p.param_start) in pieces
-                      else torch.zeros(p.numel, dtype=torch.float32, device=device) for p in send_pieces]
-                     + [torch.zeros(0, dtype=torch.float32, device=device)])
+    empty = [torch.zeros(0, dtype=torch.float32, device=device)]  # torch.cat of no pieces
+    send = torch.cat([outgoing(piece) for piece in send_pieces] + empty)
     received = torch.empty(sum(plan.recv_splits), dtype=torch.float32, device=device)
     collectives.all_to_all_single(received, send, plan.recv_splits, plan.send_splits, group)
     wholes, offset = {i: torch.empty(numels[i], dtype=torch.float32, device=device) for i in plan.owned}, 0
