@@ -11,6 +11,7 @@ function for the parser and a check_* function that validate_args or check_confi
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import shlex
@@ -74,6 +75,79 @@ GPT_FLAGS = {  # vocab_size comes from the tokenizer; position type, tying, bias
 SCHEDULE_FLAGS = {"lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--lr-decay-iters",
                   "lr_decay_style": "--lr-decay-style"}
 
+# ------------------------------------------------------------------------------------------ Muon's flags
+# --optimizer muon: OptimizerConfig's muon_* fields (megatron-core's names) under Megatron-LM's flags, with
+# Megatron-LM's CLI defaults. --muon-no-split-qkv (Megatron's negative switch, dest muon_split_qkv) is mapped
+# by hand (optimizer_config_from_args).
+MUON_FLAGS = {"muon_momentum": "--muon-momentum", "muon_nesterov": "--muon-nesterov",
+              "muon_scale_mode": "--muon-scale-mode", "muon_coefficient_type": "--muon-coefficient-type",
+              "muon_num_ns_steps": "--muon-num-ns-steps", "muon_extra_scale_factor": "--muon-extra-scale-factor",
+              "muon_scalar_optimizer": "--muon-scalar-optimizer"}
+MUON_CLI_DEFAULTS = dict(muon_momentum=0.9)  # Megatron-LM's --muon-momentum; megatron-core's config says 0.95
+MUON_NOT_OFFERED = {  # Megatron-LM's Muon flags that mean nothing here: a flag error, never silently ignored
+    "--muon-fp32-matmul-prec": "Newton-Schulz runs torch.optim.Muon's bf16 matmuls here: there is no fp32 matmul "
+                               "precision to choose; drop the flag",
+    "--muon-tp-mode": "megatron-lite has no tensor parallelism: every matrix is orthogonalized whole, on the rank "
+                      "that owns it; drop the flag",
+    "--muon-use-syrk": "there is no Triton SYRK kernel here (Newton-Schulz uses torch.matmul); drop the flag",
+}
+MUON_HELP = (
+    "--optimizer muon: Newton-Schulz-orthogonalized momentum (Muon) for the 2-D weight matrices; the word "
+    "embeddings, the output layer, norms and biases go to AdamW (--adam-beta1/2, --adam-eps, --weight-decay). "
+    "Weight decay is torch.optim.Muon's, p *= 1 - lr x wd (Megatron's: p -= lr x wd x p). Megatron-LM turns "
+    "--optimizer muon --use-distributed-optimizer into its layer-wise distributed optimizer; here "
+    "--use-distributed-optimizer and --data-parallel-sharding-strategy keep the distributed optimizer of Adam "
+    "(flat shards of the buffers, in both checkpoint formats), each matrix gathered whole to the one rank that "
+    "owns it for Newton-Schulz and its update sent back. Megatron's --muon-fp32-matmul-prec, --muon-tp-mode and "
+    "--muon-use-syrk are refused.")
+
+
+class _NotOffered(argparse.Action):
+    """A flag of Megatron-LM's that has no meaning here: giving it is a flag error saying why."""
+
+    def __init__(self, option_strings, dest, why, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, metavar="VALUE",
+                         help="Megatron-LM's flag, not offered: " + why, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not offered: {self.why}")
+
+
+def add_muon_arguments(parser):
+    """The --muon-* flags, in a group of their own (MUON_HELP is its description)."""
+    g = parser.add_argument_group("Muon (OptimizerConfig muon_*)", MUON_HELP.replace("%", "%%"))
+    docs = field_docs(OptimizerConfig)
+    add_config_arguments(g, OptimizerConfig, MUON_FLAGS, defaults=MUON_CLI_DEFAULTS,
+                         muon_momentum=dict(help=docs["muon_momentum"] + " (default: 0.9, Megatron-LM's "
+                                                 "--muon-momentum; megatron-core's OptimizerConfig says 0.95)"),
+                         muon_scale_mode=dict(choices=["spectral", "unit_rms_norm", "shape_scaling"]),
+                         muon_scalar_optimizer=dict(choices=["adam", "lion"]))
+    g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
+                   help="orthogonalize each layer's fused linear_qkv.weight as one matrix (OptimizerConfig."
+                        "muon_split_qkv=False; default: its Q, K and V row blocks each on its own, Megatron's)")
+    for flag, why in MUON_NOT_OFFERED.items():
+        g.add_argument(flag, action=_NotOffered, why=why)
+
+
+def muon_config_fields(args) -> dict:
+    """OptimizerConfig's muon_* fields from the flags (empty for a parser without them)."""
+    flags = {**MUON_FLAGS, "muon_split_qkv": "--muon-no-split-qkv"}
+    return {field: getattr(args, field) for field in flags if hasattr(args, field)}
+
+
+def check_muon_args(args):
+    """A --muon-* flag changed from its default without --optimizer muon would be silently ignored: an error."""
+    if args.optimizer == "muon":
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig) if f.name.startswith("muon_")}
+    flags = {**MUON_FLAGS, "muon_split_qkv": "--muon-no-split-qkv"}
+    given = [flag for field, flag in flags.items()
+             if getattr(args, field, None) != MUON_CLI_DEFAULTS.get(field, defaults[field])]
+    if given:
+        raise ValueError(f"{', '.join(given)} set Muon's hyperparameters, which --optimizer {args.optimizer} "
+                         f"does not read: add --optimizer muon, or drop them")
+
 # Every flag has Megatron-LM's default. A model preset fills the flags you do not give with a recipe
 # that trains the preset's model well (printed at start-up); `--model-preset none` keeps Megatron's.
 RECIPE = dict(lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta2=0.95, lr_decay_style="cosine",
@@ -126,7 +200,8 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
 def optimizer_config_from_args(args) -> OptimizerConfig:
     return config_from_args(OptimizerConfig, OPTIMIZER_FLAGS, args, params_dtype=params_dtype_from_args(args),
                             use_distributed_optimizer=use_distributed_optimizer_from_args(args),
-                            **optimizer_class_from_args(args))  # optimizer_class_arguments.py
+                            **optimizer_class_from_args(args),  # optimizer_class_arguments.py
+                            **muon_config_fields(args))
 
 
 def use_distributed_optimizer_from_args(args) -> bool:
@@ -152,9 +227,11 @@ def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
 def flag_error_message(error: ValueError) -> str:
     """A config's message with its field names replaced by the flags that set them ('overlap_param_gather
     =True requires use_distributed_optimizer=True' -> '--overlap-param-gather requires ...')."""
-    table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **OPTIMIZER_CLASS_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS, **DDP_LIST_FLAGS}
+    table = {**GPT_FLAGS, **OPTIMIZER_FLAGS, **OPTIMIZER_CLASS_FLAGS, **SCHEDULE_FLAGS, **DDP_FLAGS, **DDP_LIST_FLAGS,
+             **MUON_FLAGS}
     table.pop("optimizer")  # also an English word in messages; argparse's choices guard its values
-    return rewrite_field_names(str(error), table)
+    # muon_split_qkv's flag is its negative: only the value that flag sets can be spelled as it
+    return rewrite_field_names(str(error).replace("muon_split_qkv=False", "--muon-no-split-qkv"), table)
 
 
 def check_configs(args):
@@ -239,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimizer (OptimizerConfig) and learning-rate schedule")
     add_config_arguments(g, OptimizerConfig, {k: v for k, v in OPTIMIZER_FLAGS.items() if k not in precision},
-                         defaults=dict(min_lr=0.0), optimizer=dict(choices=["adam", "sgd"]))
+                         defaults=dict(min_lr=0.0), optimizer=dict(choices=["adam", "sgd", "muon"]))
     g.add_argument("--lr-warmup-iters", type=int, help="iterations of linear warmup from 0 to --lr (default: 0)")
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of --lr-decay-iters (instead of "
                                                             "--lr-warmup-iters)")
@@ -247,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "--train-iters)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], help="shape of the decay after warmup")
     add_optimizer_class_arguments(g)  # optimizer_class_arguments.py: any elementwise torch.optim class
+
+    add_muon_arguments(p)
 
     g = p.add_argument_group("data parallelism (DistributedDataParallelConfig)")
     add_config_arguments(g, DistributedDataParallelConfig, DDP_FLAGS,
@@ -313,6 +392,7 @@ def validate_args(args, world_size: int):
     check_fields(args, _DEVICE_RULES)
     _fill_device_and_outputs(args)
     check_fields(args, _OUTPUT_RULES)
+    check_muon_args(args)
     check_configs(args)
     return args
 
