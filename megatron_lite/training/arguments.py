@@ -24,6 +24,7 @@ from ..distributed.distributed_data_parallel_config import OPTIMIZER_SHARDING_ST
 from ..distributed.layout import DataParallelTopology
 from ..models import GPTConfig
 from ..optimizer import OptimizerConfig, check_optimizer_matches_ddp
+from ..optimizer.muon import COEFFICIENT_SETS, SCALE_MODES
 from .checkpoint_arguments import add_checkpoint_arguments, check_checkpoint_args
 from .compile_arguments import add_compile_arguments, check_compile_args
 from .config_flags import add_config_arguments, config_from_args, field_docs, rewrite_field_names
@@ -119,10 +120,10 @@ def add_muon_arguments(parser):
     g = parser.add_argument_group("Muon (OptimizerConfig muon_*)", MUON_HELP.replace("%", "%%"))
     docs = field_docs(OptimizerConfig)
     add_config_arguments(g, OptimizerConfig, MUON_FLAGS, defaults=MUON_CLI_DEFAULTS,
-                         muon_momentum=dict(help=docs["muon_momentum"] + " (default: 0.9, Megatron-LM's "
-                                                 "--muon-momentum; megatron-core's OptimizerConfig says 0.95)"),
-                         muon_scale_mode=dict(choices=["spectral", "unit_rms_norm", "shape_scaling"]),
-                         muon_scalar_optimizer=dict(choices=["adam", "lion"]))
+                         muon_momentum=dict(help=docs["muon_momentum"] + " (default: 0.9)"),
+                         muon_scale_mode=dict(choices=list(SCALE_MODES)),
+                         muon_coefficient_type=dict(choices=list(COEFFICIENT_SETS)),
+                         muon_scalar_optimizer=dict(choices=["adam", "lion"]))  # Megatron's; 'lion': the config's error
     g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
                    help="orthogonalize each layer's fused linear_qkv.weight as one matrix (OptimizerConfig."
                         "muon_split_qkv=False; default: its Q, K and V row blocks each on its own, Megatron's)")
