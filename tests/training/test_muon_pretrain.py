@@ -101,7 +101,8 @@ def straight(tmp_path_factory):
     def run(strategy):
         if strategy not in runs:
             save = str(tmp_path_factory.mktemp(f"straight_{strategy}"))
-            runs[strategy] = run_distributed(pretrain_losses, 2, MUON + STRATEGIES[strategy] + ["--save", save])[0], save
+            losses = run_distributed(pretrain_losses, 2, MUON + STRATEGIES[strategy] + ["--save", save])[0]
+            runs[strategy] = losses, save
         return runs[strategy]
     return run
 
