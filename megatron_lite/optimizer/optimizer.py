@@ -11,6 +11,7 @@ implementations are in full_param_optimizer.py, the sharded one in distrib_optim
              returns (update_successful, grad_norm, num_zeros_in_grad)
 """
 
+import dataclasses
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -22,7 +23,7 @@ from ..distributed.layout import DataParallelTopology
 from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
 from .cpu_offload import GradStaging
 from .elementwise import optimizer_kind
-from .muon import matrix_specs, orthogonalize
+from .muon import MUON_GROUP_KEYS, matrix_specs, orthogonalize
 from .optimizer_config import OptimizerConfig
 from .optimizer_state import MainShard, ShardState, cut_shards
 from .sharded_state import ShardedOptimizerState
@@ -316,8 +317,23 @@ class MegatronOptimizer:
         return self.shard_state.common_state_dict()
 
     def load_common_state_dict(self, state_dict, hyperparameters: str = "check"):
-        """The kind check, group-level state with its hyperparameters (see load_state_dict), loss scaler."""
+        """The kind check, group-level state with its hyperparameters (see load_state_dict), loss scaler.
+        optimizer='muon': the muon_* values the Muon groups end with are this optimizer's config's too (the
+        orthogonalization reads them there), and a muon_split_qkv other than the one it was built with (which
+        decided its matrices) is refused."""
+        if self.matrix_specs and hyperparameters == "checkpoint" and state_dict.get("optimizer") == "muon":
+            for saved in state_dict["param_groups"]:
+                split = saved.get("muon_split_qkv", self.config.muon_split_qkv)
+                if saved.get("use_muon") and split != self.config.muon_split_qkv:
+                    raise ValueError(f"muon_split_qkv is {self.config.muon_split_qkv} in this run but {split} in "
+                                     f"the checkpoint, and cannot be taken from it (it decides Muon's matrices when "
+                                     f"the optimizer is built): build with muon_split_qkv={split} "
+                                     f"({'--muon-no-split-qkv' if not split else 'without --muon-no-split-qkv'})")
         self.shard_state.load_common_state_dict(state_dict, hyperparameters)
+        if self.matrix_specs:
+            values = {k: g[k] for g in self.optimizer.param_groups if g.get("use_muon") for k in MUON_GROUP_KEYS}
+            if any(values[k] != getattr(self.config, k) for k in values):
+                self.config = dataclasses.replace(self.config, **values)
 
     def agreed_param_steps(self) -> Dict[str, int]:
         """Every parameter's own step count (ShardedOptimizerState.own_step), on every rank: the largest over

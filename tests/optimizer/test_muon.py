@@ -495,3 +495,33 @@ def test_resume_checks_the_muon_hyperparameters(single_rank_group):
 
         ddp = DistributedDataParallel(tiny_gpt(), DistributedDataParallelConfig())
         get_megatron_optimizer(OptimizerConfig(lr=LR), ddp).load_state_dict(state)
+
+
+def test_muon_values_taken_from_the_checkpoint_are_the_ones_stepped(single_rank_group):
+    """hyperparameters='checkpoint' takes the checkpoint's muon_* values: the step after the resume is then
+    bitwise a run built with them (Newton-Schulz's coefficient type and steps included, which the
+    orthogonalization reads from the optimizer's config, not from the param group), and the next checkpoint
+    records them. muon_split_qkv decides the matrices when the optimizer is built: taking another one from the
+    checkpoint is refused, naming it. Failed before: the group said the checkpoint's 'simple' x 5 while
+    Newton-Schulz ran this run's 'quintic' x 10."""
+    def stepped(model_ddp_opt, state, hyperparameters):
+        model, ddp, opt = model_ddp_opt
+        opt.load_state_dict(state, hyperparameters)
+        _train_step(ddp, opt, 0, 2)
+        return [opt.main_of[p].clone() for p in model.parameters()], opt.state_dict()["param_groups"]
+
+    model, ddp, opt = _build(muon_momentum=0.9)
+    _train_step(ddp, opt, 0, 0)
+    state = opt.state_dict()
+    same, _ = stepped(_build(muon_momentum=0.9), state, "check")
+    taken, groups = stepped(_build(muon_coefficient_type="quintic", muon_num_ns_steps=10, muon_nesterov=True,
+                                   **SCALES["match_rms_adamw"]), state, "checkpoint")
+    assert all(torch.equal(a, b) for a, b in zip(same, taken))
+    assert (groups[0]["muon_coefficient_type"], groups[0]["muon_num_ns_steps"], groups[0]["muon_momentum"]) == \
+        ("simple", 5, 0.9)
+    kept, _ = stepped(_build(muon_coefficient_type="quintic", muon_num_ns_steps=10), state, "override")
+    assert not all(torch.equal(a, b) for a, b in zip(same, kept))  # this run's values: another update
+    with pytest.raises(ValueError, match="muon_split_qkv is False in this run but True in the checkpoint.*"
+                                         "build with muon_split_qkv=True"):
+        _build(muon_split_qkv=False)[2].load_state_dict(state, "checkpoint")
+
