@@ -76,7 +76,9 @@ class OptimizerKind:
     @property
     def nonnegative_keys(self) -> Tuple[str, ...]:
         """The moments that cannot be negative (NONNEGATIVE_STATE, for torch.optim's own classes only: another
-        class may give the same name to a signed quantity)."""
+        class may give the same name to a signed quantity); for optimizer='muon', its AdamW part's."""
+        if self.group_kinds is not None:
+            return tuple(dict.fromkeys(k for _, part in self.group_kinds for k in part.nonnegative_keys))
         if not self.cls.__module__.startswith("torch.optim."):
             return ()
         return tuple(k for k in self.tensor_keys if k in NONNEGATIVE_STATE)

@@ -525,3 +525,14 @@ def test_muon_values_taken_from_the_checkpoint_are_the_ones_stepped(single_rank_
                                          "build with muon_split_qkv=True"):
         _build(muon_split_qkv=False)[2].load_state_dict(state, "checkpoint")
 
+
+def test_the_adamw_part_keeps_its_moments_of_squares_checked():
+    """A replica's state is refused when a moment of squares is negative (recv_shard_state reads
+    OptimizerKind.nonnegative_keys): optimizer='muon' names its AdamW part's exp_avg_sq (Muon's momentum buffer
+    is signed). Failed before: () for the mixed kind, whose class is not torch.optim's, so a damaged exp_avg_sq of
+    an embedding came back (its square root: NaN parameters)."""
+    from megatron_lite.optimizer import optimizer_kind
+
+    kind = optimizer_kind(_muon_config())
+    assert kind.nonnegative_keys == ("exp_avg_sq",)
+    assert kind.of_group({"use_muon": True}).nonnegative_keys == ()
