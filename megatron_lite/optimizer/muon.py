@@ -26,6 +26,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..config_checks import is_int
+
 # Newton-Schulz (a, b, c) per iteration (emerging_optimizers' values, the package megatron-core's Muon uses).
 COEFFICIENT_SETS: Dict[str, Tuple[Tuple[float, float, float], ...]] = {
     "simple": ((3.4445, -4.7750, 2.0315),),
@@ -142,7 +144,8 @@ def matrix_specs(model_chunks, config) -> Dict[torch.nn.Parameter, Optional[Matr
     `model_chunks` (modules; DistributedDataParallel chunks are read through their param_to_name).
 
     Raises ValueError for a fused linear_qkv weight without matrix_row_splits under muon_split_qkv (the split
-    would be silently skipped), splits that do not add up to its rows, or an expert-parallel parameter."""
+    would be silently skipped), splits that do not add up to its rows, or an expert-parallel parameter;
+    TypeError for matrix_row_splits that is not a tuple (or list) of ints."""
     specs: Dict[torch.nn.Parameter, Optional[MatrixSpec]] = {}
     for chunk in model_chunks:
         named = (((n, p) for p, n in chunk.param_to_name.items()) if hasattr(chunk, "param_to_name")
@@ -165,7 +168,10 @@ def matrix_specs(model_chunks, config) -> Dict[torch.nn.Parameter, Optional[Matr
                                      f"param.matrix_row_splits, or turn the split off (muon_split_qkv=False, "
                                      f"--muon-no-split-qkv)")
                 splits = (rows,)
-            splits = tuple(int(r) for r in splits)
+            if not (isinstance(splits, (tuple, list)) and all(is_int(r) for r in splits)):
+                raise TypeError(f"parameter {name}: matrix_row_splits must be a tuple of ints (the row count of "
+                                f"each block, top to bottom), got {splits!r}")
+            splits = tuple(splits)
             if sum(splits) != rows or min(splits) < 1:
                 raise ValueError(f"parameter {name}: matrix_row_splits {splits} must be positive row counts adding "
                                  f"up to its {rows} rows")

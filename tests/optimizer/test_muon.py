@@ -173,6 +173,23 @@ def test_a_fused_qkv_without_its_splits_is_refused():
         matrix_specs([model], OptimizerConfig(optimizer="muon"))
 
 
+@pytest.mark.parametrize("splits", [32, (8.5, 23.5), (16.0, 8, 8), ("16", 8, 8), (True, 15, 16),
+                                    torch.tensor([16, 8, 8])])
+def test_matrix_row_splits_that_are_not_row_counts_are_refused(splits):
+    """matrix_row_splits must be a tuple (or list) of ints: a TypeError naming the parameter and the attribute.
+    Failed before: an int raised Python's "'int' object is not iterable", a string "invalid literal for int()"
+    (neither naming anything), 8.5 + 23.5 was truncated to 8 + 23 and reported as such, and a bool or a tensor
+    was taken as row counts."""
+    model = tiny_gpt()
+    model.layers[1].self_attention.linear_qkv.weight.matrix_row_splits = splits
+    with pytest.raises(TypeError, match=r"layers\.1\.self_attention\.linear_qkv\.weight: matrix_row_splits must be "
+                                        r"a tuple of ints"):
+        matrix_specs([model], OptimizerConfig(optimizer="muon"))
+    model.layers[1].self_attention.linear_qkv.weight.matrix_row_splits = [16, 8, 8]  # a list is fine
+    assert matrix_specs([model], OptimizerConfig(optimizer="muon"))[
+        model.layers[1].self_attention.linear_qkv.weight].row_splits == (16, 8, 8)
+
+
 def test_expert_parameters_are_refused():
     model = tiny_gpt()
     model.layers[0].mlp.linear_fc1.weight.allreduce = False
