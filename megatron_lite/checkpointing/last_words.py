@@ -317,6 +317,8 @@ def load(files: Dict[int, List[str]], model, optimizer, scheduler, check_args: O
 
     def small_state():  # local, and where it can fail (a hyperparameter differs), before any tensor is written
         if load_optim:
+            optimizer.check_state_parts({name: entry.keys() for (name, _), entry in values.items()},
+                                        payload.get("lagging_steps"))
             optimizer.load_common_state_dict(payload["optimizer"], hyperparameters)
             scheduler.load_state_dict(payload["opt_param_scheduler"], hyperparameters=hyperparameters)
         if load_rng:

@@ -292,6 +292,13 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     main params, optimizer.reload_model_params()). The optimizer's hyperparameters and loss scale are the
     caller's (optimizer.load_common_state_dict(common['optimizer'])). A model the checkpoint does not fit,
     or a read failing on any rank, raises on every rank of `group`, before any tensor is written."""
+    if load_optim:  # optimizer='muon': a parameter's state kept under the other part is refused (every rank alike)
+        stored = {}
+        for key in SafeReader(directory).read_metadata().state_dict_metadata:
+            if key.startswith("optimizer."):
+                name, field = key[len("optimizer."):].rsplit(".", 1)
+                stored.setdefault(name, set()).add(field)
+        optimizer.check_state_parts(stored, common.get("optimizer_lagging_steps"))
     state = collectives.run_collectively(_placeholders, directory, model, optimizer, common, group=group)
     if not load_optim:  # every rank drops the same keys: DCP reads only what is asked for
         state = {k: v for k, v in state.items() if not k.startswith("optimizer.")}

@@ -309,8 +309,34 @@ class MegatronOptimizer:
         missing = set(self.param_to_name.values()) - set(state_dict["state"])
         if missing:
             raise ValueError(f"optimizer checkpoint lacks parameters: {sorted(missing)[:10]}")
+        self.check_state_parts({name: entry.keys() for name, entry in state_dict["state"].items()},
+                               {name: entry.get("step") for name, entry in state_dict["state"].items()})
         self.load_common_state_dict(state_dict, hyperparameters)
         self.load_sharded_state(cut_shards(state_dict["state"], self.sharded_state()))
+
+    def check_state_parts(self, stored: Dict[str, object], steps: Optional[Dict[str, int]] = None):
+        """optimizer='muon': refuse a checkpoint that keeps a parameter's state under the other part (Muon's
+        momentum_buffer for a parameter AdamW steps now, or AdamW's moments for a Muon matrix: its use_muon or
+        is_embedding_or_output_parameter changed since), which every format would otherwise drop silently,
+        restarting that parameter's state. `stored`: {name: the state keys the checkpoint holds for it};
+        `steps`: {name: its own step count} where known (0: it never stepped, nothing to lose). The same on
+        every rank (the whole checkpoint's names, not this rank's shards)."""
+        kind = self.shard_state.kind
+        if kind.group_kinds is None:
+            return
+        parts = dict(kind.group_kinds)
+        for param, name in self.param_to_name.items():
+            muon = self.matrix_specs.get(param) is not None
+            own, others = (parts["muon"], parts["adam"]) if muon else (parts["adam"], parts["muon"])
+            other = set(others.state_keys) - set(own.state_keys)
+            foreign = sorted(other & set(stored.get(name, ())))
+            if foreign and (steps or {}).get(name) != 0:
+                raise ValueError(
+                    f"the checkpoint keeps {name}'s optimizer state as {'AdamW' if muon else 'Muon'}'s ({foreign}), "
+                    f"but this optimizer steps it with {'Muon' if muon else 'AdamW'} (Muon: full shape 2-D, not "
+                    f"is_embedding_or_output_parameter, use_muon not False): mark the parameter as it was when the "
+                    f"checkpoint was written, or load without the optimizer state (--no-load-optim, "
+                    f"load_checkpoint(load_optim=False))")
 
     def common_state_dict(self) -> dict:
         """What every rank shares: kind, param-group hyperparameters, loss scaler (no tensors of params)."""

@@ -553,3 +553,43 @@ def test_the_adamw_part_keeps_its_moments_of_squares_checked():
     kind = optimizer_kind(_muon_config())
     assert kind.nonnegative_keys == ("exp_avg_sq",)
     assert kind.of_group({"use_muon": True}).nonnegative_keys == ()
+
+
+def _marked_gpt(position_on_adamw):
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    torch.manual_seed(0)
+    model = tiny_gpt(share_embeddings_and_output_weights=False)
+    if position_on_adamw:
+        model.position_embeddings.weight.use_muon = False
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(bucket_size=700))
+    return model, ddp, get_megatron_optimizer(_muon_config(), ddp)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("saved_on_adamw", [False, True])
+def test_a_parameter_moved_between_muon_and_adamw_is_refused_on_resume(single_rank_group, tmp_path, fmt,
+                                                                       saved_on_adamw):
+    """A checkpoint that keeps a parameter's state as the other part's (position_embeddings.weight on Muon when
+    saved, use_muon=False now, or the reverse) is refused, naming it and what to do; without the optimizer
+    state it loads. Failed before: both formats dropped the foreign keys and the parameter silently started a
+    fresh state (AdamW from step 1 with zero moments, or Muon from a zero buffer)."""
+    from megatron_lite import checkpointing
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    model, ddp, opt = _marked_gpt(saved_on_adamw)
+    for step in range(2):
+        _train_step(ddp, opt, 0, step)
+    checkpointing.save_checkpoint(str(tmp_path), 2, ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"),
+                                  4, ckpt_format=fmt)
+    model, ddp, opt = _marked_gpt(not saved_on_adamw)
+    sched = OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+    words = (f"keeps position_embeddings.weight's optimizer state as {'AdamW' if saved_on_adamw else 'Muon'}'s .*"
+             f"steps it with {'Muon' if saved_on_adamw else 'AdamW'}.*--no-load-optim")
+    with pytest.raises(ValueError, match=words):
+        checkpointing.load_checkpoint(str(tmp_path), ddp, opt, sched)
+    checkpointing.load_checkpoint(str(tmp_path), ddp, opt, sched, load_optim=False)
+    # the same classification resumes as before
+    model, ddp, opt = _marked_gpt(saved_on_adamw)
+    checkpointing.load_checkpoint(str(tmp_path), ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"))
+    assert opt.optimizer.state[opt.main_of[model.position_embeddings.weight]]
