@@ -593,3 +593,26 @@ def test_a_parameter_moved_between_muon_and_adamw_is_refused_on_resume(single_ra
     model, ddp, opt = _marked_gpt(saved_on_adamw)
     checkpointing.load_checkpoint(str(tmp_path), ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"))
     assert opt.optimizer.state[opt.main_of[model.position_embeddings.weight]]
+
+
+def test_last_words_of_a_parameter_moved_between_muon_and_adamw_are_refused(single_rank_group, tmp_path):
+    """The last-words load refuses it too (inside its collective check, before any tensor is written), and
+    loads with the same marks."""
+    from megatron_lite.checkpointing import last_words
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    model, ddp, opt = _marked_gpt(False)
+    sched = OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant")
+    words = last_words.LastWords(str(tmp_path), opt, sched, 0, 0)
+    for step in range(2):
+        words.stage(step + 1, (step + 1) * 4)
+        _train_step(ddp, opt, 0, step)
+        sched.step()
+        words.commit()
+    assert words.write("test")
+    sets, _ = last_words.scan(str(tmp_path))
+    model, ddp, opt = _marked_gpt(True)
+    with pytest.raises(ValueError, match="keeps position_embeddings.weight's optimizer state as Muon's"):
+        last_words.load(sets[2], ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"))
+    model, ddp, opt = _marked_gpt(False)
+    assert last_words.load(sets[2], ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"))
