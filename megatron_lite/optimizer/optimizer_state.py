@@ -99,6 +99,7 @@ class ShardState:
         self.grad_scaler = grad_scaler
         # The kind that steps each main tensor: the same for all, except optimizer='muon' (OptimizerKind.of_group).
         self._kind_of = {id(p): kind.of_group(g) for g in inner.param_groups for p in g["params"]}
+        self._group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
         self._mixed = kind.group_kinds is not None
 
     def kind_of(self, main: torch.Tensor):
@@ -179,8 +180,10 @@ class ShardState:
         for key, value in tensors.items():
             moved = value.to(device=main.device, dtype=torch.float32)
             state[key] = moved if adopt or moved is not value else moved.clone()  # never the caller's tensor unasked
-        # torch keeps the step and other per-parameter scalars on the CPU, except for fused/capturable kernels.
-        on_device = self.inner.defaults.get("fused") or self.inner.defaults.get("capturable")
+        # torch keeps the step and other per-parameter scalars on the CPU, except for fused/capturable kernels
+        # (decided per param group, as torch.optim's load_state_dict does: optimizer='muon's AdamW groups).
+        group = self._group_of.get(id(main), self.inner.defaults)
+        on_device = group.get("fused") or group.get("capturable")
         where = main.device if on_device else "cpu"
         for key, value in scalars.items():
             state[key] = value.detach().to(device=where, dtype=torch.float32).clone().reshape(())

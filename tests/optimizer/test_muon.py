@@ -616,3 +616,23 @@ def test_last_words_of_a_parameter_moved_between_muon_and_adamw_are_refused(sing
         last_words.load(sets[2], ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"))
     model, ddp, opt = _marked_gpt(False)
     assert last_words.load(sets[2], ddp, opt, OptimizerParamScheduler(opt, LR, 0.0, 0, 10, "constant"))
+
+
+def test_adamw_steps_are_restored_where_its_fused_kernel_keeps_them():
+    """Where the inner optimizer's AdamW part runs torch's fused kernel (CUDA), a restored 'step' goes on the
+    parameter's device, as torch.optim's load_state_dict puts it for fused / capturable groups (the kernel reads
+    it there). Seen on the meta device here (the CPU cannot tell the two places apart). Failed before: the
+    place was decided from MuonWithAdamW's own defaults, which have no 'fused': the step went to the CPU."""
+    from megatron_lite.optimizer import optimizer_kind
+    from megatron_lite.optimizer.muon import MuonWithAdamW
+    from megatron_lite.optimizer.optimizer_state import MainShard, ShardState
+
+    config = _muon_config()
+    w, b = (torch.nn.Parameter(torch.zeros(shape, device="meta")) for shape in ((4, 4), (4,)))
+    inner = MuonWithAdamW([{"params": [w], "use_muon": True, "weight_decay": WD},
+                           {"params": [b], "weight_decay": 0.0}], lr=LR, weight_decay=WD, config=config, fused=True)
+    state = ShardState(inner, optimizer_kind(config), [MainShard(w, 0, 16, w), MainShard(b, 0, 4, b)],
+                       {w: "w", b: "b"}, None)
+    state._set_state_of(b, 3, {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}, {})
+    assert inner.state[b]["step"].device.type == "meta"
+    assert "step" not in inner.state.get(w, {})
