@@ -161,7 +161,8 @@ class DistributedOptimizer(MegatronOptimizer):
         for chunk in self.model_chunks:
             for buffer in chunk.param_and_grad_buffers + chunk.expert_parallel_buffers:
                 for param, (start, end, _) in buffer.param_index_map.items():
-                    entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu() for k in keys}
+                    entry = {k: flats[k][id(buffer)][start:end].view(param.shape).clone().cpu()
+                             for k in ("param", *self.state_keys_of(param))}  # optimizer='muon': its part's
                     entry["step"] = steps[self.param_to_name[param]]
                     out[self.param_to_name[param]] = entry
         return out

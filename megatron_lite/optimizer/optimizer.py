@@ -314,6 +314,14 @@ class MegatronOptimizer:
         self.load_common_state_dict(state_dict, hyperparameters)
         self.load_sharded_state(cut_shards(state_dict["state"], self.sharded_state()))
 
+    def state_keys_of(self, param: torch.nn.Parameter) -> Tuple[str, ...]:
+        """The optimizer-state keys model parameter `param` carries in every format (for any rank, whether or
+        not it holds a shard of it): the kind's, or for optimizer='muon' those of its part (Muon's or AdamW's)."""
+        kind = self.shard_state.kind
+        if kind.group_kinds is None:
+            return kind.state_keys
+        return dict(kind.group_kinds)["muon" if self.matrix_specs.get(param) is not None else "adam"].state_keys
+
     def check_state_parts(self, stored: Dict[str, object], steps: Optional[Dict[str, int]] = None):
         """optimizer='muon': refuse a checkpoint that keeps a parameter's state under the other part (Muon's
         momentum_buffer for a parameter AdamW steps now, or AdamW's moments for a Muon matrix: its use_muon or
@@ -324,12 +332,9 @@ class MegatronOptimizer:
         kind = self.shard_state.kind
         if kind.group_kinds is None:
             return
-        parts = dict(kind.group_kinds)
         for param, name in self.param_to_name.items():
             muon = self.matrix_specs.get(param) is not None
-            own, others = (parts["muon"], parts["adam"]) if muon else (parts["adam"], parts["muon"])
-            other = set(others.state_keys) - set(own.state_keys)
-            foreign = sorted(other & set(stored.get(name, ())))
+            foreign = sorted((set(kind.state_keys) - set(self.state_keys_of(param))) & set(stored.get(name, ())))
             if foreign and (steps or {}).get(name) != 0:
                 raise ValueError(
                     f"the checkpoint keeps {name}'s optimizer state as {'AdamW' if muon else 'Muon'}'s ({foreign}), "

@@ -636,3 +636,26 @@ def test_adamw_steps_are_restored_where_its_fused_kernel_keeps_them():
     state._set_state_of(b, 3, {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}, {})
     assert inner.state[b]["step"].device.type == "meta"
     assert "step" not in inner.state.get(w, {})
+
+
+def test_the_distributed_optimizers_state_dict_carries_each_parameters_own_keys(single_rank_group):
+    """The 'torch' format of the distributed optimizer (DistributedOptimizer._gathered) writes for a Muon matrix
+    only 'momentum_buffer' and for the rest only AdamW's moments, as the full-parameter optimizers do. Failed
+    before: every key for every parameter (zeros where it has none), which a resume then took for a parameter
+    moved between Muon and AdamW."""
+    from megatron_lite import DistributedDataParallel, DistributedDataParallelConfig, get_megatron_optimizer
+
+    torch.manual_seed(0)
+    model = tiny_gpt(share_embeddings_and_output_weights=False)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                        bucket_size=700))
+    opt = get_megatron_optimizer(_muon_config(use_distributed_optimizer=True), ddp)
+    for step in range(2):
+        _train_step(ddp, opt, 0, step)
+    state = opt.state_dict()["state"]
+    keys = {n: sorted(k for k in e if k not in ("param", "step")) for n, e in state.items()}
+    assert keys["layers.0.self_attention.linear_qkv.weight"] == ["momentum_buffer"]
+    assert keys["word_embeddings.weight"] == keys["layers.1.mlp.linear_fc2.bias"] == ["exp_avg", "exp_avg_sq"]
+    model2 = tiny_gpt(share_embeddings_and_output_weights=False)
+    ddp2 = DistributedDataParallel(model2, DistributedDataParallelConfig(bucket_size=700))
+    get_megatron_optimizer(_muon_config(), ddp2).load_state_dict(opt.state_dict())  # to no_shard
