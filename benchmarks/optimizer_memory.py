@@ -8,8 +8,10 @@ Memory: the real bytes of this rank's tensors after the last step: params (the D
 distributed optimizer, else the parameters themselves), grads (the DDP grad buffer), fp32 main params
 (the inner optimizer's params, unless they alias storage already counted: FP32Optimizer steps the model
 params, and the fp32 DistributedOptimizer steps views into the param buffer) and Adam's exp_avg and
-exp_avg_sq. Divided by the model's parameter count and compared with the theory for dp = d:
-bf16 params + fp32 grads 18 vs 6 + 12/d bytes per parameter, fp32 16 vs 8 + 8/d.
+exp_avg_sq (with --optimizer muon: Muon's one momentum_buffer per matrix element, Adam's two moments for the
+LayerNorm weights and the biases). Divided by the model's parameter count and compared with the theory for dp = d:
+bf16 params + fp32 grads 18 vs 6 + 12/d bytes per parameter, fp32 16 vs 8 + 8/d (Muon: 4 fewer bytes of state per
+matrix element, divided by d when sharded).
 
 Time: a full training step (zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step), and
 optimizer.step() alone (with the distributed optimizer it includes the parameter all-gather). Each
@@ -20,6 +22,7 @@ discussion: docs/distributed_optimizer.md::
 
     torchrun --nproc-per-node 2 -m benchmarks.optimizer_memory
     python -m benchmarks.optimizer_memory            # spawns 2 ranks itself (file:// rendezvous)
+    python -m benchmarks.optimizer_memory --optimizer muon --hidden 128 --steps 5 --warmup 1
 """
 
 import argparse
@@ -38,9 +41,10 @@ from megatron_lite import (
     get_megatron_optimizer,
 )
 from megatron_lite.distributed import collectives
+from megatron_lite.optimizer.muon import matrix_specs
 
 CONFIGS = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
-ADAM_STATE = ("exp_avg", "exp_avg_sq")
+STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # Adam's moments; Muon's momentum (its matrices)
 
 
 def name(dtype, distributed) -> str:
@@ -52,12 +56,13 @@ def build(dtype, distributed, args):
     ddp = DistributedDataParallel(MLPStack(args.hidden, args.layers).to(dtype), DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed))
     opt = get_megatron_optimizer(OptimizerConfig(
-        lr=1e-4, bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed), [ddp])
+        optimizer=args.optimizer, lr=1e-4, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=distributed), [ddp])
     return ddp, opt
 
 
 def memory(ddp, opt) -> dict:
-    """This rank's bytes of params, grads, fp32 main params and Adam state; shared storage counted once
+    """This rank's bytes of params, grads, fp32 main params and optimizer state; shared storage counted once
     (the fp32 optimizers' main params are the model's own storage, so they add nothing)."""
     seen = set()
     return dict(
@@ -66,19 +71,23 @@ def memory(ddp, opt) -> dict:
                           + list(ddp.param_to_name), seen),
         grads=held_bytes([b.grad_data for b in ddp.param_and_grad_buffers], seen),
         main=held_bytes([p for g in opt.optimizer.param_groups for p in g["params"]], seen),
-        state=held_bytes([s[k] for s in opt.optimizer.state.values() for k in ADAM_STATE if k in s], seen))
+        state=held_bytes([s[k] for s in opt.optimizer.state.values() for k in STATE if k in s], seen))
 
 
-def theory(dtype, distributed, d) -> float:
-    """Bytes per parameter: params + grads (fp32) + fp32 main params (none for fp32) + Adam (8)."""
+def theory(dtype, distributed, d, matrix_fraction: float) -> float:
+    """Bytes per parameter: params + grads (fp32) + fp32 main params (none for fp32) + optimizer state: Adam's 8,
+    or with Muon 4 for the `matrix_fraction` of the parameters it steps and Adam's 8 for the rest."""
     param = 2 if dtype == torch.bfloat16 else 4
     main = 4 if dtype == torch.bfloat16 else 0
-    return param + 4 + (main + 8) / (d if distributed else 1)
+    state = 4 * matrix_fraction + 8 * (1 - matrix_fraction)
+    return param + 4 + (main + state) / (d if distributed else 1)
 
 
 def benchmark(args, rank: int, world: int, device):
     runs = [build(dtype, distributed, args) for dtype, distributed in CONFIGS]
     numel = sum(p.numel() for p in runs[0][0].module.parameters())
+    specs = matrix_specs([runs[0][0]], runs[0][1].config) if args.optimizer == "muon" else {}
+    matrix_fraction = sum(p.numel() for p, spec in specs.items() if spec is not None) / numel
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own micro-batch
     x = torch.randn(args.micro_batch_size, args.hidden, generator=g)
     y = torch.randn(args.micro_batch_size, args.hidden, generator=g)
@@ -95,9 +104,11 @@ def benchmark(args, rank: int, world: int, device):
     mib = 2**20
     print(f"gloo, {world} ranks, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} CPUs; MLPStack "
           f"hidden {args.hidden} x {args.layers} layers = {numel:,} parameters; micro-batch {args.micro_batch_size}; "
-          f"Adam; median of {args.steps} steps ({args.warmup} warm-up)\n")
+          f"{args.optimizer} (Muon steps {matrix_fraction:.2%} of the parameters); median of {args.steps} steps "
+          f"({args.warmup} warm-up)\n")
     print("Memory per rank, bytes per parameter (component bytes / model parameters):\n")
-    print(f"| {'configuration':<20} | rank | params | grads | fp32 main | Adam state | total | theory | total MiB |")
+    print(f"| {'configuration':<20} | rank | params | grads | fp32 main | {args.optimizer + ' state':<10} | total | "
+          f"theory | total MiB |")
     print(f"|{'-' * 22}|------|--------|-------|-----------|------------|-------|--------|-----------|")
     for k, (dtype, distributed) in enumerate(CONFIGS):
         for r in range(world):
@@ -106,7 +117,7 @@ def benchmark(args, rank: int, world: int, device):
             total = sum(m.values())
             print(f"| {name(dtype, distributed):<20} | {r:>4} | {per['params']:>6.2f} | {per['grads']:>5.2f} | "
                   f"{per['main']:>9.2f} | {per['state']:>10.2f} | {total / numel:>5.2f} | "
-                  f"{theory(dtype, distributed, world):>6.2f} | {total / mib:>9.2f} |")
+                  f"{theory(dtype, distributed, world, matrix_fraction):>6.2f} | {total / mib:>9.2f} |")
     print("\nStep time (zero_grad_buffer, forward, backward, finish_grad_sync, optimizer.step), median ms:\n")
     print(f"| {'configuration':<20} | full step | distributed / non-distributed | optimizer.step() alone |")
     print(f"|{'-' * 22}|-----------|-------------------------------|------------------------|")
@@ -126,6 +137,8 @@ def main():
     parser.add_argument("--micro-batch-size", type=int, default=32, help="rows of input per rank (default: 32)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration (default: 30)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration (default: 3)")
+    parser.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
+                        help="adam (default), or muon: the Linear weights on Muon, LayerNorms and biases on AdamW")
     parser.add_argument("--world-size", type=int, default=2,
                         help="ranks to spawn when not launched by torchrun (default: 2)")
     args = parser.parse_args()

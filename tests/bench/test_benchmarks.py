@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/compare_ddp.py, compare_ddp_zero3.py and muon_work.py: they run end to end and report
-complete results (no timing checks)."""
+"""Smoke tests of benchmarks/compare_ddp.py, compare_ddp_zero3.py, muon_work.py and muon_step.py: they run end to
+end and report complete results (no timing checks)."""
 
 import csv
 import importlib.util
@@ -72,3 +72,20 @@ def test_muon_work_counts_each_matrix_once_and_splits_the_work():
         assert abs(sum(share for _, _, share in rows) - 1) < 2e-3 and max(s for _, _, s in rows) < 4 / 3 / dp, rows
     assert set(exchange) == {(2, "one bucket"), (2, "1000"), (4, "one bucket"), (4, "1000")}
     assert all(0 < share <= 1 for share in exchange.values()), exchange
+
+
+def test_muon_step_tiny_splits_the_work_and_agrees_with_torch(tmp_path):
+    """Catches a system that fails to build or step with Muon on 2 gloo ranks, sharded Muon orthogonalizing a matrix
+    on more than one rank (or on none: the work per rank must add up to torch's, which every rank does whole), and
+    parameters that drift from torch DDP + torch.optim.Muon + AdamW on the same batches."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.muon_step", "--quick", "--out", str(tmp_path / "m.json")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "m.json") as f:
+        result = json.load(f)
+    assert result["systems"] == ["ml-zero1 muon", "ml-ddp muon", "torch-ddp muon"] and result["world_size"] == 2
+    work = result["multiply_adds_per_rank"]  # [rank][system]
+    assert [rank[2] for rank in work] == [rank[1] for rank in work] and work[0][2] > 0
+    assert sum(rank[0] for rank in work) == work[0][2] and max(rank[0] for rank in work) < work[0][2], work
+    assert max(result["drift"]) <= 1e-6, result["drift"]
+    assert all(ms > 0 for ms in result["step_ms"] + result["optimizer_step_ms"])
