@@ -143,8 +143,9 @@ def matrix_specs(model_chunks, config) -> Dict[torch.nn.Parameter, Optional[Matr
     """{param: its MatrixSpec, or None for a parameter AdamW steps} for every parameter that requires grad in
     `model_chunks` (modules; DistributedDataParallel chunks are read through their param_to_name).
 
-    Raises ValueError for a fused linear_qkv weight without matrix_row_splits under muon_split_qkv (the split
-    would be silently skipped), splits that do not add up to its rows, or an expert-parallel parameter;
+    Raises ValueError when no parameter qualifies (Muon would silently be AdamW), for a fused linear_qkv
+    weight without matrix_row_splits under muon_split_qkv (the split would be silently skipped), splits that
+    do not add up to its rows, or an expert-parallel parameter;
     TypeError for matrix_row_splits that is not a tuple (or list) of ints."""
     specs: Dict[torch.nn.Parameter, Optional[MatrixSpec]] = {}
     for chunk in model_chunks:
@@ -176,6 +177,14 @@ def matrix_specs(model_chunks, config) -> Dict[torch.nn.Parameter, Optional[Matr
                 raise ValueError(f"parameter {name}: matrix_row_splits {splits} must be positive row counts adding "
                                  f"up to its {rows} rows")
             specs[param] = MatrixSpec(rows, cols, splits)
+    if specs and all(spec is None for spec in specs.values()):
+        # DeepSpeed's zero.Init bug: parameters seen as flat placeholders all went to AdamW, and the run trained
+        # on without a word. Every rank holds the same model, so every rank raises this.
+        shapes = ", ".join(f"{tuple(p.shape)}" for p in list(specs)[:4])
+        raise ValueError(f"optimizer='muon' (--optimizer muon) found no parameter to step with Muon: none of the "
+                         f"{len(specs)} parameters is a 2-D matrix that is not an embedding or output layer "
+                         f"(shapes {shapes}{', ...' if len(specs) > 4 else ''}). Pass the model with its layers' "
+                         f"full shapes (not flattened), or use optimizer='adam'")
     return specs
 
 

@@ -197,6 +197,17 @@ def test_expert_parameters_are_refused():
         matrix_specs([model], OptimizerConfig(optimizer="muon"))
 
 
+def test_a_model_with_no_matrix_for_muon_is_refused():
+    """DeepSpeed's zero.Init scenario: every parameter looks flat (1-D), so Muon would step nothing and AdamW
+    everything, silently. Refused on construction, naming the flag."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        flat = torch.nn.ParameterList(torch.nn.Parameter(p.detach().reshape(-1).clone()) for p in model.parameters())
+    with pytest.raises(ValueError, match=r"--optimizer muon\) found no parameter to step with Muon"):
+        matrix_specs([flat], OptimizerConfig(optimizer="muon"))
+    assert _count(matrix_specs([model], OptimizerConfig(optimizer="muon"))) == (2, 2)
+
+
 @pytest.mark.parametrize("how", ["recorded", "plain"])
 def test_meta_built_gpt_keeps_its_tags(how):
     """The tags are set on the meta Parameters (before any storage)."""
