@@ -292,14 +292,7 @@ def load_torch_dist(directory: str, model, optimizer, common: dict, group=None, 
     main params, optimizer.reload_model_params()). The optimizer's hyperparameters and loss scale are the
     caller's (optimizer.load_common_state_dict(common['optimizer'])). A model the checkpoint does not fit,
     or a read failing on any rank, raises on every rank of `group`, before any tensor is written."""
-    if load_optim:  # optimizer='muon': a parameter's state kept under the other part is refused (every rank alike)
-        stored = {}
-        for key in SafeReader(directory).read_metadata().state_dict_metadata:
-            if key.startswith("optimizer."):
-                name, field = key[len("optimizer."):].rsplit(".", 1)
-                stored.setdefault(name, set()).add(field)
-        optimizer.check_state_parts(stored, common.get("optimizer_lagging_steps"))
-    state = collectives.run_collectively(_placeholders, directory, model, optimizer, common, group=group)
+    state = collectives.run_collectively(_placeholders, directory, model, optimizer, common, load_optim, group=group)
     if not load_optim:  # every rank drops the same keys: DCP reads only what is asked for
         state = {k: v for k, v in state.items() if not k.startswith("optimizer.")}
     try:  # DCP agrees on the success of its read steps itself: a failure on any rank raises on every rank
@@ -368,11 +361,19 @@ def _optimizer_values(state: Dict[str, object], described) -> Dict[Tuple[str, in
     return values
 
 
-def _placeholders(directory: str, model, optimizer, common: dict) -> Dict[str, object]:
+def _placeholders(directory: str, model, optimizer, common: dict, load_optim: bool = True) -> Dict[str, object]:
     """The zero-filled pieces this rank reads, after checking that the checkpoint holds every tensor of
-    the model (whatever this rank's layout) with the model's shapes."""
+    the model (whatever this rank's layout) with the model's shapes, and with `load_optim` that it keeps no
+    parameter's state as the other part's (optimizer='muon', MegatronOptimizer.check_state_parts)."""
     stored = SafeReader(directory).read_metadata().state_dict_metadata
     available = set(stored)
+    if load_optim:
+        fields: Dict[str, set] = {}
+        for key in available:
+            if key.startswith("optimizer."):
+                name, field = key[len("optimizer."):].rsplit(".", 1)
+                fields.setdefault(name, set()).add(field)
+        optimizer.check_state_parts(fields, common.get("optimizer_lagging_steps"))
     trainable = {name: list(p.shape) for p, name in optimizer.param_to_name.items()}
     for name in [*trainable, *_other_entries(model, trainable)]:
         if f"model.{name}" not in available:
