@@ -93,14 +93,14 @@ MUON_NOT_OFFERED = {  # Megatron-LM's Muon flags that mean nothing here: a flag 
     "--muon-use-syrk": "there is no Triton SYRK kernel here (Newton-Schulz uses torch.matmul); drop the flag",
 }
 MUON_HELP = (
-    "--optimizer muon: Newton-Schulz-orthogonalized momentum (Muon) for the 2-D weight matrices; the word "
-    "embeddings, the output layer, norms and biases go to AdamW (--adam-beta1/2, --adam-eps, --weight-decay). "
-    "Weight decay is torch.optim.Muon's, p *= 1 - lr x wd (Megatron's: p -= lr x wd x p). Megatron-LM turns "
-    "--optimizer muon --use-distributed-optimizer into its layer-wise distributed optimizer; here "
-    "--use-distributed-optimizer and --data-parallel-sharding-strategy keep the distributed optimizer of Adam "
-    "(flat shards of the buffers, in both checkpoint formats), each matrix gathered whole to the one rank that "
-    "owns it for Newton-Schulz and its update sent back. Megatron's --muon-fp32-matmul-prec, --muon-tp-mode and "
-    "--muon-use-syrk are refused.")
+    "--optimizer muon: Newton-Schulz-orthogonalized momentum (Muon) for the 2-D weight matrices, learned position "
+    "embeddings included (Megatron's rule); the word embeddings, the output layer, norms and biases go to AdamW "
+    "(--adam-beta1/2, --adam-eps, --weight-decay). Weight decay is torch.optim.Muon's, p *= 1 - lr x wd "
+    "(Megatron's p -= lr x wd x p: equal up to rounding). Megatron-LM turns --optimizer muon "
+    "--use-distributed-optimizer into its layer-wise distributed optimizer; here --use-distributed-optimizer and "
+    "--data-parallel-sharding-strategy keep the distributed optimizer of Adam (flat shards of the buffers, in both "
+    "checkpoint formats), each matrix gathered whole to the one rank that owns it for Newton-Schulz and its update "
+    "sent back. Megatron's --muon-fp32-matmul-prec, --muon-tp-mode and --muon-use-syrk are refused.")
 
 
 class _NotOffered(argparse.Action):
