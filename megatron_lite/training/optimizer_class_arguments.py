@@ -23,10 +23,11 @@ import torch
 from ..optimizer import OptimizerConfig
 
 FLAGS = {"optimizer_class": "--optimizer-class", "optimizer_kwargs": "--optimizer-kwargs"}
-# The named optimizers' own hyperparameters (adam_*, sgd_*, muon_*: whatever OptimizerConfig has), not read with
-# --optimizer-class (its own go in --optimizer-kwargs), and their defaults: what "not given" reads as.
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig) if f.name.startswith(("adam_", "sgd_",
-                                                                                                   "muon_"))}
+# The named optimizers' own hyperparameters (adam_*, sgd_*: whatever OptimizerConfig has), not read with
+# --optimizer-class (its own go in --optimizer-kwargs), and their defaults: what "not given" reads as. The --muon-*
+# flags are refused without --optimizer muon by arguments.check_muon_args, against their CLI defaults (Megatron's
+# --muon-momentum default, 0.9, is not megatron-core's config default, 0.95).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig) if f.name.startswith(("adam_", "sgd_"))}
 
 
 def add_optimizer_class_arguments(g: argparse._ArgumentGroup) -> None:
