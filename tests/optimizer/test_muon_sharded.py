@@ -607,3 +607,103 @@ def test_bf16_parameters_shard_like_no_shard():
         for name in names[1:]:
             assert all(torch.equal(per_rank[name][0][n], params[n]) for n in params), name
             assert all(torch.equal(per_rank[name][1][n], main[n]) for n in main), name
+
+
+# ---------------------------------------------------------------------- chunks, dtypes, unused matrices, fp16 skips
+class _Mixed(torch.nn.Module):
+    """fp32 `a` (16 -> 24), `b` (24 -> 16) in the low-precision dtype, fp32 `side` (16 x 16, no bias) used only at
+    some steps: a chunk of this has two buffers (one per parameter dtype), three matrices and two biases."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 24)
+        self.b = torch.nn.Linear(24, 16).to(dtype)
+        self.side = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, use_side):
+        y = self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype)).float()
+        return y + self.side(x) if use_side else y
+
+
+SIDE_USED = (True, False, False, True)  # no rank uses `side` at steps 1 and 2 (the same on every rank: see below)
+CHUNK_STRATEGIES = {
+    "no_shard": dict(use_distributed_optimizer=False),
+    "optim": dict(use_distributed_optimizer=True, bucket_size=200),
+    "optim_grads_overlap": dict(use_distributed_optimizer=True, bucket_size=200, overlap_grad_reduce=True,
+                                data_parallel_sharding_strategy="optim_grads"),
+    "optim_grads_params_overlap": dict(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                       overlap_param_gather=True, data_parallel_sharding_strategy="optim_grads_params",
+                                       fsdp_unit_modules=("Linear",)),
+}
+
+
+def _chunks_worker(names, instances, fp16):
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    rank = dist.get_rank()
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    precision = dict(fp16=True, initial_loss_scale=2.0**15, hysteresis=1) if fp16 else dict(bf16=True)
+    out = {}
+    for name in names:
+        torch.manual_seed(7)
+        chunks = [_Mixed(dtype), _Mixed(dtype)]
+        config = {**CHUNK_STRATEGIES[name], "find_unused_parameters": True, "grad_reduce_in_fp32": True}
+        if instances > 1:
+            config["num_distributed_optimizer_instances"] = instances
+        ddps = [DistributedDataParallel(chunk, DistributedDataParallelConfig(**config)) for chunk in chunks]
+        opt = get_megatron_optimizer(OptimizerConfig(**{**_muon_config(config["use_distributed_optimizer"]),
+                                                        **precision}), ddps)
+        assert len(ddps[0].param_and_grad_buffers) == 2
+        outcomes = []
+        for step, used in enumerate(SIDE_USED):
+            for ddp in ddps:
+                ddp.zero_grad_buffer()
+            opt.zero_grad()
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+            if fp16 and step == 0 and rank == 1:
+                x = x * 1e5  # only rank 1's gradients overflow: every rank must skip (and skip the exchange)
+            opt.scale_loss(ddps[1](ddps[0](x, used), used).pow(2).mean()).backward()
+            for ddp in ddps:
+                ddp.finish_grad_sync()
+            outcomes.append(opt.step()[0])
+        params = {}
+        for i, (chunk, ddp) in enumerate(zip(chunks, ddps)):
+            ddp.finish_param_sync()
+            with ddp.full_parameters():
+                params.update({f"chunk{i}.{n}": p.detach().clone() for n, p in chunk.named_parameters()})
+        out[name] = (outcomes, params)
+    return out
+
+
+@pytest.mark.parametrize("dp, instances, fp16", [(2, 1, False), (2, 1, True), (4, 2, True)],
+                         ids=["dp2-bf16", "dp2-fp16", "dp4-R2-fp16"])
+def test_chunks_dtypes_unused_matrices_and_overflow_skips(dp, instances, fp16):
+    """Two model chunks, each with an fp32 and a low-precision buffer (four buffers, indexed concatenated by the
+    exchange plan), a matrix no rank uses at two of the four steps, and with fp16 an overflow on rank 1 only at
+    step 0: every rank skips that step (no exchange anywhere: a rank that went on would wait in it forever) and
+    ZeRO-1/2/3 give the parameters of no_shard (dp=2, one commutative addition) bit for bit; at dp=4 R=2 the
+    sharded strategies agree with each other and replicas with their position's rank. Would catch a second
+    chunk's or buffer's matrices mapped onto the first's pieces, an unused matrix stepped (weight decay) or
+    waited for, or the overflow skip not agreed before the exchange.
+    (The use of `side` is the same on every rank: two chunks with overlap_grad_reduce and a parameter used on
+    some ranks only deadlock in the gradient reduction, with any optimizer.)"""
+    names = list(CHUNK_STRATEGIES) if dp == 2 else [n for n in CHUNK_STRATEGIES if n != "no_shard"]
+    results = run_distributed(_chunks_worker, dp, names, instances, fp16, timeout=300)
+    m = dp // instances
+    for rank, per_name in enumerate(results):
+        baseline_outcomes, baseline = per_name[names[0]]
+        assert baseline_outcomes == [not fp16, True, True, True], baseline_outcomes
+        for name in names[1:]:
+            outcomes, params = per_name[name]
+            assert outcomes == baseline_outcomes, (rank, name)
+            differ = [n for n in baseline if not torch.equal(params[n], baseline[n])]
+            assert not differ, (rank, name, differ)
+        for name in names:
+            assert all(torch.equal(per_name[name][1][n], results[rank % m][name][1][n]) for n in baseline)
