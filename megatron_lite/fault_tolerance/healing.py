@@ -109,8 +109,10 @@ def heal(snapshot: Optional[Snapshot], model, optimizer, scheduler) -> Optional[
     reference = current.index(True)
     progress, common = collectives.broadcast_object((snapshot.progress, snapshot.common) if current[rank] else None,
                                                     None, reference)
-    optimizer.load_common_state_dict(common)
-    scheduler.load_state_dict(progress.scheduler)
+    # The snapshot is this run's own state: its hyperparameters are the ones it trains with (a resume with
+    # --use-checkpoint-opt_param-scheduler may have taken them from a checkpoint), whatever the flags say.
+    optimizer.load_common_state_dict(common, "checkpoint")
+    scheduler.load_state_dict(progress.scheduler, "checkpoint")
     # Survivors at the target load their own copy; the others load the fresh state for now (the same
     # parameter all-gather on every rank), then receive theirs from a replica.
     described = optimizer.sharded_state()

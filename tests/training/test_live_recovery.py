@@ -393,3 +393,46 @@ def test_async_save_is_refused_under_the_supervisor():
     args = argparse.Namespace(async_save=True)
     with pytest.raises(ValueError, match="--async-save is not supported under live recovery"):
         pretrain_live(args, None, None, None)
+
+
+def _heal_after_checkpoint_values_worker():
+    """A run resumed with --use-checkpoint-opt_param-scheduler steps with the checkpoint's weight decay and
+    schedule, not its flags'; the next generation builds its optimizer and scheduler from the flags and heals
+    from the survivors' snapshots: what heal() raised, or whether it restored the running values and state."""
+    import torch.distributed as dist
+    from optim_testing import build, full_state, megatron_steps, states_equal
+
+    from megatron_lite.checkpointing.rng import get_rng_state
+    from megatron_lite.fault_tolerance.healing import Progress, heal, take_snapshot
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    rank, dp = dist.get_rank(), dist.get_world_size()
+
+    def generation(weight_decay, min_lr):
+        _, ddp, opt = build({"use_distributed_optimizer": True},
+                            {"lr": 1e-2, "weight_decay": weight_decay, "use_distributed_optimizer": True})
+        return ddp, opt, OptimizerParamScheduler(opt, 1e-2, min_lr, 1, 10, "cosine")
+
+    ddp, opt, sched = generation(0.1, 1e-3)  # the values the run took from its checkpoint
+    megatron_steps(ddp, opt, rank, dp, 2)
+    sched.step(2)
+    snapshot = take_snapshot(Progress(2, 32, get_rng_state(), sched.state_dict(), opt.steps_taken), None, opt, sched)
+    ddp2, opt2, sched2 = generation(0.01, 1e-4)  # the flags' values
+    try:
+        heal(snapshot, ddp2, opt2, sched2)
+    except ValueError as e:
+        return str(e)
+    return (states_equal(full_state(opt2), full_state(opt)),
+            [g["weight_decay"] for g in opt2.param_groups] == [g["weight_decay"] for g in opt.param_groups],
+            sched2.min_lr == sched.min_lr and sched2.num_steps == sched.num_steps)
+
+
+def test_heal_restores_the_running_hyperparameters_not_the_flags():
+    """The snapshot is the run's own state, so healing takes its hyperparameters ('checkpoint') whatever the
+    flags say. Would catch heal() checking them against the flags ('check', as it did): after a resume with
+    --use-checkpoint-opt_param-scheduler and other values, every live recovery raised and the supervisor fell
+    back to the checkpoint."""
+    from distributed_helper import run_distributed
+
+    for rank, outcome in enumerate(run_distributed(_heal_after_checkpoint_values_worker, 2)):
+        assert outcome == (True, True, True), (rank, outcome)
