@@ -132,7 +132,7 @@ def benchmark(args, rank: int, world: int, device):
     state = [held_bytes(state(), set()) for _, _, state, _ in built]
     flat = [torch.cat([p.detach().flatten() for p in model.parameters()]) for model, _, _, _ in built]
     drift = [(flat[k] - flat[2]).abs().max().item() for k in (0, 1)]
-    exchange = built[0][3]  # ml-zero1's plan: fp32 elements to and from the other ranks of the instance
+    exchange = built[0][3]  # ml-zero1's plan: bf16 elements to and from the other ranks of the instance
     moved = [sum(n for q, n in enumerate(splits) if q != exchange.position)
              for splits in (exchange.send_splits, exchange.recv_splits)]
     per_rank = collectives.all_gather_object(dict(counted=counted, state=state, moved=moved))
@@ -156,8 +156,9 @@ def benchmark(args, rank: int, world: int, device):
               f"{mib} |")
     print(f"\nmax |parameter - torch-ddp muon's| after {args.warmup + args.repeats * args.steps + 1} steps: "
           f"ml-zero1 {drift[0]:.2e}, ml-ddp {drift[1]:.2e}")
-    print("ml-zero1's exchange per step, elements each rank sends to / receives from the other ranks (u goes out in "
-          "fp32, the orthogonalized pieces come back in bf16, the other way round): "
+    print("ml-zero1's exchange per step, elements each rank sends to / receives from the other ranks (u goes out "
+          "cast to bf16, Newton-Schulz's first step, and the orthogonalized pieces come back in bf16, the other way "
+          "round): "
           + ", ".join(f"rank {r}: {m['moved'][0] / 1e6:.3f}M / {m['moved'][1] / 1e6:.3f}M"
                       for r, m in enumerate(per_rank)))
     write_json(args.out, dict(systems=list(SYSTEMS), step_ms=full, optimizer_step_ms=opt,

@@ -123,8 +123,9 @@ def main():
                       f"{r['counted'] / 1e9:.3f} | {r['counted'] / total:.3f} | {1 / dp:.3f} |")
             print(f"| {name} | {dp} | busiest / ideal | | | | {max(r['counted'] for r in rows) / (total / dp):.3f} | |")
 
-    print("\nExchange per step, each way (to the owners, and the same elements back), in fp32 elements as a share "
-          "of the Muon elements: all positions together, and the busiest position's sends and receives:\n")
+    print("\nExchange per step, each way (to the owners, and the same elements back; bf16 both ways, 2 bytes each), "
+          "in elements as a share of the Muon elements: all positions together, and the busiest position's sends "
+          "and receives:\n")
     print("| model | dp | bucket size | buckets | all positions | busiest sends | busiest receives |")
     print("|---|---|---|---|---|---|---|")
     for name, (params, specs) in built.items():

@@ -17,8 +17,9 @@ Muon's unit is a whole matrix, its momentum still a flat shard (layout.py's two 
 pieces go to the matrix's owner and come back orthogonalized (_orthogonalize), over this rank's instance::
 
     rank (position) p: u pieces of its shard --all_to_all_single--> owner q: whole u of each matrix it owns
+                       (bf16: Newton-Schulz's first step is that cast)
                                                                      O = orthogonalize(u, spec), per sub-matrix
-    rank p: O pieces of its shard      <--all_to_all_single--        owner q: O cut as the pieces came
+    rank p: O pieces of its shard      <--all_to_all_single--        owner q: O (bf16) cut as the pieces came
 """
 
 from typing import Callable, Dict, Optional, Tuple
@@ -132,13 +133,14 @@ class DistributedOptimizer(MegatronOptimizer):
             return self._orthogonalize_whole(param, spec, whole.view(spec.rows, spec.cols))
 
         results = exchange_whole_matrices(self.matrix_exchange, pieces, [p.numel() for p in self._matrix_params],
-                                          orthogonalize, self.grad_stats_group, self.device, torch.bfloat16)
+                                          orthogonalize, self.grad_stats_group, self.device, torch.bfloat16,
+                                          send_dtype=torch.bfloat16)
         return {shard: results[(index_of[shard.param], shard.start)] for shard in updates}
 
     def _orthogonalize_whole(self, param: torch.nn.Parameter, spec: MatrixSpec, u: torch.Tensor) -> torch.Tensor:
-        """The orthogonalized update of one whole matrix (u: rows x cols, fp32; each of spec's row blocks on its
-        own), flat, in bfloat16 (Newton-Schulz's dtype, in which the pieces travel back): muon.orthogonalize.
-        Runs only on the matrix's owner."""
+        """The orthogonalized update of one whole matrix (u: rows x cols, in bfloat16, the dtype it travels in:
+        Newton-Schulz's first step is that cast; each of spec's row blocks on its own), flat, in bfloat16 (the
+        dtype the pieces travel back in): muon.orthogonalize. Runs only on the matrix's owner."""
         return muon.orthogonalize(u, spec, self.config)
 
     # ------------------------------------------------------------------ state (see optimizer_state.py)
@@ -214,7 +216,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
 def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], torch.Tensor], numels,
                             orthogonalize: Callable[[int, torch.Tensor], Optional[torch.Tensor]], group,
-                            device, result_dtype: torch.dtype = torch.float32) -> Dict[Tuple[int, int], torch.Tensor]:
+                            device, result_dtype: torch.dtype = torch.float32,
+                            send_dtype: torch.dtype = torch.float32) -> Dict[Tuple[int, int], torch.Tensor]:
     """Bring matrices whole to their owners, transform them there, and bring the pieces back (module docstring).
 
     Args:
@@ -222,28 +225,38 @@ def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], 
         pieces: this rank's flat pieces, by (parameter index, param_start); a piece of the plan that is missing
             (a parameter no rank has a gradient for) travels as zeros.
         numels: each parameter's element count, by index.
-        orthogonalize: (index, the whole parameter flat) -> its transform (any shape of that many elements), or
-            None to leave it (its pieces come back as zeros); called at the owner for plan.owned, by index.
+        orthogonalize: (index, the whole parameter flat, in send_dtype) -> its transform (any shape of that many
+            elements), or None to leave it (its pieces come back as zeros); called at the owner for plan.owned,
+            by index.
         group: the instance's process group (plan's positions are its ranks).
         result_dtype: the dtype the results travel back in (cast to it at the owner): the dtype `orthogonalize`
             returns, Newton-Schulz's bfloat16 for Muon (half the bytes of fp32, and no rounding).
+        send_dtype: the dtype the pieces travel to the owners in (cast to it here): bfloat16 for Muon, whose
+            Newton-Schulz casts its input to bfloat16 first (the same result, half the bytes of fp32).
     Returns:
         Per (parameter index, param_start) of plan.sends: the transformed flat piece, in result_dtype.
-    """
-    def outgoing(piece):
-        u = pieces.get((piece.param_index, piece.param_start))
-        return torch.zeros(piece.numel, dtype=torch.float32, device=device) if u is None else u.reshape(-1).float()
 
+    Each buffer is dropped as soon as it has been used: by the second all-to-all this rank holds only what it
+    sends back and what comes back.
+    """
     send_pieces = [piece for pieces_to in plan.sends for piece in pieces_to]
-    empty = [torch.zeros(0, dtype=torch.float32, device=device)]  # torch.cat of no pieces
-    send = torch.cat([outgoing(piece) for piece in send_pieces] + empty)
-    received = torch.empty(sum(plan.recv_splits), dtype=torch.float32, device=device)
+    send, offset = torch.empty(sum(plan.send_splits), dtype=send_dtype, device=device), 0
+    for p in send_pieces:
+        u = pieces.get((p.param_index, p.param_start))
+        if u is None:
+            send[offset:offset + p.numel].zero_()
+        else:
+            send[offset:offset + p.numel].copy_(u.reshape(-1))  # cast to send_dtype
+        offset += p.numel
+    received = torch.empty(sum(plan.recv_splits), dtype=send_dtype, device=device)
     collectives.all_to_all_single(received, send, plan.recv_splits, plan.send_splits, group)
-    wholes, offset = {i: torch.empty(numels[i], dtype=torch.float32, device=device) for i in plan.owned}, 0
+    del send
+    wholes, offset = {i: torch.empty(numels[i], dtype=send_dtype, device=device) for i in plan.owned}, 0
     for pieces_from in plan.receives:
         for p in pieces_from:
             wholes[p.param_index][p.param_start:p.param_end].copy_(received[offset:offset + p.numel])
             offset += p.numel
+    del received
     for i in plan.owned:  # the pieces tile each matrix exactly once (test_matrix_exchange)
         result = orthogonalize(i, wholes[i])
         wholes[i] = torch.zeros(numels[i], dtype=result_dtype, device=device) if result is None \
@@ -251,8 +264,10 @@ def exchange_whole_matrices(plan: MatrixExchange, pieces: Dict[Tuple[int, int], 
     # The way back mirrors the way there: each piece returns to where it came from, in the same order.
     back = torch.cat([wholes[p.param_index][p.param_start:p.param_end] for pieces_from in plan.receives
                       for p in pieces_from] + [torch.zeros(0, dtype=result_dtype, device=device)])
-    returned = torch.empty(send.numel(), dtype=result_dtype, device=device)
+    del wholes
+    returned = torch.empty(sum(plan.send_splits), dtype=result_dtype, device=device)
     collectives.all_to_all_single(returned, back, plan.send_splits, plan.recv_splits, group)
+    del back
     out, offset = {}, 0
     for p in send_pieces:
         out[(p.param_index, p.param_start)] = returned[offset:offset + p.numel]

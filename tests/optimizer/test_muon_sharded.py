@@ -27,6 +27,7 @@ def _exchange_worker(instances):
     import torch.distributed as dist
     from optim_testing import build
 
+    from megatron_lite.distributed import collectives
     from megatron_lite.optimizer.muon import MatrixSpec
 
     failures, calls = [], []
@@ -40,7 +41,8 @@ def _exchange_worker(instances):
         def stand_in(param, spec, u, seen=seen):
             seen.append(opt.param_to_name[param])
             assert u.shape == (spec.rows, spec.cols)
-            return _whole_function(u)
+            assert u.dtype == torch.bfloat16, u.dtype  # it travels in Newton-Schulz's dtype
+            return _whole_function(u.float())
 
         opt._orthogonalize_whole = stand_in
         names = sorted(opt.param_to_name.values())
@@ -48,10 +50,19 @@ def _exchange_worker(instances):
                 for p, name in opt.param_to_name.items()}
         updates = {s: full[s.param].reshape(-1)[s.start:s.end].clone() for s in opt.shard_state.main_shards
                    if specs[s.param] is not None}
-        results = opt._orthogonalize(updates)
+        wire = []
+        with collectives.observe(lambda name, tensor, size: wire.append((name, tensor.dtype, tensor.numel()))):
+            results = opt._orthogonalize(updates)
+        # Both ways in bf16 (the u pieces too: Newton-Schulz casts to bf16 first), one all-to-all each way.
+        plan = opt.matrix_exchange
+        expected_wire = [("all_to_all", torch.bfloat16, sum(plan.send_splits)),
+                         ("all_to_all", torch.bfloat16, sum(plan.recv_splits))]
+        if wire != (expected_wire if dist.get_world_size(opt.grad_stats_group) > 1 else []):
+            failures.append(("wire", wire))
         assert results.keys() == updates.keys()
         for shard, result in results.items():
-            expected = _whole_function(full[shard.param]).reshape(-1)[shard.start:shard.end].bfloat16()
+            whole = full[shard.param].bfloat16().float()  # the u the owner gets
+            expected = _whole_function(whole).reshape(-1)[shard.start:shard.end].bfloat16()
             if not torch.equal(result, expected):
                 failures.append((ddp_config.get("data_parallel_sharding_strategy"), opt.param_to_name[shard.param]))
         calls.append(sorted(seen))
@@ -64,7 +75,8 @@ def test_exchange_brings_whole_matrices_to_their_owner_and_back(dp, instances):
     function of the whole matrix, at ZeRO-1/2/3 with parameters cut across ranks; each matrix is transformed
     by exactly one rank per instance (its owner); the ranks at one position of two instances do the same work.
     Would catch a piece sent to a rank that does not own it, pieces assembled in the wrong place, results
-    returned to the wrong rank or range, or an instance that reaches into another's ranks."""
+    returned to the wrong rank or range, an instance that reaches into another's ranks, or u pieces sent in
+    fp32 (twice the bytes of the bf16 Newton-Schulz starts from: collectives.observe sees the wire's dtype)."""
     results = run_distributed(_exchange_worker, dp, instances)
     m = dp // instances
     for rank, failures, _ in results:
