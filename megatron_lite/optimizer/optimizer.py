@@ -26,7 +26,7 @@ from .elementwise import optimizer_kind
 from .muon import MUON_GROUP_KEYS, matrix_specs, orthogonalize
 from .optimizer_config import OptimizerConfig
 from .optimizer_state import MainShard, ShardState, cut_shards
-from .sharded_state import ShardedOptimizerState
+from .sharded_state import ShardedOptimizerState, flat_numel, flatten, unflatten
 
 __all__ = ["MegatronOptimizer", "qualified_param_names"]
 
@@ -290,6 +290,49 @@ class MegatronOptimizer:
         """load_sharded_state's local part: the main params, moments and step counts (no collective)."""
         self.shard_state.load(state, adopt)
         self.update_count = state.step
+
+    # ------------------------------------------------------------------ replicas (fault tolerance)
+    # The non-sharded optimizers: every rank a replica of every other (data_parallel_topology), so live
+    # recovery heals a replacement of `no_shard` from any survivor. DistributedOptimizer overrides the three
+    # with the same protocol (its model write is the rank's buffer shard).
+    def holds_same_shards(self, rank: int) -> bool:
+        """Whether data-parallel rank `rank` holds the same shards as this rank (a replica, or this rank)."""
+        topology = self.data_parallel_topology
+        return topology.position(rank) == topology.position(dist.get_rank(self.data_parallel_group))
+
+    @torch.no_grad()
+    def send_shard_state(self, dst: int):
+        """Send this rank's main params, optimizer state and step to data-parallel rank `dst`, which must hold
+        the same shards and call recv_shard_state(src=this rank). Point to point: no other rank takes part."""
+        if not self.holds_same_shards(dst):
+            raise ValueError(f"send_shard_state(dst={dst}): rank {dst} holds other shards than rank "
+                             f"{dist.get_rank(self.data_parallel_group)}; send to a replica")
+        collectives.send(flatten(self.sharded_state(), self.device), dst, self.data_parallel_group)
+
+    @torch.no_grad()
+    def recv_shard_state(self, src: int):
+        """Replace this rank's main params, optimizer state and step by those of replica `src` (which calls
+        send_shard_state(dst=this rank)) and write the params into the model, locally. A replica that is not
+        finite, or has negative moments of squares (OptimizerKind.nonnegative_keys), raises ValueError and
+        leaves this rank's state untouched."""
+        if not self.holds_same_shards(src):
+            raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
+                             f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
+        layout = self.sharded_state()
+        flat = torch.empty(flat_numel(layout), dtype=torch.float32, device=self.device)
+        collectives.recv(flat, src, self.data_parallel_group)
+        received = unflatten(flat, layout)
+        nonnegative = self.shard_state.kind.nonnegative_keys
+        squares = [s.tensors[k] for s in received.shards for k in nonnegative if k in s.tensors]
+        if not torch.isfinite(flat).all() or any((t < 0).any() for t in squares):
+            raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
+                             f"values in {', '.join(nonnegative) or 'no state'}, which cannot be); refusing to "
+                             f"restore it")
+        if not received.step:  # the replica never stepped: neither has this rank's state now
+            self.shard_state.forget_moments()
+            received = received.params_only()
+        self._load_shards(received)
+        self._copy_main_params_to_model_params()  # the non-sharded optimizers: local
 
     @torch.no_grad()
     def state_dict(self):

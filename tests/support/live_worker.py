@@ -37,6 +37,8 @@ sys.path.insert(0, REPO)
 import pretrain_gpt  # noqa: E402
 from megatron_lite.fault_tolerance import live_training, membership  # noqa: E402
 from megatron_lite.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
+from megatron_lite.optimizer.full_param_optimizer import _FullParamOptimizer  # noqa: E402
+from megatron_lite.optimizer.optimizer import MegatronOptimizer  # noqa: E402
 from megatron_lite.training import loop  # noqa: E402
 
 
@@ -137,7 +139,7 @@ def count_step(optimizer):
     completed["micro_batches"] = 0
 
 
-original_step = DistributedOptimizer.step
+original_step = MegatronOptimizer.step
 
 
 def step(self):
@@ -146,10 +148,12 @@ def step(self):
     return result
 
 
-DistributedOptimizer.step = step
-patch(DistributedOptimizer, "zero_grad", count_step)
-patch(DistributedOptimizer, "_copy_main_params_to_model_params",
-      lambda self: fault("update") == self.steps_taken and die("update"))
+# Every optimizer: the distributed one and the non-sharded ones (--data-parallel-sharding-strategy no_shard)
+MegatronOptimizer.step = step
+patch(MegatronOptimizer, "zero_grad", count_step)
+for optimizer_class in (DistributedOptimizer, _FullParamOptimizer):
+    patch(optimizer_class, "_copy_main_params_to_model_params",
+          lambda self: fault("update") == self.steps_taken and die("update"))
 patch(loop, "save_checkpoint",
       lambda root, iteration, *args, **kwargs: fault("save") == iteration and die("save"))
 patch(loop, "evaluate_validation",
@@ -158,8 +162,9 @@ patch(loop.TrainingLoop, "log_iteration",  # not the catch-up's record (untimed)
       lambda self, *args, **kwargs: kwargs.get("timed", True) and fault("log") == self.iteration and die("log"))
 patch(loop.TrainingLoop, "train_iteration",  # the iteration it runs (steps_taken may differ after --load)
       lambda self: completed.update(iteration=self.iteration + 1))
-patch(DistributedOptimizer, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
-patch(DistributedOptimizer, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
+for optimizer_class in (DistributedOptimizer, MegatronOptimizer):
+    patch(optimizer_class, "send_shard_state", lambda self, dst: fault("send") is not None and die("send"))
+    patch(optimizer_class, "recv_shard_state", lambda self, src: fault("recv") is not None and die("recv"))
 pretrain_gpt.forward_step = forward_step
 
 if __name__ == "__main__":

@@ -3,17 +3,17 @@ this project does not offer is a flag error, and a short run at dp=2 trains, che
 at every sharding strategy, moves to another strategy, and survives a killed rank under the supervisor.
 
 The parse-time tests need no process; the runs use the tiny GPT on mock data (tests/support/pretrain_testing.py)
-in a pool of 2 gloo ranks, the supervisor run 4 ranks (tests/support/live_testing.py)."""
+in a pool of 2 gloo ranks, the supervisor runs 4 ranks, one per strategy (tests/support/live_testing.py)."""
 
 import os
+import re
 import sys
 
 import pytest
 import torch
 from distributed_helper import run_distributed
 from live_testing import FLAGS as LIVE_FLAGS
-from live_testing import ITERS as LIVE_ITERS
-from live_testing import PROGRESS_BOUNDED, check_exact, final_checkpoint, logged_losses, run_live, run_torchrun
+from live_testing import PROGRESS_BOUNDED, check_exact, run_live, uninterrupted
 from pretrain_testing import REPO, flag_error, pretrain_losses, pretrain_outcome, tiny_pretrain_flags
 
 from megatron_lite.training import arguments, parse_args
@@ -165,24 +165,43 @@ def test_muon_misuse_stops_every_rank():
 
 
 # ------------------------------------------------------------------------------------------ under the supervisor
+LIVE_MUON = LIVE_FLAGS + ["--optimizer", "muon"]  # dp=4, R=2, 8 iterations (live_testing.FLAGS)
+LIVE_NO_SHARD = list(LIVE_MUON)  # without the distributed optimizer and its 2 instances
+LIVE_NO_SHARD.remove("--use-distributed-optimizer")
+_at = LIVE_NO_SHARD.index("--num-distributed-optimizer-instances")
+del LIVE_NO_SHARD[_at:_at + 2]
+LIVE_STRATEGIES = {
+    # strategy: (flags, the fault: rank:iteration:phase:started, tests/support/live_worker.py)
+    "no_shard": (LIVE_NO_SHARD, "3:2:forward_backward:0"),
+    "optim": (LIVE_MUON + ["--overlap-param-gather"], "0:5:update:0"),
+    "optim_grads": (LIVE_MUON + ["--data-parallel-sharding-strategy", "optim_grads"], "3:2:forward_backward:0"),
+    "optim_grads_params": (LIVE_MUON + ["--data-parallel-sharding-strategy", "optim_grads_params"], "0:5:update:0"),
+}
+"""dp=4 under the supervisor: no sharding (every rank a replica of every other, R=1), and the three sharded
+strategies at R=2 (two instances of 2 ranks, each exchanging its own matrices; ZeRO-1 with both overlaps). One
+kill per run: rank 3 in the forward/backward of iteration 2 (its replacement takes Muon's momentum from a
+replica), or rank 0 right after its optimizer update of iteration 5 (Muon's momentum and the main params
+updated, the parameters not yet gathered: its replica rolls the others forward)."""
+
+
 @PROGRESS_BOUNDED
-def test_muon_survives_killed_ranks_under_the_supervisor(tmp_path):
-    """dp=4, R=2 (two instances of 2 ranks, each exchanging its own matrices), ZeRO-3 (the strategy furthest from
-    the Adam runs of test_live_recovery: parameters sharded too) under the live supervisor: rank 3 killed in the
-    forward/backward of iteration 2, rank 0 right after its optimizer update of iteration 5 (Muon's momentum
-    updated, the parameters not yet gathered). Both are replaced live and the run equals an uninterrupted
-    torchrun's bitwise: every loss, the validation losses and the final checkpoint. Would catch Muon's momentum
-    not carried by the replicas into a replacement, or a survivor one Muon update ahead."""
-    flags = LIVE_FLAGS + ["--optimizer", "muon", "--data-parallel-sharding-strategy", "optim_grads_params"]
+@pytest.mark.parametrize("strategy", list(LIVE_STRATEGIES))
+def test_muon_survives_a_killed_rank_under_the_supervisor(strategy, tmp_path):
+    """The killed rank alone is replaced, live, and the run equals the uninterrupted `torchrun pretrain_gpt.py`
+    of the same flags bitwise: every loss, the validation losses and the final checkpoint. Would catch Muon's
+    momentum not carried by the replicas into a replacement, a survivor one Muon update ahead or behind, or a
+    strategy whose optimizer cannot heal a replacement (a whole-job restart instead)."""
+    flags, fault = LIVE_STRATEGIES[strategy]
     reference_dir, live_dir = tmp_path / "reference", tmp_path / "live"
     reference_dir.mkdir()
     live_dir.mkdir()
-    run_torchrun(str(reference_dir), flags=flags)
-    losses = {i: v.pop() for i, v in logged_losses(str(reference_dir)).items()}
-    valid = {i: v.pop() for i, v in logged_losses(str(reference_dir), "valid_lm_loss").items()}
-    assert sorted(losses) == list(range(1, LIVE_ITERS + 1))
-    code, pids, live_losses, output = run_live(live_dir, "3:2:forward_backward:0;0:5:update:0", flags=flags)
+    reference = uninterrupted(str(reference_dir), flags)
+    code, pids, losses, output = run_live(live_dir, fault, flags=flags)
     assert code == 0, output
-    assert "killed at forward_backward" in output and "killed at update" in output, output
-    assert len(pids[3]) == 2 and len(pids[0]) == 2 and len(pids[1]) == len(pids[2]) == 1, output
-    check_exact(live_dir, (losses, valid, final_checkpoint(str(reference_dir))), live_losses, output)
+    rank, _, phase, _ = fault.split(":")
+    assert f"killed at {phase}" in output, output
+    assert "restarting the whole job" not in output, output
+    replaced = re.findall(r"\[supervisor\] generation \d+: replaced (\[.*\])", output)[1:]  # [0]: the start
+    assert [r for r in replaced if r != "[]"] == [f"[{rank}]"], output  # "[]": a re-forming
+    assert all(len(pids[r]) == 1 + (r == int(rank)) for r in range(4)), output
+    check_exact(live_dir, reference, losses, output)
