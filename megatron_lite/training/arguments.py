@@ -145,6 +145,9 @@ def check_muon_args(args):
     flags = {**MUON_FLAGS, "muon_split_qkv": "--muon-no-split-qkv"}
     given = [flag for field, flag in flags.items()
              if getattr(args, field, None) != MUON_CLI_DEFAULTS.get(field, defaults[field])]
+    if given and getattr(args, "optimizer_class", None):  # --optimizer muon beside it is refused too
+        raise ValueError(f"{', '.join(given)} set Muon's hyperparameters, which --optimizer-class "
+                         f"{args.optimizer_class} does not read: drop them (the class's own go in --optimizer-kwargs)")
     if given:
         raise ValueError(f"{', '.join(given)} set Muon's hyperparameters, which --optimizer {args.optimizer} "
                          f"does not read: add --optimizer muon, or drop them")

@@ -56,6 +56,9 @@ def test_muon_flags_reach_the_config_with_megatrons_defaults():
     (["--muon-nesterov"], "--muon-nesterov set Muon's hyperparameters, which --optimizer adam does not read"),
     (["--optimizer", "sgd", "--muon-no-split-qkv", "--muon-momentum", "0.5"],
      "--muon-momentum, --muon-no-split-qkv set Muon's hyperparameters, which --optimizer sgd"),
+    # ... or beside --optimizer-class, which --optimizer muon cannot join: not "add --optimizer muon"
+    (["--optimizer-class", "torch.optim.NAdam", "--muon-nesterov"],
+     "--muon-nesterov set Muon's hyperparameters, which --optimizer-class torch.optim.NAdam does not read: drop"),
     # values the config refuses, as flag errors
     (["--optimizer", "muon", "--muon-scalar-optimizer", "lion"], "--muon-scalar-optimizer"),
     (["--optimizer", "muon", "--muon-coefficient-type", "cubic"], "--muon-coefficient-type"),
