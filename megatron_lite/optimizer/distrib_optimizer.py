@@ -35,7 +35,6 @@ from .main_params import copy_main_to_model, copy_model_to_main, main_params
 from .muon import MatrixSpec
 from .optimizer import MegatronOptimizer
 from .optimizer_state import MainShard
-from .sharded_state import flat_numel, flatten, unflatten
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -170,47 +169,10 @@ class DistributedOptimizer(MegatronOptimizer):
         return out
 
     # ------------------------------------------------------------------ replicas (fault tolerance)
-    def holds_same_shards(self, rank: int) -> bool:
-        """Whether data-parallel rank `rank` holds the same shards as this rank (a replica in another
-        distributed-optimizer instance, or this rank itself)."""
-        topology = self.data_parallel_topology
-        return topology.position(rank) == topology.position(dist.get_rank(self.data_parallel_group))
-
-    @torch.no_grad()
-    def send_shard_state(self, dst: int):
-        """Send this rank's main params, optimizer moments and step to data-parallel rank `dst`, which
-        must hold the same shards (a replica) and call recv_shard_state(src=this rank). Point to point:
-        no other rank takes part."""
-        if not self.holds_same_shards(dst):
-            raise ValueError(f"send_shard_state(dst={dst}): rank {dst} holds other shards than rank "
-                             f"{dist.get_rank(self.data_parallel_group)}; send to a replica (same position in "
-                             f"another distributed-optimizer instance)")
-        collectives.send(flatten(self.sharded_state(), self.device), dst, self.data_parallel_group)
-
-    @torch.no_grad()
-    def recv_shard_state(self, src: int):
-        """Replace this rank's main params, optimizer moments and step by those of replica `src` (which
-        calls send_shard_state(dst=this rank)) and write the params into the model's shard. What arrives
-        is validated first (finite; moments of squares >= 0, OptimizerKind.nonnegative_keys): a damaged
-        replica raises ValueError and leaves this rank's state untouched."""
-        if not self.holds_same_shards(src):
-            raise ValueError(f"recv_shard_state(src={src}): rank {src} holds other shards than rank "
-                             f"{dist.get_rank(self.data_parallel_group)}; receive from a replica")
-        layout = self.sharded_state()
-        flat = torch.empty(flat_numel(layout), dtype=torch.float32, device=self.device)
-        collectives.recv(flat, src, self.data_parallel_group)
-        received = unflatten(flat, layout)
-        nonnegative = self.shard_state.kind.nonnegative_keys  # e.g. Adam's exp_avg_sq, RMSprop's square_avg
-        squares = [s.tensors[k] for s in received.shards for k in nonnegative if k in s.tensors]
-        if not torch.isfinite(flat).all() or any((t < 0).any() for t in squares):
-            raise ValueError(f"recv_shard_state(src={src}): the replica's state is not finite (or has negative "
-                             f"values in {', '.join(nonnegative) or 'no state'}, which cannot be); refusing to "
-                             f"restore it")
-        if not received.step:  # the replica never stepped: neither has this rank's state now
-            self.shard_state.forget_moments()
-            received = received.params_only()
-        self._load_shards(received)
-        for s, shard in zip(self.shards, self.shard_state.main_shards):  # this rank's shard only: no collective
+    def _write_received_state(self):
+        """After recv_shard_state (optimizer.py): this rank's shards into the model, locally (no all-gather: the
+        other ranks of its instance are healed the same way, or already hold their own)."""
+        for s, shard in zip(self.shards, self.shard_state.main_shards):
             copy_main_to_model(shard.main, s.params)
 
 

@@ -29,7 +29,7 @@ KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 # State torch.optim's elementwise classes keep as running sums, averages or maxima of squares or magnitudes
 # (Adam's second moments, RMSprop's and Adadelta's square averages, Adagrad's sum, Adamax's infinity norm): never
-# negative, so a negative value marks a damaged copy (DistributedOptimizer.recv_shard_state refuses it).
+# negative, so a negative value marks a damaged copy (MegatronOptimizer.recv_shard_state refuses it).
 NONNEGATIVE_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf")
 
 # Megatron's --optimizer choices and the torch.optim class each builds (config -> constructor kwargs).

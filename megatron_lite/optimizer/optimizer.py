@@ -332,7 +332,11 @@ class MegatronOptimizer:
             self.shard_state.forget_moments()
             received = received.params_only()
         self._load_shards(received)
-        self._copy_main_params_to_model_params()  # the non-sharded optimizers: local
+        self._write_received_state()
+
+    def _write_received_state(self):
+        """After recv_shard_state: the received main params into the model, locally (no collective)."""
+        self._copy_main_params_to_model_params()  # the full-parameter optimizers: local
 
     @torch.no_grad()
     def state_dict(self):
