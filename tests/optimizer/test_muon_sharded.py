@@ -269,7 +269,7 @@ def _params(model, ddp):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _equivalence_worker(names, instances, nesterov):
+def _equivalence_worker(names, instances, nesterov, bound=None):
     import torch.distributed as dist
 
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -286,10 +286,18 @@ def _equivalence_worker(names, instances, nesterov):
         if not all(abs(a - b) <= 1e-6 * b for a, b in zip(norms, torch_norms)):
             failures.append((name, "grad norms", norms, torch_norms))
         for n, q in master.named_parameters():
-            if not torch.equal(params[n], q.detach()):
-                failures.append((name, n, (params[n] - q.detach()).abs().max().item()))
+            differ = (params[n] - q.detach()).abs().max().item()
+            if (differ > bound) if bound is not None else not torch.equal(params[n], q.detach()):
+                failures.append((name, n, differ))
     return failures
 
+
+# no_shard at dp=4 is not bitwise (below): the gradients differ from the reference's by fp32 rounding of another
+# addition order. Newton-Schulz rounds its input to bf16 and iterates in bf16 with slopes up to a = 3.4 (quintic
+# coefficients), so an input element one bf16 step (2^-8 relative) away can move the output by several steps:
+# measured 1.35e-3 after 3 steps, i.e. STEPS * LR * sqrt(2) (the largest shape scale here) * 2^-6. Bound: twice
+# that. A matrix orthogonalized in pieces, or stepped by AdamW, moves parameters by about LR (0.02) per step.
+NO_SHARD_DP4_BOUND = STEPS * LR * 2 ** 0.5 * 2 ** -5
 
 EQUIVALENCE = [  # (dp, R, configurations, nesterov)
     pytest.param(2, 1, list(MATRIX), False, id="dp2"),
@@ -298,6 +306,7 @@ EQUIVALENCE = [  # (dp, R, configurations, nesterov)
     # addition commutes), so it is bitwise at dp=2 only; the distributed optimizer's reduce-scatter adds in rank
     # order (collectives.py), which the reference replays.
     pytest.param(4, 1, [name for name in MATRIX if name != "no_shard"], False, id="dp4"),
+    pytest.param(4, 1, ["no_shard"], False, id="dp4-no_shard-bounded"),
     pytest.param(4, 2, ["optim", "optim_grads_overlap", "optim_grads_params_overlap", "optim_grads_params_meta"],
                  False, id="dp4-R2"),
 ]
@@ -312,7 +321,8 @@ def test_muon_matches_torch_at_every_strategy(dp, instances, names, nesterov):
     (each rank its flat shard), the fused QKV orthogonalized whole, a matrix silently stepped by AdamW (the
     position embedding, a meta-device placeholder taken for 1-D), a piece returned to the wrong place, or
     momentum kept per rank differently from torch."""
-    for failures in run_distributed(_equivalence_worker, dp, names, instances, nesterov, timeout=900):
+    bound = NO_SHARD_DP4_BOUND if dp == 4 and names == ["no_shard"] else None
+    for failures in run_distributed(_equivalence_worker, dp, names, instances, nesterov, bound, timeout=900):
         assert not failures, failures[:6]
 
 
