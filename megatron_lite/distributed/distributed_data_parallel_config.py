@@ -148,7 +148,9 @@ class DistributedDataParallelConfig:
     find_unused_parameters: bool = False
     """megatron-lite extension (cf. torch DDP). With `overlap_grad_reduce`, parameters that get no gradient
     in an iteration are normally an error (their bucket could never be launched). When True they are
-    treated as having a zero local gradient: buckets still launch in order and the result is exact."""
+    treated as having a zero local gradient and the result is exact; every bucket is then launched in
+    finish_grad_sync, none during backward (its completion there depends on the branches a rank ran, and
+    with several model chunks on one group that order would differ between ranks: a deadlock)."""
 
     gradient_as_bucket_view: bool = False
     """megatron-lite extension (torch DDP's flag of that name): each parameter's .grad is its main_grad view,

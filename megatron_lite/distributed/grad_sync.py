@@ -13,7 +13,8 @@ GradSync registers a hook on every trainable parameter and owns what happens to 
 Buckets are launched in the order their gradients are expected in backward, never in the order they happen
 to complete (GradSyncSchedule): every rank then issues the same sequence of collectives even when autograd
 visits parameters in a rank-dependent order. A complete bucket waits for the earlier ones; finish() launches
-what is left (buckets whose parameters got no gradient included) and waits for every bucket.
+what is left (buckets whose parameters got no gradient included) and waits for every bucket. With
+find_unused_parameters nothing is launched in backward (GradSyncSchedule's ranks_may_differ).
 """
 
 import contextlib
@@ -280,10 +281,15 @@ class GradSyncSchedule:
         shards_grads: whether buckets free their full-size gradients once reduced (ZeRO-2/3): then at most
             ZERO2_BUCKETS_IN_FLIGHT launched buckets keep them while backward goes on.
         shards_params: ZeRO-3: ZERO3_BUCKETS_IN_FLIGHT instead.
-        ranks_may_differ: find_unused_parameters, where ranks may run different branches. Under ZeRO-3 no rank
-            then waits for a gradient collective during backward (only completed ones are finished there): a
-            peer that skipped the bucket's unit launches it in finish_grad_sync only, and may be waiting in its
-            own backward for a parameter gather this rank issues only there too. The in-flight bound is lost.
+        ranks_may_differ: find_unused_parameters, where ranks may run different branches. Nothing is then
+            launched during backward: every bucket waits for finish_grad_sync. A bucket completes in backward
+            only on the ranks that ran all its parameters, so its collective would come at a rank-dependent
+            point: harmless inside one wrapper (launches keep their order), but with several wrappers on one
+            group (model chunks) a rank whose bucket waits issues the next chunk's collectives before it, a
+            peer after it, and both wait forever (torch DDP instead marks a rank's unused parameters ready at
+            the start of backward, from a traversal of the forward's graph). Under ZeRO-3 a peer that skipped a
+            unit may also be waiting in its own backward for a parameter gather this rank issues only in
+            finish_grad_sync. Costs the overlap and the in-flight bound of ZeRO-2/3.
     """
 
     def __init__(self, order: List[Bucket], shards_grads: bool, shards_params: bool = False,
@@ -293,7 +299,7 @@ class GradSyncSchedule:
         self.window = ZERO3_BUCKETS_IN_FLIGHT if shards_params else ZERO2_BUCKETS_IN_FLIGHT if shards_grads \
             else math.inf
         self.shards_params = shards_params
-        self.wait_in_backward = not (shards_params and ranks_may_differ)
+        self.launch_in_backward = not ranks_may_differ
         self.next = 0  # the next bucket to launch, in order
         self.oldest = 0  # the first launched bucket that may not be finished yet
 
@@ -307,10 +313,13 @@ class GradSyncSchedule:
         self.next = self.oldest = 0
 
     def launch_ready(self):
-        """Launch complete buckets, strictly in order (a complete bucket waits for earlier ones)."""
+        """Launch complete buckets, strictly in order (a complete bucket waits for earlier ones); nothing with
+        ranks_may_differ (see the class)."""
+        if not self.launch_in_backward:
+            return
         order = self.order
         while self.next < len(order) and order[self.next].is_ready():
-            if self.next >= self.window and self.wait_in_backward:
+            if self.next >= self.window:
                 # ZeRO-2/3: bound the full-size gradients in flight; the oldest bucket's shard is kept and
                 # its full gradients (and collective scratch) freed before the next launch allocates its own.
                 order[self.next - self.window].finish_grad_sync()
@@ -327,7 +336,7 @@ class GradSyncSchedule:
         no rank issues it at a time of its own."""
         if self.window == math.inf:  # nothing is freed without gradient sharding
             return
-        wait = self.shards_params and self.wait_in_backward and not bucket.grad_storage_allocated()
+        wait = self.shards_params and not bucket.grad_storage_allocated()
         while self.oldest < self.next:  # (a bucket finished already counts as completed: a no-op)
             launched = self.order[self.oldest]
             handle = launched.communication_handle

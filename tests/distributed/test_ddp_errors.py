@@ -1,5 +1,6 @@
 """Unused parameters, NaN/Inf gradients and protocol misuse: clear errors on every rank, never a hang."""
 
+import pytest
 import torch
 import torch.nn as nn
 from distributed_helper import run_distributed
@@ -87,6 +88,89 @@ def test_unused_parameter_without_overlap_is_exact():
     """Without overlap everything is reduced in finish_grad_sync: unused grads are simply zero."""
     results = run_distributed(_unused_worker, 2, False, False, True)
     assert all(r == {"exact": True} for r in results), results
+
+
+class _Chunk(nn.Module):
+    """A model chunk whose `side` runs only when asked (a rank-dependent branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.side = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x, use_side):
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.side(x) if use_side else h)
+
+
+class _Chunks(nn.ModuleList):
+    """The chunks as one model, for torch DDP."""
+
+    def forward(self, x, uses):
+        for chunk, use in zip(self, uses):
+            x = chunk(x, use)
+        return x
+
+
+def _chunks_worker(strategy, side_chunk):
+    """Two chunks, each its own wrapper on one data-parallel group (a process-group timeout of 15 s: a hang
+    fails fast), `side` of chunk `side_chunk` run by rank 1 only, with torch DDP + AdamW beside them."""
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=15))
+    torch.manual_seed(0)
+    chunks = _Chunks([_Chunk(), _Chunk()])
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(chunks), process_group=group,
+                                                    find_unused_parameters=True)
+    zero3 = strategy == "optim_grads_params"
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, use_distributed_optimizer=strategy != "no_shard",
+        overlap_grad_reduce=True, find_unused_parameters=True, bucket_size=30,
+        fsdp_unit_modules=("Linear",) if zero3 else None)
+    ddps = [DistributedDataParallel(chunk, config, data_parallel_group=group) for chunk in chunks]
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
+                                                 use_distributed_optimizer=strategy != "no_shard"), ddps)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+
+    uses = [rank == 1 or i != side_chunk for i in range(2)]
+
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        ddps[1](ddps[0](x, uses[0]), uses[1]).square().mean().backward()
+        for ddp in ddps:
+            ddp.finish_grad_sync()
+        opt.step()
+        torch_opt.zero_grad()
+        reference(x, uses).square().mean().backward()
+        torch_opt.step()
+    ours = {f"{i}.{n}": v for i, ddp in enumerate(ddps) for n, v in ddp.state_dict().items()}
+    theirs = reference.module.state_dict()
+    return sorted(n for n in theirs if not torch.equal(ours[n], theirs[n]))
+
+
+@pytest.mark.parametrize("side_chunk", [0, 1])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_chunks_with_a_parameter_some_ranks_use_match_torch(strategy, side_chunk):
+    """Two model chunks (two wrappers on one group) with overlap_grad_reduce and find_unused_parameters, a
+    parameter used on rank 1 only: would catch a bucket launched in backward where its parameters all got a
+    gradient, i.e. on some ranks only (rank 0 then issued the other chunk's collectives first and both ranks
+    waited forever; any optimizer). Parameters after three AdamW steps equal torch DDP's bit for bit."""
+    for differ in run_distributed(_chunks_worker, 2, strategy, side_chunk, timeout=120):
+        assert differ == []
 
 
 def _nan_worker(overlap):

@@ -714,8 +714,8 @@ def test_chunks_dtypes_unused_matrices_and_overflow_skips(dp, instances, fp16):
     sharded strategies agree with each other and replicas with their position's rank. Would catch a second
     chunk's or buffer's matrices mapped onto the first's pieces, an unused matrix stepped (weight decay) or
     waited for, or the overflow skip not agreed before the exchange.
-    (The use of `side` is the same on every rank: two chunks with overlap_grad_reduce and a parameter used on
-    some ranks only deadlock in the gradient reduction, with any optimizer.)"""
+    (The use of `side` is the same on every rank; two chunks with a parameter used on some ranks only are
+    test_ddp_errors.py's test_chunks_with_a_parameter_some_ranks_use_match_torch.)"""
     names = list(CHUNK_STRATEGIES) if dp == 2 else [n for n in CHUNK_STRATEGIES if n != "no_shard"]
     results = run_distributed(_chunks_worker, dp, names, instances, fp16, timeout=300)
     m = dp // instances
