@@ -148,9 +148,11 @@ class DistributedDataParallelConfig:
     find_unused_parameters: bool = False
     """megatron-lite extension (cf. torch DDP). With `overlap_grad_reduce`, parameters that get no gradient
     in an iteration are normally an error (their bucket could never be launched). When True they are
-    treated as having a zero local gradient and the result is exact; every bucket is then launched in
-    finish_grad_sync, none during backward (its completion there depends on the branches a rank ran, and
-    with several model chunks on one group that order would differ between ranks: a deadlock)."""
+    treated as having a zero local gradient and the result is exact. A bucket's completion in backward then
+    depends on the branches a rank ran: with several model chunks (wrappers with overlap_grad_reduce) on one
+    process group the ranks' launch orders would differ (a deadlock), so there every bucket is launched in
+    finish_grad_sync, none during backward; a lone wrapper keeps the overlap (ZeRO-3: launched, not waited
+    for, in backward). Give all chunks one data-parallel group object."""
 
     gradient_as_bucket_view: bool = False
     """megatron-lite extension (torch DDP's flag of that name): each parameter's .grad is its main_grad view,

@@ -14,12 +14,15 @@ Buckets are launched in the order their gradients are expected in backward, neve
 to complete (GradSyncSchedule): every rank then issues the same sequence of collectives even when autograd
 visits parameters in a rank-dependent order. A complete bucket waits for the earlier ones; finish() launches
 what is left (buckets whose parameters got no gradient included) and waits for every bucket. With
-find_unused_parameters nothing is launched in backward (GradSyncSchedule's ranks_may_differ).
+find_unused_parameters nothing is launched in backward while another wrapper with overlap_grad_reduce on one
+of its process groups lives in the process (GradSyncSchedule's ranks_may_differ).
 """
 
 import contextlib
 import functools
+import gc
 import math
+import weakref
 from typing import Dict, FrozenSet, List, Tuple
 
 import torch
@@ -82,7 +85,7 @@ class GradSync:
         self.expert_data_parallel_group = expert_data_parallel_group
         self.launch_order = launch_order
         self.schedule = GradSyncSchedule(launch_order, config.sharding.gradients, config.sharding.parameters,
-                                         config.find_unused_parameters)
+                                         config.find_unused_parameters, config.overlap_grad_reduce)
         # megatron-core's bucket-group flag: False inside no_sync(), where the hooks only accumulate.
         self.is_last_microbatch = True
         self.unused_params: frozenset = frozenset()  # find_unused_parameters: no rank's gradient in this iteration
@@ -112,6 +115,7 @@ class GradSync:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self.schedule.withdraw()  # launches nothing in backward any more
 
     def _grad_ready_hook(self, param: torch.nn.Parameter, bucket: Bucket, index: int):
         """Runs after autograd accumulated `param.grad` (= bucket.params_list[index]): move it into
@@ -273,6 +277,12 @@ def launch_order(buckets: List[Bucket], params: List[torch.nn.Parameter]) -> Lis
     return sorted(buckets, key=lambda b: -min(registration[p] for p in b.params_list))
 
 
+_LAUNCHING_IN_BACKWARD = weakref.WeakSet()
+"""The GradSyncSchedule of every live wrapper in this process with overlap_grad_reduce (each may launch gradient
+collectives, and under ZeRO-3 gather parameters, during backward): find_unused_parameters launches in backward
+only while no other one reduces over one of its process groups (GradSyncSchedule's ranks_may_differ)."""
+
+
 class GradSyncSchedule:
     """When each bucket's gradient collective is launched and finished (GradSync's part).
 
@@ -281,27 +291,61 @@ class GradSyncSchedule:
         shards_grads: whether buckets free their full-size gradients once reduced (ZeRO-2/3): then at most
             ZERO2_BUCKETS_IN_FLIGHT launched buckets keep them while backward goes on.
         shards_params: ZeRO-3: ZERO3_BUCKETS_IN_FLIGHT instead.
-        ranks_may_differ: find_unused_parameters, where ranks may run different branches. Nothing is then
-            launched during backward: every bucket waits for finish_grad_sync. A bucket completes in backward
-            only on the ranks that ran all its parameters, so its collective would come at a rank-dependent
-            point: harmless inside one wrapper (launches keep their order), but with several wrappers on one
-            group (model chunks) a rank whose bucket waits issues the next chunk's collectives before it, a
-            peer after it, and both wait forever (torch DDP instead marks a rank's unused parameters ready at
-            the start of backward, from a traversal of the forward's graph). Under ZeRO-3 a peer that skipped a
-            unit may also be waiting in its own backward for a parameter gather this rank issues only in
-            finish_grad_sync. Costs the overlap and the in-flight bound of ZeRO-2/3.
+        ranks_may_differ: find_unused_parameters, where ranks may run different branches. A bucket then
+            completes in backward only on the ranks that ran all its parameters, so its collective comes at a
+            rank-dependent point. Harmless while this wrapper is the only one that issues collectives on its
+            groups in backward: its launches keep their order. Under ZeRO-3 no rank then waits for a gradient
+            collective during backward (only completed ones are finished there): a peer that skipped the
+            bucket's unit launches it in finish_grad_sync only, and may be waiting in its own backward for a
+            parameter gather this rank issues only there too; the in-flight bound is lost. With another live
+            overlap_grad_reduce wrapper on one of its process groups (model chunks) a rank whose bucket waits
+            would issue the other wrapper's collectives before it, a peer after it, and both would wait forever:
+            nothing is then launched during backward, every bucket waits for finish_grad_sync (no overlap, no
+            in-flight bound; torch DDP instead marks a rank's unused parameters ready at the start of backward,
+            from a traversal of the forward's graph). Decided before each backward's first launch, from
+            _LAUNCHING_IN_BACKWARD after a garbage collection (a wrapper dropped but not yet collected would
+            count on some ranks only; one whose hooks are not removed stays alive, and counts, on all), and for
+            good once another one was seen: every rank builds the same wrappers and groups, so every rank
+            decides alike. Wrappers on distinct group objects over the same ranks are not seen: that is
+            the caller's to avoid (one data-parallel group for all chunks, as megatron-core's parallel_state
+            gives).
+        overlap: overlap_grad_reduce: the schedule joins _LAUNCHING_IN_BACKWARD until withdraw().
     """
 
     def __init__(self, order: List[Bucket], shards_grads: bool, shards_params: bool = False,
-                 ranks_may_differ: bool = False):
+                 ranks_may_differ: bool = False, overlap: bool = False):
         self.order = order
         # Without gradient sharding no bound: the full-size buffer persists anyway.
         self.window = ZERO3_BUCKETS_IN_FLIGHT if shards_params else ZERO2_BUCKETS_IN_FLIGHT if shards_grads \
             else math.inf
         self.shards_params = shards_params
-        self.launch_in_backward = not ranks_may_differ
+        self.ranks_may_differ = ranks_may_differ
+        self.wait_in_backward = not (shards_params and ranks_may_differ)
+        self.beside_others = False  # ranks_may_differ beside another wrapper: launch nothing in backward
         self.next = 0  # the next bucket to launch, in order
         self.oldest = 0  # the first launched bucket that may not be finished yet
+        # The process groups its collectives run on (a bucket keeps its groups alive, so the ids are theirs).
+        world = torch.distributed.group.WORLD
+        self.groups = {id(world if b.data_parallel_group is None else b.data_parallel_group) for b in order}
+        self.groups |= {id(b.inter_instance_group) for b in order if b.inter_instance_group is not None}
+        if overlap:
+            _LAUNCHING_IN_BACKWARD.add(self)
+
+    def withdraw(self):
+        """The wrapper launches nothing in backward any more (its hooks are removed)."""
+        _LAUNCHING_IN_BACKWARD.discard(self)
+
+    def launches_in_backward(self) -> bool:
+        """Whether complete buckets are launched during backward (see ranks_may_differ)."""
+        if self.ranks_may_differ and not self.beside_others and self._others():
+            gc.collect()  # only live wrappers count, on every rank alike
+            self.beside_others = self._others()
+        return not self.beside_others
+
+    def _others(self) -> bool:
+        """Whether another schedule in _LAUNCHING_IN_BACKWARD shares one of this one's process groups."""
+        return any(other is not self and not other.groups.isdisjoint(self.groups)
+                   for other in list(_LAUNCHING_IN_BACKWARD))
 
     @property
     def pending(self) -> List[Bucket]:
@@ -314,12 +358,12 @@ class GradSyncSchedule:
 
     def launch_ready(self):
         """Launch complete buckets, strictly in order (a complete bucket waits for earlier ones); nothing with
-        ranks_may_differ (see the class)."""
-        if not self.launch_in_backward:
+        ranks_may_differ beside another wrapper (see the class)."""
+        if self.next == 0 and not self.launches_in_backward():
             return
         order = self.order
         while self.next < len(order) and order[self.next].is_ready():
-            if self.next >= self.window:
+            if self.next >= self.window and self.wait_in_backward:
                 # ZeRO-2/3: bound the full-size gradients in flight; the oldest bucket's shard is kept and
                 # its full gradients (and collective scratch) freed before the next launch allocates its own.
                 order[self.next - self.window].finish_grad_sync()
@@ -336,7 +380,7 @@ class GradSyncSchedule:
         no rank issues it at a time of its own."""
         if self.window == math.inf:  # nothing is freed without gradient sharding
             return
-        wait = self.shards_params and not bucket.grad_storage_allocated()
+        wait = self.shards_params and self.wait_in_backward and not bucket.grad_storage_allocated()
         while self.oldest < self.next:  # (a bucket finished already counts as completed: a no-op)
             launched = self.order[self.oldest]
             handle = launched.communication_handle

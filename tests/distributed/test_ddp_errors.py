@@ -173,6 +173,90 @@ def test_chunks_with_a_parameter_some_ranks_use_match_torch(strategy, side_chunk
         assert differ == []
 
 
+def _one_wrapper_worker(strategy):
+    """_Chunks as one wrapper with overlap_grad_reduce and find_unused_parameters, the later chunk's `side` run
+    by rank 1 only: how many buckets each iteration launched before finish_grad_sync, while the wrapper is the
+    only one in the process, after a second one was built and discarded, and beside a live second one; the
+    parameters against torch DDP's. (`side` of the earlier chunk, so that buckets before its own complete in
+    backward on rank 0 too: the later chunk's is launched first.)"""
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+    from megatron_lite.distributed import Bucket
+
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=15))
+    torch.manual_seed(0)
+    chunks = _Chunks([_Chunk(), _Chunk()])
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(chunks), process_group=group,
+                                                    find_unused_parameters=True)
+    zero3 = strategy == "optim_grads_params"
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, use_distributed_optimizer=strategy != "no_shard",
+        overlap_grad_reduce=True, find_unused_parameters=True, bucket_size=30,
+        fsdp_unit_modules=("Linear",) if zero3 else None)
+    ddp = DistributedDataParallel(chunks, config, data_parallel_group=group)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
+                                                 use_distributed_optimizer=strategy != "no_shard"), [ddp])
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    uses = [rank == 1, True]
+    launches = []
+    original = Bucket.start_grad_sync
+
+    def counted(bucket, *args):
+        launches.append(bucket)
+        return original(bucket, *args)
+
+    Bucket.start_grad_sync = counted
+    in_backward = []
+    try:
+        for step in range(6):
+            if step == 3:  # a second wrapper, discarded at once (its hooks keep it alive until removed)
+                DistributedDataParallel(copy.deepcopy(chunks), config, data_parallel_group=group).remove_grad_hooks()
+            if step == 4:  # a second one alive (another model chunk)
+                other = DistributedDataParallel(copy.deepcopy(chunks), config, data_parallel_group=group)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            ddp.zero_grad_buffer()
+            launches.clear()
+            ddp(x, uses).square().mean().backward()
+            in_backward.append(len(launches))
+            ddp.finish_grad_sync()
+            opt.step()
+            torch_opt.zero_grad()
+            reference(x, uses).square().mean().backward()
+            torch_opt.step()
+    finally:
+        Bucket.start_grad_sync = original
+    del other
+    theirs = reference.module.state_dict()
+    differ = sorted(n for n, v in ddp.state_dict().items() if not torch.equal(v, theirs[n]))
+    return dict(in_backward=in_backward, buckets=sum(len(b.buckets) for b in ddp.param_and_grad_buffers),
+                differ=differ)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_one_wrapper_with_a_parameter_some_ranks_use_overlaps(strategy):
+    """One wrapper with overlap_grad_reduce and find_unused_parameters, a parameter used on rank 1 only: buckets
+    are launched during backward (from the second iteration on, once the gradient counts are learned), also
+    after a second wrapper was built and discarded (remove_grad_hooks); beside a live second wrapper (model
+    chunks) none is (see test_chunks_with_a_parameter_some_ranks_use_match_torch). Would catch
+    find_unused_parameters deferring every launch to finish_grad_sync for a lone wrapper, or a discarded
+    wrapper still counting. Parameters after six AdamW steps equal torch DDP's bit for bit."""
+    for result in run_distributed(_one_wrapper_worker, 2, strategy, timeout=120):
+        assert result["buckets"] >= 3
+        assert all(n > 0 for n in result["in_backward"][1:4]), result
+        assert result["in_backward"][4:] == [0, 0], result
+        assert result["differ"] == []
+
+
 def _nan_worker(overlap):
     import torch.distributed as dist
     from ddp_testing import loss_fn, make_batches, make_model
