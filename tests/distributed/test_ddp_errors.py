@@ -113,32 +113,34 @@ class _Chunks(nn.ModuleList):
         return x
 
 
-def _chunks_worker(strategy, side_chunk):
-    """Two chunks, each its own wrapper on one data-parallel group (a process-group timeout of 15 s: a hang
-    fails fast), `side` of chunk `side_chunk` run by rank 1 only, with torch DDP + AdamW beside them."""
+def _chunks_set_up(strategy):
+    """(rank, a gloo group with a 15 s timeout: a hang fails fast, _Chunks, torch DDP over a copy of them, the
+    wrappers' config: overlap_grad_reduce and find_unused_parameters under `strategy`)."""
     import copy
     import datetime
 
     import torch.distributed as dist
 
-    from megatron_lite import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        OptimizerConfig,
-        get_megatron_optimizer,
-    )
+    from megatron_lite import DistributedDataParallelConfig
 
-    rank = dist.get_rank()
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=15))
     torch.manual_seed(0)
     chunks = _Chunks([_Chunk(), _Chunk()])
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(chunks), process_group=group,
                                                     find_unused_parameters=True)
-    zero3 = strategy == "optim_grads_params"
     config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, use_distributed_optimizer=strategy != "no_shard",
         overlap_grad_reduce=True, find_unused_parameters=True, bucket_size=30,
-        fsdp_unit_modules=("Linear",) if zero3 else None)
+        fsdp_unit_modules=("Linear",) if strategy == "optim_grads_params" else None)
+    return dist.get_rank(), group, chunks, reference, config
+
+
+def _chunks_worker(strategy, side_chunk):
+    """Two chunks, each its own wrapper on one data-parallel group (a process-group timeout of 15 s: a hang
+    fails fast), `side` of chunk `side_chunk` run by rank 1 only, with torch DDP + AdamW beside them."""
+    from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
+
+    rank, group, chunks, reference, config = _chunks_set_up(strategy)
     ddps = [DistributedDataParallel(chunk, config, data_parallel_group=group) for chunk in chunks]
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
                                                  use_distributed_optimizer=strategy != "no_shard"), ddps)
@@ -180,29 +182,11 @@ def _one_wrapper_worker(strategy):
     parameters against torch DDP's. (`side` of the earlier chunk, so that buckets before its own complete in
     backward on rank 0 too: the later chunk's is launched first.)"""
     import copy
-    import datetime
 
-    import torch.distributed as dist
-
-    from megatron_lite import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        OptimizerConfig,
-        get_megatron_optimizer,
-    )
+    from megatron_lite import DistributedDataParallel, OptimizerConfig, get_megatron_optimizer
     from megatron_lite.distributed import Bucket
 
-    rank = dist.get_rank()
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=15))
-    torch.manual_seed(0)
-    chunks = _Chunks([_Chunk(), _Chunk()])
-    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(chunks), process_group=group,
-                                                    find_unused_parameters=True)
-    zero3 = strategy == "optim_grads_params"
-    config = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, use_distributed_optimizer=strategy != "no_shard",
-        overlap_grad_reduce=True, find_unused_parameters=True, bucket_size=30,
-        fsdp_unit_modules=("Linear",) if zero3 else None)
+    rank, group, chunks, reference, config = _chunks_set_up(strategy)
     ddp = DistributedDataParallel(chunks, config, data_parallel_group=group)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
                                                  use_distributed_optimizer=strategy != "no_shard"), [ddp])
