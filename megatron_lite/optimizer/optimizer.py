@@ -213,9 +213,6 @@ class MegatronOptimizer:
             if spec is not None:
                 matrices[shard.main] = (spec, shard.start, shard.end)
         self.optimizer.matrices = matrices
-        if self.sharded and type(self)._orthogonalize is MegatronOptimizer._orthogonalize:
-            raise ValueError("optimizer='muon' with use_distributed_optimizer=True is not available yet (its "
-                             "matrices are cut across ranks): use_distributed_optimizer=False")
 
     def _main_params(self) -> List[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -293,8 +290,8 @@ class MegatronOptimizer:
 
     # ------------------------------------------------------------------ replicas (fault tolerance)
     # The non-sharded optimizers: every rank a replica of every other (data_parallel_topology), so live
-    # recovery heals a replacement of `no_shard` from any survivor. DistributedOptimizer overrides the three
-    # with the same protocol (its model write is the rank's buffer shard).
+    # recovery heals a replacement of `no_shard` from any survivor; the distributed optimizer's replicas are the
+    # ranks at its position in the other instances. Only the model write differs (_write_received_state).
     def holds_same_shards(self, rank: int) -> bool:
         """Whether data-parallel rank `rank` holds the same shards as this rank (a replica, or this rank)."""
         topology = self.data_parallel_topology
