@@ -21,6 +21,10 @@ setup(
         # build. tests/checkpointing/test_hf_extra.py keeps every mention of it in the repository agreeing.
         "hf": ["transformers==5.24.0", "peft==0.21.2", "accelerate==1.15.0", "safetensors==0.8.0",
                "tokenizers==0.23.3"],
+        # megatron-core as the reference of the Megatron-LM checkpoint and tokenizer tests (its GPTModel,
+        # optimizer and dist_checkpointing on the CPU: tests/support/mcore_reference.py), and SentencePiece for
+        # --tokenizer-type SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer. Pinned like hf.
+        "megatron": ["megatron-core==0.16.1", "sentencepiece==0.2.3", "psutil"],
         "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tqdm", "ruff==0.17.6"],
     },
 )
