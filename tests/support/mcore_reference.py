@@ -121,3 +121,21 @@ def forward(model, input_ids, labels=None):
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
     return model(input_ids, positions, attention_mask=mask, labels=labels)
+
+
+def run_script(script: str, *args: str, timeout: float = 300) -> dict:
+    """Run a megatron-core script of tests/support in its own process (repository and tests/support on its
+    path); it prints one JSON object as its last stdout line, returned here. A failure shows its output."""
+    import json
+    import subprocess
+    import sys
+
+    support = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(support))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, support, os.environ.get("PYTHONPATH", "")]),
+               PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, os.path.join(support, script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=repo)
+    if done.returncode != 0:
+        raise AssertionError(f"{script} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
