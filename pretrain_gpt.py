@@ -38,6 +38,7 @@ def model_provider(args) -> GPTModel:
     llama = [config.normalization if config.normalization != "LayerNorm" else "",  # only what differs from GPT-2
              f"{'SwiGLU' if config.activation_func == 'silu' else 'gated ' + config.activation_func} ffn "
              f"{config.ffn_hidden_size}" if config.gated_linear_unit else "",
+             "tanh-approximated GELU (--openai-gelu)" if config.activation_func == "openai_gelu" else "",
              f"{config.num_query_groups} query groups" if config.num_query_groups != config.num_attention_heads
              else "", "" if config.add_bias_linear else "no linear biases"]
     print_rank_0(f"> building GPT model: {config.num_layers} layers, hidden {config.hidden_size}, "

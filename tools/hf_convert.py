@@ -6,8 +6,9 @@ decides what goes where. It lives with its one user, above the library: it maps 
 Two transformers classes express the two families of GPTModel:
 
     megatron-lite (args)                         GPT2LMHeadModel              LlamaForCausalLM
-    learned positions, LayerNorm, GELU, biases   yes (activation 'gelu',
-    multi-head, not gated                         exact erf, not gelu_new)
+    learned positions, LayerNorm, GELU, biases   yes (activation 'gelu':
+    multi-head, not gated                         exact erf; --openai-gelu:
+                                                  'gelu_new', the tanh form)
     rope, RMSNorm, gated MLP, any query groups                                yes (biases all or none)
 
     megatron-lite parameter                      GPT2 (Conv1D: [in, out])     Llama (Linear: [out, in])
@@ -26,6 +27,9 @@ Two transformers classes express the two families of GPTModel:
 
 Rotary positions need no permutation: GPTModel rotates the pairs (i, i + d/2) with the frequencies repeated
 over both halves (megatron-core's non-interleaved layout), which is transformers' `rotate_half` exactly.
+The activation: transformers names GELU's tanh approximation five ways ('gelu_new', GPT-2's, and
+TANH_GELU's others); all compute Megatron's openai_gelu formula, within fp32 rounding (test_openai_gelu.py
+measures each), and import as --openai-gelu; the export writes 'gelu_new'.
 The vocabulary: megatron-lite pads the embedding rows to a multiple of 128 (padded_vocab_size); the export
 keeps the tokenizer's rows only, the import pads with zero rows (logit 0 for ids no tokenizer produces).
 
@@ -49,7 +53,12 @@ GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 _DEFAULTS = dict(ffn_hidden_size=None, position_embedding_type="learned_absolute", normalization="LayerNorm",
                  untie_embeddings_and_output_weights=False, swiglu=False, group_query_attention=False,
                  num_query_groups=None, disable_bias_linear=False, norm_epsilon=1e-5, rotary_base=10000.0,
-                 init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0)
+                 init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, openai_gelu=False)
+# transformers' names of GELU's tanh approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), each the
+# formula of Megatron's openai_gelu (GPTConfig.activation_func 'openai_gelu'), evaluated in another order.
+TANH_GELU = ("gelu_new", "gelu_fast", "gelu_accurate", "gelu_pytorch_tanh", "gelu_python_tanh")
+# GPTConfig.activation_func -> transformers' name, for the export.
+_HF_ACTIVATION = {"gelu": "gelu", "openai_gelu": "gelu_new", "silu": "silu"}
 
 
 def _with_defaults(args: dict) -> dict:
@@ -74,7 +83,7 @@ def architecture(config: GPTConfig) -> str:
     llama = {"--position-embedding-type rope": config.position_embedding_type != "rope",
              "--normalization RMSNorm": config.normalization != "RMSNorm",
              "--swiglu": not config.gated_linear_unit}
-    if not any(gpt2.values()) and config.activation_func == "gelu":
+    if not any(gpt2.values()) and config.activation_func in ("gelu", "openai_gelu"):
         return GPT2
     if not any(llama.values()):
         return LLAMA
@@ -119,7 +128,7 @@ def to_hf(model_state: Dict[str, torch.Tensor], args: dict, vocab_size: int, eod
 def _gpt2_config(config: GPTConfig, vocab_size: int) -> dict:
     return dict(model_type="gpt2", vocab_size=vocab_size, n_positions=config.max_position_embeddings,
                 n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_attention_heads,
-                n_inner=config.ffn_hidden_size, activation_function="gelu",  # exact erf GELU, as F.gelu
+                n_inner=config.ffn_hidden_size, activation_function=_HF_ACTIVATION[config.activation_func],
                 layer_norm_epsilon=config.layernorm_epsilon, resid_pdrop=config.hidden_dropout,
                 embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout, scale_attn_weights=True,
                 scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
@@ -130,7 +139,8 @@ def _llama_config(config: GPTConfig, vocab_size: int) -> dict:
     return dict(model_type="llama", vocab_size=vocab_size, hidden_size=config.hidden_size,
                 intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
                 num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_query_groups,
-                head_dim=config.hidden_size // config.num_attention_heads, hidden_act=config.activation_func,
+                head_dim=config.hidden_size // config.num_attention_heads,
+                hidden_act=_HF_ACTIVATION[config.activation_func],
                 max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.layernorm_epsilon,
                 rope_theta=config.rotary_base,  # transformers < 5; 5 reads rope_parameters
                 rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base}, rope_scaling=None,
@@ -296,8 +306,9 @@ def _refuse(hf_config: dict, checks: Dict[str, tuple]):
 
 
 def _args_from_gpt2(c: dict) -> dict:
-    _refuse(c, {"activation_function": (("gelu",), "GPTModel's GELU is the exact erf form, transformers' 'gelu' "
-                                                  "('gelu_new' and the others are approximations)"),
+    _refuse(c, {"activation_function": (("gelu", *TANH_GELU), "GPTModel's GELU is the exact erf form, "
+                                        "transformers' 'gelu', or its tanh approximation (--openai-gelu), "
+                                        f"transformers' {', '.join(map(repr, TANH_GELU))}"),
                 "scale_attn_weights": ((True,), "GPTModel scales attention scores by 1/sqrt(head_dim)"),
                 "scale_attn_by_inverse_layer_idx": ((False,), "GPTModel has no per-layer attention scaling"),
                 "add_cross_attention": ((False,), "GPTModel is decoder-only")})
@@ -308,7 +319,8 @@ def _args_from_gpt2(c: dict) -> dict:
                 position_embedding_type="learned_absolute", normalization="LayerNorm",
                 untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True), swiglu=False,
                 group_query_attention=False, num_query_groups=None, disable_bias_linear=False,
-                norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)), rotary_base=10000.0)
+                norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)), rotary_base=10000.0,
+                openai_gelu=c.get("activation_function", "gelu_new") in TANH_GELU)
 
 
 def _args_from_llama(c: dict) -> dict:
@@ -339,7 +351,7 @@ def _args_from_llama(c: dict) -> dict:
                 swiglu=True, group_query_attention=groups != heads,
                 num_query_groups=groups if groups != heads else None,
                 disable_bias_linear=not c.get("attention_bias", False),
-                norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), rotary_base=float(theta))
+                norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), rotary_base=float(theta), openai_gelu=False)
 
 
 def pretrain_flags(args: dict) -> List[str]:
@@ -355,6 +367,7 @@ def pretrain_flags(args: dict) -> List[str]:
     if a["normalization"] != "LayerNorm":
         flags += ["--normalization", a["normalization"]]
     for flag, on in (("--swiglu", a["swiglu"]), ("--disable-bias-linear", a["disable_bias_linear"]),
+                     ("--openai-gelu", a["openai_gelu"]),
                      ("--untie-embeddings-and-output-weights", a["untie_embeddings_and_output_weights"])):
         flags += [flag] if on else []
     if config.num_query_groups != config.num_attention_heads:

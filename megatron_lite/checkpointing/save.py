@@ -29,7 +29,7 @@ from . import experts, files, last_words, torch_dist, torch_format
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
                      "position_embedding_type", "untie_embeddings_and_output_weights", "max_position_embeddings",
                      "normalization", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
-                     "norm_epsilon", "rotary_base")
+                     "norm_epsilon", "rotary_base", "openai_gelu")
 # Recorded: what tools/checkpoint_convert.py --to hf needs besides the architecture (the tokenizer, so the
 # vocabulary before padding; the init and dropout of the exported config). Of these only tokenizer_type is
 # compared on resume (training.resume adds it to the architecture, except with --finetune).

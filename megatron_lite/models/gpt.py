@@ -20,7 +20,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's openai_gelu (--openai-gelu; GPT-2's original, transformers' 'gelu_new'): GELU's tanh
+    approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). torch's fused kernel of the same formula:
+    it differs from megatron-core's expression in the last bit only, and autograd keeps x alone."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "openai_gelu": openai_gelu}
 
 
 @dataclass
@@ -46,7 +54,8 @@ class GPTConfig:
     """Gated MLP: linear_fc1 makes two halves and the MLP computes act(gate) * up (SwiGLU with
     activation_func='silu'; Megatron's --swiglu sets both)."""
     activation_func: str = "gelu"
-    """The MLP's activation: 'gelu' or 'silu'."""
+    """The MLP's activation: 'gelu' (exact, erf), 'openai_gelu' (its tanh approximation, Megatron's
+    --openai-gelu) or 'silu'."""
     num_query_groups: Optional[int] = None
     """Key/value heads of grouped-query attention: each serves num_attention_heads / num_query_groups query
     heads; None means num_attention_heads (multi-head attention)."""

@@ -220,11 +220,16 @@ def gpt_config_from_args(args, vocab_size: int) -> GPTConfig:
         raise ValueError("--num-query-groups needs --group-query-attention")
     if args.group_query_attention and groups is None:
         groups = 1  # Megatron's default for --num-query-groups: one key/value head (multi-query attention)
+    openai_gelu = getattr(args, "openai_gelu", False)  # absent from namespaces built before the flag
+    if openai_gelu and args.swiglu:  # Megatron-LM's core models would silently take SiLU
+        raise ValueError("--openai-gelu and --swiglu both choose the MLP's activation (--swiglu: gated SiLU): "
+                         "give one")
     return config_from_args(
         GPTConfig, GPT_FLAGS, args, vocab_size=vocab_size, params_dtype=params_dtype_from_args(args),
         position_embedding_type="rope" if args.position_embedding_type == "rope" else "learned",
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        num_query_groups=groups, activation_func="silu" if args.swiglu else "gelu",
+        num_query_groups=groups,
+        activation_func="silu" if args.swiglu else "openai_gelu" if openai_gelu else "gelu",
         add_bias_linear=not args.disable_bias_linear)
 
 
@@ -297,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="no biases in the attention and MLP linear layers (GPTConfig.add_bias_linear=False)")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="the MLP's GELU in its tanh approximation (GPTConfig.activation_func='openai_gelu'; GPT-2's "
+                        "original, transformers' 'gelu_new') instead of the exact erf form; not with --swiglu")
     add_compile_arguments(g)  # compile_arguments.py: the --torch-compile flags refine the model
 
     g = p.add_argument_group("training and mixed precision (OptimizerConfig)")

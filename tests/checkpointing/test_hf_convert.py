@@ -278,7 +278,7 @@ def _llama_dict(**change):
 
 
 @pytest.mark.parametrize("config, named", [
-    (lambda: _gpt2_dict(activation_function="gelu_new"), "activation_function='gelu_new'"),
+    (lambda: _gpt2_dict(activation_function="quick_gelu"), "activation_function='quick_gelu'"),
     (lambda: _gpt2_dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     (lambda: _llama_dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type='llama3'"),
     (lambda: _llama_dict(mlp_bias=True), "mlp_bias=True"),
@@ -287,7 +287,7 @@ def _llama_dict(**change):
     (lambda: {"model_type": "mistral"}, "model_type 'mistral'"),
 ])
 def test_import_refuses_what_gpt_model_cannot_express(config, named):
-    """A transformers config GPTModel cannot compute exactly (the tanh GELU, scaled rope, biases in only part
+    """A transformers config GPTModel cannot compute exactly (a sigmoid GELU, scaled rope, biases in only part
     of the linears, another head dim, another model type): ValueError naming the field and its value. Would
     catch an import that trains a model other than the one the config describes."""
     with pytest.raises(ValueError, match="cannot be imported") as error:

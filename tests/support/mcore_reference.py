@@ -85,8 +85,9 @@ def transformer_config(config, **overrides):
     """megatron-core's TransformerConfig for a megatron-lite GPTConfig (fp32, no dropout unless given)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.utils import openai_gelu
 
-    activation = {"gelu": F.gelu, "silu": F.silu}[config.activation_func]
+    activation = {"gelu": F.gelu, "silu": F.silu, "openai_gelu": openai_gelu}[config.activation_func]
     kwargs = dict(num_layers=config.num_layers, hidden_size=config.hidden_size,
                   num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
                   ffn_hidden_size=config.ffn_hidden_size, normalization=config.normalization,
