@@ -3,7 +3,8 @@
 ::
 
     _survey (each rank)       the newest complete periodic checkpoint (files.find_latest) and the complete
-                              last-words sets (last_words.scan)
+                              last-words sets (last_words.scan); another tool's checkpoint is refused
+                              naming its converter (foreign.py)
     _agree_on_survey          every rank must have found the same, else ValueError on every rank
     newest last words first   if newer than the periodic checkpoint: last_words.load; a set no rank can
                               read in full is skipped on every rank (rank 0 names it), the next one tried
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives
-from . import experts, files, last_words, torch_dist, torch_format
+from . import experts, files, foreign, last_words, torch_dist, torch_format
 from .rng import set_rng_state
 
 
@@ -120,7 +121,11 @@ def _load_periodic(directory, model, optimizer, scheduler, group, check_args, hy
 
 def _survey(root: str):
     """What `root` holds, read by this rank: (newest periodic iteration, its directory, complete last-words
-    sets, problems of the others)."""
+    sets, problems of the others). Another tool's checkpoint (Megatron-LM, Hugging Face, DeepSpeed) is a
+    ValueError naming it and its converter: read as ours it would be 'incomplete', or no checkpoint at all."""
+    foreign_kind = foreign.describe_foreign(root)
+    if foreign_kind:
+        raise ValueError(foreign_kind)
     iteration, directory = files.find_latest(root)
     words, problems = last_words.scan(root)  # sets written by the survivors of a failure
     return iteration, directory, words, problems

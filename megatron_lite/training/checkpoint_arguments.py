@@ -16,6 +16,7 @@ import argparse
 import os
 
 from ..checkpointing.files import MANIFEST_FILENAME, TRACKER_FILENAME
+from ..checkpointing.foreign import describe_foreign
 
 
 def add_checkpoint_arguments(g: argparse._ArgumentGroup) -> None:
@@ -112,6 +113,10 @@ def check_checkpoint_paths(args):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path} is not a directory: give the directory that holds (or will hold) the "
                              "iter_* checkpoints")
+    for flag, path in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+        foreign_kind = describe_foreign(path) if path else None
+        if foreign_kind:  # Megatron-LM's would read as incomplete, the others as no checkpoint (from scratch)
+            raise ValueError(f"{flag} {foreign_kind}")
     if args.load and os.path.isfile(os.path.join(args.load, MANIFEST_FILENAME)) and not _holds_checkpoints(args.load):
         parent = os.path.dirname(os.path.normpath(args.load)) or "."
         raise ValueError(f"--load {args.load} is one checkpoint, not the directory that holds them: give "
