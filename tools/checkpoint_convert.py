@@ -42,7 +42,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from megatron_lite.checkpointing import files, hf_files, torch_dist, torch_format  # noqa: E402
-from megatron_lite.data import build_tokenizer  # noqa: E402
+from megatron_lite.data import build_tokenizer, gpt2_bpe  # noqa: E402
+from megatron_lite.data import tokenizer as lite_tokenizers  # noqa: E402
 from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
 
 
@@ -127,68 +128,93 @@ def check_hf_output(output: str):
         raise ValueError(f"--output {output} is not empty: choose a new directory")
 
 
-def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=None, vocab_size=None):
+def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=None, vocab_size=None,
+              vocab_file=None, merge_file=None):
     """Write `payload`'s model as a transformers directory `output` (new or empty). The tokenizer is the one the
-    checkpoint records, unless given (checkpoints saved before it was recorded, or a tokenizer.json moved)."""
+    checkpoint records, unless given (checkpoints saved before it was recorded, or tokenizer files moved)."""
     check_hf_output(output)
     safetensors_torch = _safetensors()  # before any conversion work
     args = payload["args"]
     tokenizer_type = tokenizer_type or args.get("tokenizer_type")
     if tokenizer_type is None:
         raise ValueError("the checkpoint does not record its tokenizer (saved by an older version): give "
-                         "--tokenizer-type (and --tokenizer-model / --vocab-size as for pretrain_gpt.py)")
-    # A given --tokenizer-model that the tokenizer would ignore is refused by build_tokenizer; a recorded one
-    # counts only for the tokenizer that reads it (older runs recorded the flag whatever the type).
-    recorded = args.get("tokenizer_model") if tokenizer_type == "HuggingFaceTokenizer" else None
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model or recorded,
-                                vocab_size=vocab_size or args.get("vocab_size"))
+                         "--tokenizer-type (and --tokenizer-model / --vocab-file / --merge-file / --vocab-size as "
+                         "for pretrain_gpt.py)")
+    # A given file flag that the tokenizer would ignore is refused by build_tokenizer; a recorded one counts only
+    # for the tokenizer that reads it (older runs recorded --tokenizer-model whatever the type).
+    reads = lite_tokenizers.FILE_FLAGS.get(tokenizer_type, ())
+    given = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file, "merge_file": merge_file}
+    paths = {k: v or (args.get(k) if k in reads else None) for k, v in given.items()}
+    tokenizer = build_tokenizer(tokenizer_type, vocab_size=vocab_size or args.get("vocab_size"), **paths)
     config, tensors = hf_convert.to_hf(payload["model"], args, tokenizer.vocab_size, tokenizer.eod)
+    hf_tokenizer_files = None if tokenizer_type == "NullTokenizer" else _hf_tokenizer(tokenizer_type, tokenizer)
     os.makedirs(output, exist_ok=True)
     weights = os.path.join(output, "model.safetensors")
     safetensors_torch.save_file(tensors, weights, metadata={"format": "pt"})
     os.chmod(weights, 0o666 & ~files._umask())  # safetensors creates the file 0600; the other files follow the umask
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    if tokenizer_type != "NullTokenizer":
-        _write_tokenizer(output, tokenizer_type, tokenizer, config)
+    if hf_tokenizer_files is not None:
+        _write_tokenizer(output, *hf_tokenizer_files, config)
+    elif tokenizer_type in lite_tokenizers.SENTENCEPIECE_TYPES:
+        print(f"> note: no tokenizer written for {tokenizer_type}: transformers reads a SentencePiece model only "
+              f"through protobuf, and its Llama / T5 tokenizers add a BOS token or normalise otherwise. The ids "
+              f"training used are sentencepiece.SentencePieceProcessor(model_file={tokenizer.tokenizer_model!r})"
+              f".encode(text), eos (= eod) {tokenizer.eod}, no BOS")
     return config
 
 
-def _write_tokenizer(output: str, tokenizer_type: str, tokenizer, config: dict):
-    """tokenizer.json and tokenizer_config.json giving transformers the ids the run trained on, eod as the
-    bos/eos token. ByteLevelTokenizer's is written out: a byte-level BPE without merges (id = the byte)."""
+def _hf_tokenizer(tokenizer_type: str, tokenizer):
+    """The run's tokenizer as a `tokenizers.Tokenizer` that gives the ids training used (no BOS/EOS added by a
+    post-processor), and its end-of-document token; None for a tokenizer transformers cannot take as it is
+    (the SentencePiece types). Built before anything is written. ByteLevelTokenizer's is a byte-level BPE without
+    merges (id = the byte); GPT2BPETokenizer's the BPE of its vocab.json and merges.txt."""
+    if tokenizer_type in lite_tokenizers.SENTENCEPIECE_TYPES:
+        return None
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     except ImportError as e:
         raise ValueError("writing the tokenizer needs the optional 'tokenizers' package: pip install -e \".[hf]\" "
                          "(the Hugging Face extra)") from e
     if tokenizer_type == "ByteLevelTokenizer":
-        byte_chars = _bytes_to_unicode()
+        byte_chars = gpt2_bpe.bytes_to_unicode()
         hf = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         hf.decoder = decoders.ByteLevel()
+    elif tokenizer_type == "GPT2BPETokenizer":
+        ranks = gpt2_bpe.read_merges(tokenizer.merge_file)  # Megatron-LM's reading, ranked as the run merged
+        merges = [pair for pair in sorted(ranks, key=ranks.get) if pair]
+        hf = Tokenizer(models.BPE(vocab=gpt2_bpe.read_vocab(tokenizer.vocab_file), merges=merges))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
     else:
-        hf = Tokenizer.from_file(tokenizer.tokenizer_model)
+        hf = Tokenizer.from_file(tokenizer.tokenizer_json)
+        # The run tokenized without special tokens: a post-processor adding BOS/EOS (Llama's) would prepend ids
+        # the training data never had.
+        spec = json.loads(hf.to_str())
+        spec["post_processor"] = None
+        hf = Tokenizer.from_str(json.dumps(spec))
     eod = hf.id_to_token(tokenizer.eod)
     if eod is None:  # ByteLevelTokenizer's 256, or an id HuggingFaceTokenizer reserved (no end-of-document token)
         eod = "<|endoftext|>"
         hf.add_special_tokens([AddedToken(eod, special=True)])
+    elif tokenizer_type == "GPT2BPETokenizer":  # matched in text as the eod id, as the run tokenized it
+        hf.add_special_tokens([AddedToken(eod, special=True)])
     if hf.token_to_id(eod) != tokenizer.eod:
         raise ValueError(f"the tokenizer's end-of-document token {eod!r} has id {hf.token_to_id(eod)}, the run's "
                          f"is {tokenizer.eod}")
+    return hf, eod
+
+
+def _write_tokenizer(output: str, hf, eod: str, config: dict):
+    """tokenizer.json and tokenizer_config.json giving transformers the ids the run trained on (no BOS/EOS
+    added), eod as the bos/eos token."""
     hf.save(os.path.join(output, "tokenizer.json"))
     with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
+                   "add_bos_token": False, "add_eos_token": False,
                    "model_max_length": config.get("n_positions", config.get("max_position_embeddings")),
                    "clean_up_tokenization_spaces": False}, f, indent=2)
-
-
-def _bytes_to_unicode():
-    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer maps each byte to):
-    printable Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def import_hf(directory: str) -> dict:
@@ -225,7 +251,8 @@ def hf_tokenizer(directory: str, payload: dict):
 
 def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> list:
     """The imported checkpoint in `output`, with `tokenizer` (hf_tokenizer's) copied next to the checkpoints and
-    recorded in it. Returns the pretrain_gpt.py flags that read the tokenizer, its path as `output` spells it
+    recorded in it (with the tokenizer_config.json / special_tokens_map.json beside it, which name its eos_token).
+    Returns the pretrain_gpt.py flags that read the tokenizer, its path as `output` spells it
     (the checkpoint records the absolute one). The tokenizer is copied only once the checkpoint is written: a
     failed write leaves `output` as it was (a tokenizer.json already there untouched)."""
     created = not os.path.isdir(output)
@@ -241,6 +268,9 @@ def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> l
         raise
     if tokenizer:
         shutil.copyfile(tokenizer, target)
+        for name in lite_tokenizers.EOS_FILES:  # they name the eos_token, the eod of HuggingFaceTokenizer
+            if os.path.isfile(os.path.join(os.path.dirname(tokenizer), name)):
+                shutil.copyfile(os.path.join(os.path.dirname(tokenizer), name), os.path.join(output, name))
     return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target] if tokenizer else []
 
 
@@ -255,8 +285,8 @@ def main(argv=None):
     p.add_argument("--from", dest="source", choices=["hf"], help="read --input as a transformers directory")
     p.add_argument("--export-weights", metavar="FILE", help="write the model's state_dict to FILE (torch.save)")
     g = p.add_argument_group("--to hf: the run's tokenizer where the checkpoint does not record it (pretrain_gpt.py's)")
-    g.add_argument("--tokenizer-type", choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
-    g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--tokenizer-type", choices=lite_tokenizers.TOKENIZER_TYPES)
+    lite_tokenizers.add_tokenizer_file_arguments(g)
     g.add_argument("--vocab-size", type=int, help="vocabulary of NullTokenizer")
     args = p.parse_args(argv)
     if args.source == "hf":
@@ -300,7 +330,8 @@ def main(argv=None):
                 f"or exporting them is not supported yet")
     if args.to == "hf":
         try:
-            config = export_hf(payload, args.output, args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+            config = export_hf(payload, args.output, args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                               args.vocab_file, args.merge_file)
         except ValueError as e:
             p.error(str(e))
         print(f"> wrote iteration {payload['iteration']} as a transformers {config['architectures'][0]} to "

@@ -37,9 +37,10 @@ import numpy as np
 
 from megatron_lite.data.corpus import builtin_corpus_documents
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab_size
-from megatron_lite.data.tokenizer import build_tokenizer
+from megatron_lite.data.tokenizer import TOKENIZER_TYPES, add_tokenizer_file_arguments, build_tokenizer
 
 BUILTIN = "builtin"
+TEXT_TOKENIZER_TYPES = tuple(name for name in TOKENIZER_TYPES if name != "NullTokenizer")
 _ENCODING = "utf-8-sig"
 """UTF-8, a byte order mark at the start of a file skipped (Windows editors write one); it is not text."""
 
@@ -53,10 +54,11 @@ def get_args(argv=None):
                        help=f"text or .jsonl files, or '{BUILTIN}' for the standard-library docstring corpus")
     group.add_argument("--json-key", default="text", help="field of each JSON line that holds the document")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                       choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"),
-                       help="ByteLevelTokenizer needs nothing; HuggingFaceTokenizer needs `tokenizers`")
-    group.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    group.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TEXT_TOKENIZER_TYPES,
+                       help="Megatron's names (megatron_lite/data/tokenizer.py): ByteLevelTokenizer and "
+                            "GPT2BPETokenizer need nothing, the SentencePiece types `sentencepiece`, "
+                            "HuggingFaceTokenizer `tokenizers`")
+    add_tokenizer_file_arguments(group)
     group.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                        help="end every document with the eod token")
     group = parser.add_argument_group("output data")
@@ -76,8 +78,9 @@ def get_args(argv=None):
         if path != BUILTIN and not has_documents(path, args.json_key):
             what = f"only blank lines or empty {args.json_key!r} fields" if _is_json(path) else "only blank lines"
             parser.error(f"--input {path!r}: no documents (the file is empty or holds {what})")
-    try:  # also refuses a --tokenizer-model the tokenizer type would ignore (tokenizing byte by byte)
-        args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    try:  # also refuses a file flag the tokenizer type would ignore (tokenizing byte by byte)
+        args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
+                                         merge_file=args.merge_file)
     except ValueError as e:
         parser.error(str(e))
     return args
@@ -164,8 +167,8 @@ def read_documents(paths, json_key):
 _state = {}
 
 
-def _init_worker(tokenizer_type, tokenizer_model, append_eod):
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+def _init_worker(tokenizer_type, tokenizer_model, vocab_file, merge_file, append_eod):
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_file=vocab_file, merge_file=merge_file)
     _state.update(tokenizer=tokenizer, append_eod=append_eod, dtype=dtype_for_vocab_size(tokenizer.vocab_size))
 
 
@@ -214,7 +217,7 @@ class Progress:
 def main(argv=None):
     args = get_args(argv)
     tokenizer = args.tokenizer
-    init_args = (args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    init_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.append_eod)
     progress = Progress()
     texts = read_documents(args.input, args.json_key)
     pool = None

@@ -33,8 +33,8 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
 # Recorded: what tools/checkpoint_convert.py --to hf needs besides the architecture (the tokenizer, so the
 # vocabulary before padding; the init and dropout of the exported config). Of these only tokenizer_type is
 # compared on resume (training.resume adds it to the architecture, except with --finetune).
-RECORDED_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "init_method_std", "hidden_dropout",
-                 "attention_dropout")
+RECORDED_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "init_method_std",
+                 "hidden_dropout", "attention_dropout")
 
 
 def architecture_args(args) -> dict:

@@ -488,8 +488,6 @@ _RUN_RULES = (
 )
 _EVAL_RULES = (("eval_iters", (Check(lambda v: not v < 0, "{flag} must be >= 0, got {value}"),)),)
 _DEVICE_RULES = ((None, (
-    Check(lambda a: not (a.tokenizer_type == "HuggingFaceTokenizer" and not a.tokenizer_model),
-          "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json"),
     Check(lambda a: not (a.device == "cuda" and not torch.cuda.is_available()),
           "--device cuda requested but CUDA is not available"),
     Check(lambda a: not (a.distributed_backend == "nccl" and (a.device == "cpu" or not torch.cuda.is_available())),

@@ -16,7 +16,7 @@ import os
 from ..config_checks import Check, check_fields
 from ..data import GPTDatasetConfig, get_blend_from_list, parse_split
 from ..data.blended_megatron_dataset_builder import PER_SPLIT_FLAGS
-from ..data.tokenizer import check_tokenizer_model
+from ..data.tokenizer import TOKENIZER_TYPES, add_tokenizer_file_arguments, check_tokenizer_flags
 
 PER_SPLIT = ("train_data_path", "valid_data_path", "test_data_path")
 
@@ -46,10 +46,10 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
                    help="fraction of extra samples each blended dataset is built with, so the blend never runs one "
                         "dry (megatron-core's)")
-    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
-                   help="how text was turned into token ids (must match tools/preprocess_data.py)")
-    g.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES,
+                   help="how text was turned into token ids, by Megatron's names (must match "
+                        "tools/preprocess_data.py); it gives the vocabulary size and the end-of-document id")
+    add_tokenizer_file_arguments(g)
     g.add_argument("--vocab-size", type=int,
                    help="vocabulary of --tokenizer-type NullTokenizer, >= 2 (use it with --mock-data for a custom "
                         "size); the other tokenizers define their own")
@@ -77,7 +77,8 @@ def check_data_args(args):
                                      "Megatron-LM's preprocessing names it OUTPUT_PREFIX_text_document)")
     parse_split(args.split)  # the data code's own parser: it accepts exactly the --split values a run accepts
     check_fields(args, _LOADER_RULES)
-    check_tokenizer_model(args.tokenizer_type, args.tokenizer_model)  # at parse time: before any process starts
+    # At parse time, before any process starts: a missing or ignored --tokenizer-model / --vocab-file / --merge-file.
+    check_tokenizer_flags(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     check_fields(args, _TOKENIZER_RULES)
 
 

@@ -118,6 +118,7 @@ def initialize_megatron(args) -> Tuple[torch.device, object]:
         raise ValueError(f"arguments were validated for {args.data_parallel_size} ranks, the group has "
                          f"{dist.get_world_size()}")
     torch.manual_seed(args.seed)  # identical initial replicas on every rank
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file)
     args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size)
     return device, tokenizer
