@@ -15,14 +15,15 @@ torch_dist.py) hold the same state: `torch` one file with full tensors per param
 sharding strategy. The exported weights are the model's state_dict (full tensors, CPU).
 
 `--to hf` writes a transformers model directory: config.json (GPT2LMHeadModel or LlamaForCausalLM, every
-architecture field), model.safetensors with the tokenizer's vocabulary (the padding rows dropped), and the
-tokenizer (tokenizer.json, tokenizer_config.json) for HuggingFaceTokenizer and ByteLevelTokenizer runs
-(NullTokenizer has no text). `--from hf` reads such a directory (config.json, the shards
-model.safetensors.index.json names or else every *.safetensors, tokenizer.json if present: checking them all
-(megatron_lite/checkpointing/hf_files.py) before anything is written) into a checkpoint of model weights only
-at iteration 0, which pretrain_gpt.py starts from with `--finetune --load` and the architecture flags the tool
-prints. The mapping: hf_convert.py beside this tool. safetensors (and tokenizers for the tokenizer
-files) are the optional `hf` extra.
+architecture field), model.safetensors with the tokenizer's vocabulary (the padding rows dropped), and the tokenizer
+(tokenizer.json, tokenizer_config.json: transformers' AutoTokenizer gives the ids the run trained on, no BOS/EOS
+added) for HuggingFaceTokenizer, GPT2BPETokenizer and ByteLevelTokenizer runs (NullTokenizer has no text; for the
+SentencePiece types the tool prints the sentencepiece call instead). `--from hf` reads such a directory
+(config.json, the shards model.safetensors.index.json names or else every *.safetensors, tokenizer.json if present:
+checking them all (megatron_lite/checkpointing/hf_files.py) before anything is written) into a checkpoint of model
+weights only at iteration 0, which pretrain_gpt.py starts from with `--finetune --load` and the architecture flags
+the tool prints. The mapping: hf_convert.py beside this tool. safetensors (and tokenizers for the tokenizer files)
+are the optional `hf` extra.
 """
 
 import argparse

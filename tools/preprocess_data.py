@@ -5,6 +5,8 @@ document: megatron-core's IndexedDataset reads them, and Megatron-LM's own prepr
 
     python tools/preprocess_data.py --input notes.txt more.jsonl --output-prefix data/my_corpus
     python tools/preprocess_data.py --input builtin --output-prefix data/stdlib_docs --workers 2
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/web --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt     # as Megatron-LM's, byte for byte
 
 What a document is:
   * `*.jsonl` / `*.json`: one JSON object per line; the document is the object's `--json-key` field

@@ -43,7 +43,8 @@ def main(argv):
     tmp = tempfile.mkdtemp(prefix="compare_megatron_")
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
     args = parse_args(argv + ["--data-cache-path", os.path.join(tmp, "lite")], world_size=1)
-    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file)
     builtin = None if uses_dataset_files(args) else ensure_builtin_dataset(os.path.join("data", "cache"), tokenizer)
     sizes = train_valid_test_num_samples(args)
     config = gpt_dataset_config_from_args(args, tokenizer, builtin)

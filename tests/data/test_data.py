@@ -72,7 +72,7 @@ def test_tokenizer_errors(monkeypatch, tmp_path):
     """Catches silent fallbacks: an unknown type, a missing optional package or tokenizer file, or a
     NullTokenizer that pretends to read text must each fail with a clear message."""
     with pytest.raises(ValueError, match="ByteLevelTokenizer.*HuggingFaceTokenizer.*NullTokenizer"):
-        build_tokenizer("GPT2BPETokenizer")
+        build_tokenizer("BertWordPieceCase")  # a Megatron type megatron-lite lacks
     with pytest.raises(ValueError, match="--tokenizer-model"):
         build_tokenizer("HuggingFaceTokenizer")
     with pytest.raises(ValueError, match="no such file"):
