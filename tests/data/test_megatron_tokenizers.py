@@ -227,7 +227,7 @@ def test_exported_tokenizer_gives_the_ids_in_the_bin(files, tmp_path, capsys, to
     """checkpoint_convert.py --to hf of a run with the type: transformers' AutoTokenizer on the exported directory
     gives, by default, each document's ids as the .bin holds them (without the eod preprocessing appended) and
     eod as eos_token_id. Would catch the Llama-3 tokenizer's BOS post-processor exported as it is (a BOS the data
-    never had), or a GPT-2 export whose BPE or '<|endoftext|>' differ."""
+    never had), a GPT-2 export whose BPE or '<|endoftext|>' differ, or an import (--from hf) that loses the eod."""
     import torch
     import transformers
 
@@ -253,6 +253,11 @@ def test_exported_tokenizer_gives_the_ids_in_the_bin(files, tmp_path, capsys, to
     for i, text in enumerate(CORPUS):
         stored = [int(t) for t in dataset[i]]
         assert stored[-1] == eod and exported(text).input_ids == stored[:-1], text
+    # And back (--from hf): the imported checkpoint's tokenizer keeps the eod, its tokenizer_config.json copied
+    # beside tokenizer.json (a bare tokenizer.json would give HuggingFaceTokenizer another eod).
+    checkpoint_convert.main(["--from", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back")])
+    capsys.readouterr()
+    assert build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "back" / "tokenizer.json")).eod == eod
 
 
 @_needs("sentencepiece", "transformers", "safetensors")
