@@ -11,9 +11,11 @@
                                 *zero_pp_rank_*_optim_states.pt, layer_*-model_states.pt (pipeline stages)
 
 A Megatron-LM root looks like a megatron-lite one (the same tracker and iter_XXXXXXX names); its checkpoints
-have no manifest.json, and the loader would call the newest one incomplete. The directory of one checkpoint
-(iter_XXXXXXX, global_stepN) is recognised too. A megatron-lite root whose newest checkpoint is complete is
-never described here, whatever else lies in it. Reads names and one small JSON file; nothing communicates.
+have no manifest.json, and the loader would call the newest one incomplete. Megatron-LM writes a checkpoint in
+place (metadata.json last), so its newest iter_ directory may be a save in progress: the newest one recognised
+is named. The directory of one checkpoint (iter_XXXXXXX, global_stepN) is recognised too. A megatron-lite root
+whose newest checkpoint is complete is never described here, whatever else lies in it (Megatron-LM checkpoints
+newer than it are, naming it). Reads names and small JSON files; nothing communicates.
 """
 
 import json
@@ -42,15 +44,15 @@ def describe_foreign(directory: str) -> Optional[str]:
         return None
     names = set(os.listdir(directory))
     iterations = {int(m.group(1)): name for name in names if (m := _ITER.match(name))}
-    if iterations:
-        newest = os.path.join(directory, iterations[max(iterations)])
-        if os.path.exists(os.path.join(newest, files.MANIFEST_FILENAME)):
-            return None  # megatron-lite's
-        kind = _megatron_kind(newest)
+    lite = max(files.complete_checkpoints(directory), default=None) if iterations else None
+    # Newest first: Megatron-LM writes an iteration in place (metadata.json last), so the newest one may be
+    # a save in progress, or a crashed one, beside complete older ones (its tracker names the newest complete).
+    for iteration in sorted(iterations, reverse=True):
+        if lite is not None and iteration <= lite:
+            return None  # megatron-lite's, maybe with something else newer: the loader names it
+        kind = _megatron_kind(os.path.join(directory, iterations[iteration]))
         if kind:
-            return _megatron_root(directory, kind, max(iterations))
-        if files.complete_checkpoints(directory):
-            return None  # megatron-lite's, with something else newer: the loader names it
+            return _megatron_root(directory, kind, iteration, lite)
     kind = _megatron_kind(os.path.join(directory, "release"))  # Megatron-LM's tracker can say 'release'
     if kind:
         return _megatron_root(directory, kind, "release")
@@ -98,10 +100,14 @@ def _next_steps(converted: str) -> str:
             f"with the flags the converter prints")
 
 
-def _megatron_root(directory: str, kind: str, newest) -> str:
-    return (f"{directory} holds Megatron-LM checkpoints ({_format(kind)}; newest: {newest}), not megatron-lite's: "
+def _megatron_root(directory: str, kind: str, newest, lite: Optional[int] = None) -> str:
+    """`lite`: the newest complete megatron-lite checkpoint beside them (older than `newest`), if any."""
+    whose = ", not megatron-lite's" if lite is None else ""
+    also = "" if lite is None else (f"; it also holds megatron-lite checkpoints (newest: iteration {lite}): to resume "
+                                    f"from those, move the newer Megatron-LM ones away")
+    return (f"{directory} holds Megatron-LM checkpoints ({_format(kind)}; newest: {newest}){whose}: "
             f"convert with `{CONVERTER} --from megatron --input {directory} --output NEW_DIR`, "
-            f"{_next_steps('NEW_DIR')}")
+            f"{_next_steps('NEW_DIR')}{also}")
 
 
 def _megatron_one(directory: str, kind: str) -> str:

@@ -66,6 +66,25 @@ def _deepspeed(root):
     _write(os.path.join(root, "zero_to_fp32.py"), "# DeepSpeed's consolidation script\n")
 
 
+def _megatron_saving(root, complete=_megatron_torch_dist):
+    """A Megatron-LM root while (or after a crash while) it writes iteration 20: Megatron-LM writes in place,
+    dist_checkpointing's metadata.json last and the tracker after it, so the newest iter_ directory holds
+    common.pt and .distcp files only (legacy: an mp_rank_00 without its file yet); the tracker says 10."""
+    complete(root)
+    saving = os.path.join(root, "iter_0000020")
+    if complete is _megatron_torch_dist:
+        torch.save({"iteration": 20}, _new(os.path.join(saving, "common.pt")))
+        _write(os.path.join(saving, "__0_0.distcp"), b"\x00" * 16)
+    else:
+        os.makedirs(os.path.join(saving, "mp_rank_00"))
+
+
+def _megatron_beside_lite(root):
+    """A megatron-lite root (complete iteration 2) into which Megatron-LM saved iteration 10."""
+    _write(os.path.join(root, "iter_0000002", "manifest.json"), "{}")
+    _megatron_legacy(root)
+
+
 def _new(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return path
@@ -90,6 +109,16 @@ KINDS = {  # name -> (builder, the --load directory inside tmp_path, what the me
     "megatron-release": (lambda r: _megatron_legacy(r, tracker="release", directory="release"), ".",
                          [MEGATRON_ROOT, "newest: release",
                           f"{CONVERT} --from megatron --input {{root}} --output NEW_DIR"]),
+    "megatron-torch_dist-saving": (_megatron_saving, ".", [
+        MEGATRON_ROOT, "torch_dist format", "newest: 10",
+        f"{CONVERT} --from megatron --input {{root}} --output NEW_DIR"]),
+    "megatron-legacy-saving": (lambda r: _megatron_saving(r, _megatron_legacy), ".", [
+        MEGATRON_ROOT, "legacy torch format", "newest: 10"]),
+    "megatron-beside-lite": (_megatron_beside_lite, ".", [
+        "holds Megatron-LM checkpoints (legacy torch format (mp_rank_*/model_optim_rng.pt); newest: 10)",
+        f"{CONVERT} --from megatron --input {{root}} --output NEW_DIR",
+        "also holds megatron-lite checkpoints (newest: iteration 2): to resume from those, move the newer "
+        "Megatron-LM ones away"]),
     "hugging-face": (_hugging_face, ".", ["is a Hugging Face transformers model (model_type 'gpt2')",
                                           f"{CONVERT} --from hf --input {{root}} --output NEW_DIR",
                                           "pretrain_gpt.py --finetune --load NEW_DIR"]),
