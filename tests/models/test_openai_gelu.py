@@ -61,6 +61,10 @@ def test_megatron_core_openai_gelu_and_gpt_model_agree():
     assert result["activation"] <= EPS * result["largest"], result
     assert result["logits"] < 1e-6, result
     assert result["logits_exact_gelu"] > 1e-5, result
+    # Megatron-LM's default core GPT (F.gelu, bias_gelu_fusion on, biases) computes this tanh form, not the exact
+    # GELU: would catch docs, an import or an export that take a core run without --openai-gelu as exact GELU.
+    assert result["fused_logits"] < 1e-6, result
+    assert result["fused_logits_exact_gelu"] > 1e-5, result
 
 
 # ------------------------------------------------------------------------------------------ transformers

@@ -2,7 +2,8 @@
 against megatron-lite's GPTModel with activation_func='openai_gelu' on the same weights (megatron_lm.state_to_megatron).
 Prints {"activation": max |diff| over x in [-12, 12] and 10^5 normal samples x 3, "largest": max |openai_gelu(x)|,
 "logits": max |diff|, "logits_exact_gelu": max |diff| against megatron-lite with the exact GELU (how far another
-activation lands), "largest_logit": max |logit|} as JSON."""
+activation lands), "largest_logit": max |logit|, "fused_logits" / "fused_logits_exact_gelu": the same for
+megatron-core's GPTModel with F.gelu and bias_activation_fusion=True (Megatron-LM's default flags)} as JSON."""
 
 import json
 
@@ -42,6 +43,17 @@ def main():
         results.update(logits=(core_logits - expected).abs().max().item(),
                        logits_exact_gelu=(core_logits - exact(ids)).abs().max().item(),
                        largest_logit=expected.abs().max().item())
+    # What Megatron-LM's core GPT computes by default: activation_func F.gelu with bias_activation_fusion
+    # (core_transformer_config_from_args: args.bias_gelu_fusion, on unless --no-bias-gelu-fusion or
+    # --disable-bias-linear), i.e. megatron-core's bias_gelu_impl, whatever --openai-gelu says.
+    exact_config = GPTConfig(**{**config.__dict__, "activation_func": "gelu"})
+    fused = mcore_reference.build_gpt(exact_config, bias_activation_fusion=True).eval()
+    assert fused.decoder.layers[0].mlp.config.activation_func is torch.nn.functional.gelu
+    fused.load_state_dict(mapped, strict=False)
+    with torch.no_grad():
+        fused_logits = mcore_reference.forward(fused, ids)
+        results.update(fused_logits=(fused_logits - expected).abs().max().item(),
+                       fused_logits_exact_gelu=(fused_logits - exact(ids)).abs().max().item())
     print(json.dumps(results))
 
 
