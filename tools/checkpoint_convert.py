@@ -42,7 +42,7 @@ import hf_convert  # noqa: E402  (tools/, beside this file)
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.checkpointing import files, hf_files, torch_dist, torch_format  # noqa: E402
+from megatron_lite.checkpointing import files, hf_files, megatron_write, torch_dist, torch_format  # noqa: E402
 from megatron_lite.data import build_tokenizer, gpt2_bpe  # noqa: E402
 from megatron_lite.data import tokenizer as lite_tokenizers  # noqa: E402
 from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
@@ -108,6 +108,20 @@ def _write_torch_dist(directory: str, payload: dict):
     with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, checkpoint_id=directory, no_dist=True)
+
+
+# ------------------------------------------------------------------------------------------ Megatron-LM
+def export_megatron(payload: dict, args):
+    """--to megatron: write the Megatron-LM checkpoint and print the Megatron-LM flags that load it."""
+    info = megatron_write.export(args.output, payload, args.megatron_format, args.megatron_distributed_optimizer,
+                                 args.megatron_transformer_impl)
+    flags = megatron_write.megatron_flags(payload, args.output, args.megatron_format,
+                                          args.megatron_distributed_optimizer, args.megatron_transformer_impl,
+                                          info["optimizer"])
+    carried = "weights, Adam's state, scheduler, iteration" if info["optimizer"] else "the weights only"
+    print(f"> wrote iteration {payload['iteration']} as a Megatron-LM {args.megatron_format} checkpoint ({carried}) "
+          f"to {args.output}; load it with\n  pretrain_gpt.py {' '.join(flags)}\n  and the run's tokenizer, "
+          f"--seq-length and --micro-batch-size flags")
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face
@@ -281,10 +295,19 @@ def main(argv=None):
     p.add_argument("--iteration", type=int, help="which checkpoint (default: the newest complete one)")
     p.add_argument("--output", help="a new --save directory for the converted checkpoint (--to hf: a new "
                                     "transformers directory)")
-    p.add_argument("--to", choices=["torch", "torch_dist", "hf"], help="the output format (with --from hf: torch "
-                                                                        "or torch_dist, default torch)")
+    p.add_argument("--to", choices=["torch", "torch_dist", "hf", "megatron"],
+                   help="the output format (with --from hf: torch or torch_dist, default torch)")
     p.add_argument("--from", dest="source", choices=["hf"], help="read --input as a transformers directory")
     p.add_argument("--export-weights", metavar="FILE", help="write the model's state_dict to FILE (torch.save)")
+    m = p.add_argument_group("--to megatron: a Megatron-LM checkpoint (megatron_lite/checkpointing/megatron_write.py)")
+    m.add_argument("--megatron-format", choices=list(megatron_write.FORMATS), default="torch_dist",
+                   help="Megatron-LM's --ckpt-format: torch_dist (its default) or torch (legacy mp_rank_00 files)")
+    m.add_argument("--megatron-distributed-optimizer", action="store_true",
+                   help="write Adam's state as the distributed optimizer's fully_reshardable form (torch_dist), "
+                        "loaded with --use-distributed-optimizer (default: the non-distributed optimizer's form)")
+    m.add_argument("--megatron-transformer-impl", choices=list(megatron_write.TRANSFORMER_IMPLS),
+                   default="transformer_engine", help="legacy torch: the parameter names of Megatron-LM's "
+                   "--transformer-impl that loads it (default Megatron-LM's, transformer_engine)")
     g = p.add_argument_group("--to hf: the run's tokenizer where the checkpoint does not record it (pretrain_gpt.py's)")
     g.add_argument("--tokenizer-type", choices=lite_tokenizers.TOKENIZER_TYPES)
     lite_tokenizers.add_tokenizer_file_arguments(g)
@@ -300,6 +323,8 @@ def main(argv=None):
         p.error(f"--output {args.output} is a file, not a directory: choose a new directory")
     if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
+    if args.to == "megatron" and os.path.lexists(args.output):
+        p.error(f"--output {args.output} exists: choose a new directory")
     if args.to == "hf":
         try:
             check_hf_output(args.output)  # before the checkpoint is read
@@ -329,7 +354,12 @@ def main(argv=None):
     if "expert_parallel" in payload:  # per-position experts: not expressible in torch_dist or plain weights yet
         p.error(f"--input {args.input} holds expert parameters (one set per expert-parallel position): converting "
                 f"or exporting them is not supported yet")
-    if args.to == "hf":
+    if args.to == "megatron":
+        try:
+            export_megatron(payload, args)
+        except ValueError as e:
+            p.error(str(e))
+    elif args.to == "hf":
         try:
             config = export_hf(payload, args.output, args.tokenizer_type, args.tokenizer_model, args.vocab_size,
                                args.vocab_file, args.merge_file)

@@ -1,0 +1,288 @@
+"""megatron-lite checkpoints -> Megatron-LM (megatron_lite/checkpointing/megatron_write.py, tools/checkpoint_convert.py
+--to megatron): megatron-core 0.16.1 loads the exports as Megatron-LM does (torch_dist through dist_checkpointing.load
+with its GPTModel's and optimizer's sharded_state_dict, strict; legacy through torch.load and load_state_dict(strict))
+and gives megatron-lite's logits; with the optimizer state it trains on with megatron-lite's losses. GPT-2-class
+(learned positions, LayerNorm, GELU, biases, tied) and Llama-class (GQA, untied, rope, RMSNorm, SwiGLU, no bias).
+
+One megatron-core subprocess (tests/support/mcore_load_export.py) does every load; skipped where megatron-core is
+not installed (pip install -e ".[megatron]")."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed_helper import run_distributed
+from mcore_reference import requires_mcore
+from pretrain_testing import REPO
+
+from megatron_lite.checkpointing import megatron_write
+from megatron_lite.models import GPTModel
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import checkpoint_convert  # noqa: E402
+import hf_convert  # noqa: E402
+
+TOOL = os.path.join(REPO, "tools", "checkpoint_convert.py")
+SCRIPT = os.path.join(REPO, "tests", "support", "mcore_load_export.py")
+GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=128, max_position_embeddings=16,
+            tokenizer_type="NullTokenizer", vocab_size=127)
+LLAMA = dict(GPT2, hidden_size=64, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             group_query_attention=True, num_query_groups=2, disable_bias_linear=True, ffn_hidden_size=96,
+             untie_embeddings_and_output_weights=True, norm_epsilon=1e-6, rotary_base=50000.0)
+LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-8
+SAVED_AT, CONTINUED = 5, 5  # iterations before the save, iterations after it (a 10-iteration run)
+BATCH = 2  # the global batch: one micro-batch, DP 1 (megatron-core's and megatron-lite's steps are then one loss)
+CONTINUATION_TOL = 5e-6
+"""Losses after the move vs. megatron-lite's own continuation, about 10 fp32 ulps of a loss near 5 (measured: within
+5e-7, one ulp). The two implementations compute the same fp32 math with different kernels (attention, cross entropy,
+Adam's foreach vs. per-tensor updates): logits 1e-7 apart, and Adam's updates divide by sqrt(v) at every step. A
+moved run without its Adam state (a fresh optimizer on the same weights) is ~3e-2 off: `fresh_losses`."""
+
+
+def _batches(seed, count, vocab=128, shape=(BATCH, 16)):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+            for _ in range(count)]
+
+
+def _lite_train(args, root, use_distributed_optimizer, ckpt_format):
+    """A gloo rank: megatron-lite trains SAVED_AT iterations, saves, trains CONTINUED more; returns the losses."""
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+    from megatron_lite.checkpointing import save_checkpoint
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    torch.manual_seed(1)
+    model = GPTModel(hf_convert.gpt_config(args))
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
+        use_distributed_optimizer=use_distributed_optimizer))
+    opt = get_megatron_optimizer(OptimizerConfig(
+        lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=0.0,
+        use_distributed_optimizer=use_distributed_optimizer), [ddp])
+    sched = OptimizerParamScheduler(opt, LR, LR, 0, SAVED_AT + CONTINUED, "constant")
+    losses = []
+    for k, (ids, labels) in enumerate(_batches(7, SAVED_AT + CONTINUED)):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        logits = ddp(ids)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if k + 1 == SAVED_AT:
+            save_checkpoint(root, SAVED_AT, ddp, opt, sched, SAVED_AT * BATCH, args=args, ckpt_format=ckpt_format)
+    return losses
+
+
+def _payload(root):
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        return checkpoint_convert.read(os.path.join(root, f"iter_{int(f.read()):07d}"))
+
+
+def _logits(payload, probe):
+    model = GPTModel(hf_convert.gpt_config(payload["args"])).eval()
+    model.load_state_dict(payload["model"])
+    with torch.no_grad():
+        return model(probe)
+
+
+# name: (architecture, --megatron-format, distributed optimizer, legacy --megatron-transformer-impl)
+EXPORTS = {"gpt2-torch_dist": ("gpt2", "torch_dist", False, None),
+           "gpt2-legacy": ("gpt2", "torch", False, "local"),
+           "llama-torch_dist-distopt": ("llama", "torch_dist", True, None),
+           "llama-legacy": ("llama", "torch", False, "local"),
+           "llama-torch_dist": ("llama", "torch_dist", False, None)}
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory):
+    """Both runs trained and saved, every export written, and megatron-core's one process over all of them."""
+    tmp = tmp_path_factory.mktemp("megatron_export")
+    runs = {}
+    for arch, args, use_do, fmt in (("gpt2", GPT2, False, "torch"), ("llama", LLAMA, True, "torch_dist")):
+        root = str(tmp / f"run_{arch}")
+        losses = run_distributed(_lite_train, 1, args, root, use_do, fmt)[0]
+        runs[arch] = {"losses": losses, "payload": _payload(root), "root": root}
+    probe = _batches(3, 1)[0][0]
+    continuation = _batches(7, SAVED_AT + CONTINUED)[SAVED_AT:]
+    cases, printed = [], {}
+    for name, (arch, fmt, use_do, impl) in EXPORTS.items():
+        out = str(tmp / name)
+        argv = ["--input", runs[arch]["root"], "--output", out, "--to", "megatron", "--megatron-format", fmt]
+        argv += ["--megatron-transformer-impl", impl] if impl else []
+        argv += ["--megatron-distributed-optimizer"] if use_do else []
+        if name == "gpt2-torch_dist":  # the command line once, in a process of its own
+            run = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+            assert run.returncode == 0, run.stdout + run.stderr
+            printed[name] = run.stdout
+        else:
+            checkpoint_convert.main(argv)
+        cases.append(_case(name, runs[arch]["payload"], out, fmt, use_do, probe, continuation))
+    # The regrouping skipped: a bridge that copies the fused QKV rows as they are.
+    skipped = str(tmp / "llama-no-regrouping")
+    original = megatron_write.qkv_to_megatron
+    megatron_write.qkv_to_megatron = lambda tensor, heads, groups: tensor.clone()
+    try:
+        megatron_write.export(skipped, runs["llama"]["payload"])
+    finally:
+        megatron_write.qkv_to_megatron = original
+    cases.append(_case("llama-no-regrouping", runs["llama"]["payload"], skipped, "torch_dist", False, probe, []))
+    spec, result = str(tmp / "spec.pt"), str(tmp / "result.pt")
+    torch.save({"cases": cases}, spec)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = subprocess.run([sys.executable, SCRIPT, spec, result], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return {"runs": runs, "probe": probe, "printed": printed, "mcore": torch.load(result, weights_only=False),
+            "tmp": tmp}
+
+
+def _case(name, payload, out, fmt, use_do, probe, batches):
+    config = {k: v for k, v in vars(hf_convert.gpt_config(payload["args"])).items() if k != "params_dtype"}
+    return {"name": name, "config": config, "checkpoint": os.path.join(out, f"iter_{SAVED_AT:07d}"), "format": fmt,
+            "distributed_optimizer": use_do, "lr": LR, "weight_decay": WD, "betas": BETAS, "eps": EPS,
+            "probe": probe, "batches": batches, "optimizer": True}
+
+
+@requires_mcore
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_megatron_core_loads_the_export_with_megatron_lite_logits(moved, name):
+    """megatron-core's strict load of the export (every key its GPTModel and optimizer request is there, with the
+    shapes it expects) gives the logits of megatron-lite's checkpoint. Would catch a wrong name or layout (layer
+    axis, TE norm names, QKV order), a missing `_extra_state` object or an unstacked layer."""
+    arch = EXPORTS[name][0]
+    expected = _logits(moved["runs"][arch]["payload"], moved["probe"])
+    assert (moved["mcore"][name]["logits"] - expected).abs().max().item() <= 1e-6
+
+
+@requires_mcore
+def test_skipping_the_qkv_regrouping_loads_cleanly_and_computes_garbage(moved):
+    """The trap the regrouping avoids: the rows copied as they are load without a missing or unexpected key and the
+    logits are far off."""
+    expected = _logits(moved["runs"]["llama"]["payload"], moved["probe"])
+    assert (moved["mcore"]["llama-no-regrouping"]["logits"] - expected).abs().max().item() > 1e-2
+
+
+@requires_mcore
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_megatron_core_continues_with_megatron_lite_losses(moved, name):
+    """megatron-core with its own DDP and get_megatron_optimizer (AdamW, the same betas / eps / weight decay and
+    exclusions, constant lr, no clipping) loads the Adam state and trains the batches megatron-lite trained after
+    its save: the same losses within CONTINUATION_TOL; without the state they differ by far more. Would catch
+    moments under the wrong key or QKV order, a lost step count (bias correction) or wrong param groups."""
+    arch = EXPORTS[name][0]
+    reference = moved["runs"][arch]["losses"][SAVED_AT:]
+    got = moved["mcore"][name]
+    assert max(abs(a - b) for a, b in zip(got["losses"], reference)) <= CONTINUATION_TOL, (got["losses"], reference)
+    assert max(abs(a - b) for a, b in zip(got["fresh_losses"], reference)) > 1e-3
+
+
+@requires_mcore
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_export_holds_the_keys_megatron_core_writes(moved, name):
+    """torch_dist: the sharded keys megatron-core would save for this model and optimizer, plus Transformer Engine's
+    core_attention `_extra_state` (which a TE model requests; an extra object is ignored by the load); legacy: the
+    local spec's state_dict() keys exactly."""
+    got = moved["mcore"][name]
+    extra = set(got["written_keys"]) - set(got["expected_keys"])
+    assert set(got["expected_keys"]) <= set(got["written_keys"])
+    if EXPORTS[name][1] == "torch_dist":
+        assert extra == {f"decoder.layers.self_attention.core_attention._extra_state/shard_{i}_2" for i in range(2)}
+    else:
+        assert not extra
+
+
+@requires_mcore
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_iteration_samples_scheduler_args_and_rng_as_megatron_lm_reads_them(moved, name):
+    """The common state Megatron-LM's load_checkpoint reads: iteration, checkpoint_version 3.0, args with its names
+    (check_checkpoint_args' fields, consumed_train_samples), the scheduler in SAMPLES (megatron-lite counts
+    iterations), the distributed optimizer's sharding type in the content metadata, rank 0's CPU generators."""
+    arch, fmt, use_do, _ = EXPORTS[name]
+    payload = moved["runs"][arch]["payload"]
+    common = moved["mcore"][name]["common"]
+    args = common["args"]
+    assert common["iteration"] == SAVED_AT and common["checkpoint_version"] == 3.0
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, payload["args"]["hidden_size"], 4)
+    assert args.consumed_train_samples == SAVED_AT * BATCH and args.padded_vocab_size == 128
+    assert args.add_position_embedding == (arch == "gpt2") and args.swiglu == (arch == "llama")
+    sched = common["opt_param_scheduler"]
+    assert sched["num_steps"] == SAVED_AT * BATCH and sched["lr_decay_steps"] == (SAVED_AT + CONTINUED) * BATCH
+    assert sched["max_lr"] == LR and sched["lr_decay_style"] == "constant"
+    if fmt == "torch_dist":
+        assert common["content_metadata"].get("distrib_optim_sharding_type") == ("fully_reshardable" if use_do
+                                                                                  else None)
+    rng = moved["mcore"][name]["rng"][0]
+    assert torch.equal(rng["torch_rng_state"], payload["rng_state"][0]["torch"])
+    assert tuple(rng["random_rng_state"][1]) == tuple(payload["rng_state"][0]["python"][1])
+
+
+@requires_mcore
+def test_tool_prints_the_megatron_lm_flags(moved):
+    out = moved["printed"]["gpt2-torch_dist"]
+    for flag in ("--ckpt-format torch_dist", "--num-layers 2", "--hidden-size 32", "--num-attention-heads 4",
+                 "--use-checkpoint-opt_param-scheduler", "--no-load-rng", "--global-batch-size 2",
+                 "--attention-dropout 0.0", "--hidden-dropout 0.0"):
+        assert flag in out, out
+    assert "--use-distributed-optimizer" not in out and "--swiglu" not in out
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def _small_payload(**change):
+    model = GPTModel(hf_convert.gpt_config(GPT2))
+    payload = {"iteration": 1, "consumed_train_samples": 2, "model": model.state_dict(), "args": dict(GPT2),
+               "optimizer": {"state": {}}, "opt_param_scheduler": {}, "rng_state": []}
+    payload.update(change)
+    return payload
+
+
+def test_weights_only_export_needs_no_optimizer(tmp_path):
+    """A checkpoint without Adam state (weights only, e.g. imported from Hugging Face) exports its weights, and the
+    flags load it with --finetune."""
+    info = megatron_write.export(str(tmp_path / "out"), _small_payload(), "torch", transformer_impl="local")
+    assert info == {"optimizer": False, "global_batch_size": None}
+    state = torch.load(tmp_path / "out" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert "optimizer" not in state and state["args"].no_save_optim
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert "--finetune" in megatron_write.megatron_flags(_small_payload(), "out", "torch", False, "local", False)
+
+
+def test_legacy_uses_transformer_engine_names_by_default(tmp_path):
+    """Megatron-LM's default --transformer-impl is transformer_engine: its norms live in linear_qkv / linear_fc1
+    (a local-name file would load into a TE model with strict=False as Megatron-LM's fallback does: norms left
+    at their initial values)."""
+    megatron_write.export(str(tmp_path / "out"), _small_payload(), "torch")
+    state = torch.load(tmp_path / "out" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in state["model"]
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_bias" in state["model"]
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in state["model"])
+    assert "decoder.layers.1.self_attention.core_attention._extra_state" in state["model"]
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(expert_parallel={}), "expert parameters"),
+    (dict(model={"encoder.weight": torch.zeros(2)}), "'encoder.weight'"),
+    (dict(args={"hidden_size": 32}), "args lack"),
+])
+def test_export_refuses_what_megatron_core_cannot_hold(tmp_path, change, named):
+    with pytest.raises(ValueError, match=named):
+        megatron_write.export(str(tmp_path / "out"), _small_payload(**change))
+    assert not os.listdir(tmp_path)  # nothing written, no temporary left
+
+
+def test_export_refuses_an_existing_output_and_legacy_distributed_optimizer(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="exists: choose a new directory"):
+        megatron_write.export(str(tmp_path / "out"), _small_payload())
+    with pytest.raises(ValueError, match="--megatron-format torch_dist"):
+        megatron_write.export(str(tmp_path / "new"), _small_payload(), "torch", distributed_optimizer=True)
+
