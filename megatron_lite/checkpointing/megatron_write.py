@@ -34,7 +34,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -173,6 +173,23 @@ def _step(payload: dict) -> int:
     return steps.pop()
 
 
+def grad_scaler_state(payload: dict) -> Optional[dict]:
+    """Megatron's grad scaler state (fp16): DynamicGradScaler's {'scale' (a 1-element tensor), 'growth_tracker',
+    'hysteresis_tracker'}, ConstantGradScaler's {}; None without a scaler (fp32, bf16)."""
+    lite = payload["optimizer"].get("grad_scaler")
+    if not lite:
+        return None
+    if "growth_tracker" not in lite:
+        return {}
+    return {"scale": torch.tensor([float(lite["scale"])]), "growth_tracker": int(lite["growth_tracker"]),
+            "hysteresis_tracker": int(lite["hysteresis_tracker"])}
+
+
+def _with_scaler(optimizer_state: dict, payload: dict) -> dict:
+    scaler = grad_scaler_state(payload)
+    return optimizer_state if scaler is None else {**optimizer_state, "grad_scaler": scaler}
+
+
 # ------------------------------------------------------------------------------------------ the rest
 def global_batch_size(payload: dict) -> int:
     iteration, samples = int(payload["iteration"]), int(payload.get("consumed_train_samples", 0))
@@ -286,16 +303,18 @@ def _write_torch_dist(directory: str, payload: dict, distributed_optimizer: bool
         step = _step(payload)
         if distributed_optimizer:
             names = ("param", "exp_avg", "exp_avg_sq")
-            common["optimizer"] = {"optimizer": {"param_groups": [
+            common["optimizer"] = _with_scaler({"optimizer": {"param_groups": [
                 {k: v for k, v in g.items() if k != "params"} | {"step": float(step)} for g in groups]},
-                "param_state_sharding_type": "fully_reshardable"}
+                "param_state_sharding_type": "fully_reshardable"}, payload)
             metadata.update(distrib_optim_sharding_type="fully_reshardable",
                             distrib_optim_fully_reshardable_mem_efficient=False)
         else:
             names = ("exp_avg", "exp_avg_sq") + (("param",) if _dtype(payload) != torch.float32 else ())
             inner = {"state": {"common_step": torch.tensor(float(step))},
                      "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
-            common["optimizer"] = {"optimizer": inner} if "param" in names else inner
+            # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under 'optimizer'
+            # beside the grad scaler and the fp32 main params ('fp32_param' tensors).
+            common["optimizer"] = _with_scaler({"optimizer": inner}, payload) if "param" in names else inner
         for field in names:
             stored = "fp32_param" if field == "param" and not distributed_optimizer else field
             entries.update({f"optimizer.state.{stored}.{key}": t for key, t in fields[field].items()})
@@ -333,8 +352,8 @@ def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_opt
                                 "exp_avg_sq": fields["exp_avg_sq"][key]} for key in ids}
         inner = {"state": per_param, "param_groups": [{**g, "params": [ids[k] for k in g["params"]]} for g in groups]}
         if _dtype(payload) != torch.float32:  # Float16OptimizerWithFloat16Params: the fp32 main params by group
-            inner = {"optimizer": inner, "fp32_from_fp16_params": [[fields["param"][k] for k in g["params"]]
-                                                                   for g in groups]}
+            inner = _with_scaler({"optimizer": inner, "fp32_from_fp16_params": [
+                [fields["param"][k] for k in g["params"]] for g in groups]}, payload)
         state["optimizer"] = inner
         state["opt_param_scheduler"] = scheduler_state(payload)
     os.makedirs(os.path.join(directory, "mp_rank_00"))

@@ -18,7 +18,7 @@ from distributed_helper import run_distributed
 from mcore_reference import requires_mcore
 from pretrain_testing import REPO
 
-from megatron_lite.checkpointing import megatron_write
+from megatron_lite.checkpointing import megatron_lm, megatron_write
 from megatron_lite.models import GPTModel
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -48,7 +48,7 @@ def _batches(seed, count, vocab=128, shape=(BATCH, 16)):
             for _ in range(count)]
 
 
-def _lite_train(args, root, use_distributed_optimizer, ckpt_format):
+def _lite_train(args, root, use_distributed_optimizer, ckpt_format, bf16=False):
     """A gloo rank: megatron-lite trains SAVED_AT iterations, saves, trains CONTINUED more; returns the losses."""
     from megatron_lite import (
         DistributedDataParallel,
@@ -60,12 +60,12 @@ def _lite_train(args, root, use_distributed_optimizer, ckpt_format):
     from megatron_lite.training.scheduler import OptimizerParamScheduler
 
     torch.manual_seed(1)
-    model = GPTModel(hf_convert.gpt_config(args))
+    model = GPTModel(hf_convert.gpt_config(args)).to(torch.bfloat16 if bf16 else torch.float32)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
-        use_distributed_optimizer=use_distributed_optimizer))
+        use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=bf16))
     opt = get_megatron_optimizer(OptimizerConfig(
         lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=0.0,
-        use_distributed_optimizer=use_distributed_optimizer), [ddp])
+        use_distributed_optimizer=use_distributed_optimizer, bf16=bf16), [ddp])
     sched = OptimizerParamScheduler(opt, LR, LR, 0, SAVED_AT + CONTINUED, "constant")
     losses = []
     for k, (ids, labels) in enumerate(_batches(7, SAVED_AT + CONTINUED)):
@@ -95,12 +95,20 @@ def _logits(payload, probe):
         return model(probe)
 
 
-# name: (architecture, --megatron-format, distributed optimizer, legacy --megatron-transformer-impl)
+# run: (recorded args, megatron-lite's distributed optimizer, megatron-lite's format, bf16)
+RUNS = {"gpt2": (GPT2, False, "torch", False), "llama": (LLAMA, True, "torch_dist", False),
+        "gpt2-bf16": (GPT2, False, "torch", True)}
+# export: (run, --megatron-format, --megatron-distributed-optimizer, legacy --megatron-transformer-impl)
 EXPORTS = {"gpt2-torch_dist": ("gpt2", "torch_dist", False, None),
            "gpt2-legacy": ("gpt2", "torch", False, "local"),
            "llama-torch_dist-distopt": ("llama", "torch_dist", True, None),
-           "llama-legacy": ("llama", "torch", False, "local"),
-           "llama-torch_dist": ("llama", "torch_dist", False, None)}
+           "llama-torch_dist": ("llama", "torch_dist", False, None),
+           "llama-legacy": ("llama", "torch", False, "local")}
+BF16_EXPORTS = {"gpt2-bf16-torch_dist": ("gpt2-bf16", "torch_dist", False, None),
+                "gpt2-bf16-torch_dist-distopt": ("gpt2-bf16", "torch_dist", True, None),
+                "gpt2-bf16-legacy": ("gpt2-bf16", "torch", False, "local")}
+"""bf16 weights (Float16OptimizerWithFloat16Params' fp32 main params): loaded bitwise; logits and losses are not
+compared (bf16 kernels of the two implementations round differently)."""
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +116,14 @@ def moved(tmp_path_factory):
     """Both runs trained and saved, every export written, and megatron-core's one process over all of them."""
     tmp = tmp_path_factory.mktemp("megatron_export")
     runs = {}
-    for arch, args, use_do, fmt in (("gpt2", GPT2, False, "torch"), ("llama", LLAMA, True, "torch_dist")):
+    for arch, (args, use_do, fmt, bf16) in RUNS.items():
         root = str(tmp / f"run_{arch}")
-        losses = run_distributed(_lite_train, 1, args, root, use_do, fmt)[0]
+        losses = run_distributed(_lite_train, 1, args, root, use_do, fmt, bf16)[0]
         runs[arch] = {"losses": losses, "payload": _payload(root), "root": root}
     probe = _batches(3, 1)[0][0]
     continuation = _batches(7, SAVED_AT + CONTINUED)[SAVED_AT:]
     cases, printed = [], {}
-    for name, (arch, fmt, use_do, impl) in EXPORTS.items():
+    for name, (arch, fmt, use_do, impl) in {**EXPORTS, **BF16_EXPORTS}.items():
         out = str(tmp / name)
         argv = ["--input", runs[arch]["root"], "--output", out, "--to", "megatron", "--megatron-format", fmt]
         argv += ["--megatron-transformer-impl", impl] if impl else []
@@ -126,7 +134,8 @@ def moved(tmp_path_factory):
             printed[name] = run.stdout
         else:
             checkpoint_convert.main(argv)
-        cases.append(_case(name, runs[arch]["payload"], out, fmt, use_do, probe, continuation))
+        cases.append(_case(name, runs[arch]["payload"], out, fmt, use_do, probe,
+                           continuation if name in EXPORTS else [], bf16=RUNS[arch][3]))
     # The regrouping skipped: a bridge that copies the fused QKV rows as they are.
     skipped = str(tmp / "llama-no-regrouping")
     original = megatron_write.qkv_to_megatron
@@ -146,11 +155,11 @@ def moved(tmp_path_factory):
             "tmp": tmp}
 
 
-def _case(name, payload, out, fmt, use_do, probe, batches):
+def _case(name, payload, out, fmt, use_do, probe, batches, bf16=False):
     config = {k: v for k, v in vars(hf_convert.gpt_config(payload["args"])).items() if k != "params_dtype"}
     return {"name": name, "config": config, "checkpoint": os.path.join(out, f"iter_{SAVED_AT:07d}"), "format": fmt,
             "distributed_optimizer": use_do, "lr": LR, "weight_decay": WD, "betas": BETAS, "eps": EPS,
-            "probe": probe, "batches": batches, "optimizer": True}
+            "probe": probe, "batches": batches, "optimizer": True, "bf16": bf16}
 
 
 @requires_mcore
@@ -162,6 +171,30 @@ def test_megatron_core_loads_the_export_with_megatron_lite_logits(moved, name):
     arch = EXPORTS[name][0]
     expected = _logits(moved["runs"][arch]["payload"], moved["probe"])
     assert (moved["mcore"][name]["logits"] - expected).abs().max().item() <= 1e-6
+
+
+@requires_mcore
+@pytest.mark.parametrize("name", list(EXPORTS) + list(BF16_EXPORTS))
+def test_megatron_core_holds_the_checkpoints_weights_and_adam_state_bitwise(moved, name):
+    """After megatron-core's load, every weight, fp32 main value, exp_avg and exp_avg_sq equals megatron-lite's
+    (names mapped, QKV rows regrouped) bit for bit, and every parameter's step is the checkpoint's. Would catch
+    state under another parameter's key, a dropped main copy (bf16) or a step count that is shared or lost."""
+    arch = {**EXPORTS, **BF16_EXPORTS}[name][0]
+    payload = moved["runs"][arch]["payload"]
+    heads, groups = 4, (2 if arch == "llama" else 4)
+    weights = megatron_lm.state_to_megatron(payload["model"], heads, groups)
+    got = moved["mcore"][name]
+    for key, tensor in got["weights"].items():
+        if not key.endswith("_extra_state"):
+            assert torch.equal(tensor, weights[key]), key
+    state = payload["optimizer"]["state"]
+    for field in ("param", "exp_avg", "exp_avg_sq"):
+        expected = megatron_lm.state_to_megatron({n: e[field].reshape(payload["model"][n].shape)
+                                                  for n, e in state.items()}, heads, groups)
+        for key, tensors in got["optimizer_state"].items():
+            assert torch.equal(tensors[field], expected[key].float().reshape(-1)), (field, key)
+    steps = {int(tensors["step"].item()) for tensors in got["optimizer_state"].values()}
+    assert steps == {SAVED_AT} and len(got["optimizer_state"]) == len(state)
 
 
 @requires_mcore
@@ -187,7 +220,7 @@ def test_megatron_core_continues_with_megatron_lite_losses(moved, name):
 
 
 @requires_mcore
-@pytest.mark.parametrize("name", list(EXPORTS))
+@pytest.mark.parametrize("name", list(EXPORTS) + list(BF16_EXPORTS))
 def test_export_holds_the_keys_megatron_core_writes(moved, name):
     """torch_dist: the sharded keys megatron-core would save for this model and optimizer, plus Transformer Engine's
     core_attention `_extra_state` (which a TE model requests; an extra object is ignored by the load); legacy: the
@@ -195,7 +228,7 @@ def test_export_holds_the_keys_megatron_core_writes(moved, name):
     got = moved["mcore"][name]
     extra = set(got["written_keys"]) - set(got["expected_keys"])
     assert set(got["expected_keys"]) <= set(got["written_keys"])
-    if EXPORTS[name][1] == "torch_dist":
+    if {**EXPORTS, **BF16_EXPORTS}[name][1] == "torch_dist":
         assert extra == {f"decoder.layers.self_attention.core_attention._extra_state/shard_{i}_2" for i in range(2)}
     else:
         assert not extra

@@ -6,12 +6,13 @@ case).
 
 SPEC.pt: {'cases': [{'name', 'config': GPTConfig fields, 'checkpoint': an export's iter_* directory, 'format':
 'torch_dist' | 'torch', 'distributed_optimizer', 'lr', 'weight_decay', 'betas', 'eps', 'probe': ids [b, s],
-'batches': [(ids, labels)] to train on, 'optimizer': whether the export carries Adam's state}]}.
-RESULT.pt, per case name: {'logits' of the probe after the load, 'losses' over the batches with the loaded
-optimizer state, 'fresh_losses' with a new optimizer (the same loaded weights), 'common' (torch_dist: the
-common.pt megatron-core reads; legacy: the file's non-tensor entries), 'expected_keys' / 'written_keys' (torch_dist:
-the sharded keys megatron-core would save for this model and optimizer vs. the export's; legacy: state_dict()
-keys), 'rng' (the loaded rng_state)}.
+'batches': [(ids, labels)] to train on, 'optimizer': whether the export carries Adam's state, 'bf16'}]}.
+RESULT.pt, per case name: {'weights' and 'optimizer_state' (per parameter name: 'param' the fp32 main values,
+'exp_avg', 'exp_avg_sq', 'step') as loaded, 'logits' of the probe after the load, 'losses' over the batches
+with the loaded optimizer state, 'fresh_losses' with a new optimizer (the same loaded weights), 'common'
+(torch_dist: the common.pt megatron-core reads; legacy: the file's non-tensor entries), 'expected_keys' /
+'written_keys' (torch_dist: the sharded keys megatron-core would save for this model and optimizer vs. the
+export's; legacy: state_dict() keys), 'rng' (the loaded rng_state)}.
 """
 
 import os
@@ -30,7 +31,11 @@ def _build(case, weights=None):
 
     from megatron_lite.models import GPTConfig
 
-    model = mr.build_gpt(GPTConfig(**case["config"]))
+    bf16 = case.get("bf16", False)
+    precision = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    model = mr.build_gpt(GPTConfig(**case["config"]), **precision)
+    if bf16:  # what Megatron-LM's Float16Module does: every parameter bf16 (the local spec makes norms in fp32)
+        model = model.bfloat16()
     if weights is not None:  # before DDP and the optimizer take their views / main copies
         model.load_state_dict(weights, strict=False)
     use_do = case["distributed_optimizer"]
@@ -39,7 +44,7 @@ def _build(case, weights=None):
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=case["lr"], min_lr=case["lr"], weight_decay=case["weight_decay"],
         adam_beta1=case["betas"][0], adam_beta2=case["betas"][1], adam_eps=case["eps"], clip_grad=0.0,
-        use_distributed_optimizer=use_do, bf16=False, fp16=False), [ddp])
+        use_distributed_optimizer=use_do, bf16=bf16, fp16=False), [ddp])
     return model, ddp, opt
 
 
@@ -139,6 +144,27 @@ def _load_legacy(case, model, opt):
     return common, state.get("rng_state"), expected, set(state["model"])
 
 
+def _optimizer_state(model, opt):
+    """{megatron-core parameter name: {'param' (the fp32 main values), 'exp_avg', 'exp_avg_sq', 'step'}} as the
+    loaded optimizer holds them (flat)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = opt.chained_optimizers[0]
+    mains = {}
+    if hasattr(inner, "float16_groups"):  # Float16OptimizerWithFloat16Params: model param -> its fp32 main
+        for model_group, main_group in zip(inner.float16_groups, inner.fp32_from_float16_groups):
+            mains.update({id(p): m for p, m in zip(model_group, main_group)})
+    out = {}
+    for name, param in model.named_parameters():
+        if isinstance(inner, DistributedOptimizer):
+            tensors = inner._get_main_param_and_optimizer_states(param)
+        else:
+            main = mains.get(id(param), param)
+            tensors = {"param": main, **inner.optimizer.state[main]}
+        out[name] = {k: v.detach().reshape(-1).clone() for k, v in tensors.items()}
+    return out
+
+
 def _train(ddp, opt, batches):
     losses = []
     for ids, labels in batches:
@@ -156,17 +182,20 @@ def run_case(case):
     model, ddp, opt = _build(case)
     load = _load_torch_dist if case["format"] == "torch_dist" else _load_legacy
     common, rng, expected, written = load(case, model, opt)
+    optimizer_state = _optimizer_state(model, opt) if case["optimizer"] else {}
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     model.eval()
     with torch.no_grad():
         logits = mr.forward(model, case["probe"])
     model.train()
-    loaded_weights = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None and
-                      isinstance(v, torch.Tensor)}
     losses = _train(ddp, opt, case["batches"])
-    _, fresh_ddp, fresh_opt = _build(case, loaded_weights)  # the same weights, a new optimizer: dropping Adam's state
-    fresh_losses = _train(fresh_ddp, fresh_opt, case["batches"])
-    return {"logits": logits, "losses": losses, "fresh_losses": fresh_losses, "common": common, "rng": rng,
-            "expected_keys": sorted(expected), "written_keys": sorted(written)}
+    fresh_losses = []
+    if case["batches"]:  # the same weights, a new optimizer: what dropping Adam's state gives
+        _, fresh_ddp, fresh_opt = _build(case, weights)
+        fresh_losses = _train(fresh_ddp, fresh_opt, case["batches"])
+    return {"logits": logits, "losses": losses, "optimizer_state": optimizer_state, "weights": weights,
+            "fresh_losses": fresh_losses, "common": common, "rng": rng, "expected_keys": sorted(expected),
+            "written_keys": sorted(written)}
 
 
 if __name__ == "__main__":
