@@ -6,6 +6,7 @@ weights, in one process.
     python tools/checkpoint_convert.py --input runs/a --export-weights gpt.pt     # torch.load -> GPTModel
     python tools/checkpoint_convert.py --input runs/a --output hf/a --to hf        # from_pretrained("hf/a")
     python tools/checkpoint_convert.py --from hf --input hf/a --output runs/b      # pretrain_gpt.py --finetune
+    python tools/checkpoint_convert.py --input runs/a --output runs/a_mlm --to megatron  # Megatron-LM --load
 
 `--input` is a --save directory (its newest complete checkpoint, or `--iteration N`); every file is checked
 against the checkpoint's manifest first. The formats (megatron_lite/checkpointing/torch_format.py and
@@ -24,6 +25,11 @@ checking them all (megatron_lite/checkpointing/hf_files.py) before anything is w
 weights only at iteration 0, which pretrain_gpt.py starts from with `--finetune --load` and the architecture flags
 the tool prints. The mapping: hf_convert.py beside this tool. safetensors (and tokenizers for the tokenizer files)
 are the optional `hf` extra.
+
+`--to megatron` writes a Megatron-LM checkpoint directory (megatron_lite/checkpointing/megatron_write.py):
+`--megatron-format torch_dist` (megatron-core's dist_checkpointing, Megatron-LM's default) or `torch` (legacy
+iter_*/mp_rank_00/model_optim_rng.pt), with the weights, Adam's state, the scheduler (in samples), iteration,
+consumed samples and RNG, and prints the Megatron-LM flags that load it.
 """
 
 import argparse
@@ -300,13 +306,13 @@ def main(argv=None):
     p.add_argument("--from", dest="source", choices=["hf"], help="read --input as a transformers directory")
     p.add_argument("--export-weights", metavar="FILE", help="write the model's state_dict to FILE (torch.save)")
     m = p.add_argument_group("--to megatron: a Megatron-LM checkpoint (megatron_lite/checkpointing/megatron_write.py)")
-    m.add_argument("--megatron-format", choices=list(megatron_write.FORMATS), default="torch_dist",
+    m.add_argument("--megatron-format", choices=list(megatron_write.FORMATS),
                    help="Megatron-LM's --ckpt-format: torch_dist (its default) or torch (legacy mp_rank_00 files)")
     m.add_argument("--megatron-distributed-optimizer", action="store_true",
                    help="write Adam's state as the distributed optimizer's fully_reshardable form (torch_dist), "
                         "loaded with --use-distributed-optimizer (default: the non-distributed optimizer's form)")
     m.add_argument("--megatron-transformer-impl", choices=list(megatron_write.TRANSFORMER_IMPLS),
-                   default="transformer_engine", help="legacy torch: the parameter names of Megatron-LM's "
+                   help="legacy torch: the parameter names of Megatron-LM's "
                    "--transformer-impl that loads it (default Megatron-LM's, transformer_engine)")
     g = p.add_argument_group("--to hf: the run's tokenizer where the checkpoint does not record it (pretrain_gpt.py's)")
     g.add_argument("--tokenizer-type", choices=lite_tokenizers.TOKENIZER_TYPES)
@@ -323,8 +329,15 @@ def main(argv=None):
         p.error(f"--output {args.output} is a file, not a directory: choose a new directory")
     if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
-    if args.to == "megatron" and os.path.lexists(args.output):
-        p.error(f"--output {args.output} exists: choose a new directory")
+    megatron_flags = (args.megatron_format, args.megatron_distributed_optimizer or None, args.megatron_transformer_impl)
+    if args.to != "megatron" and any(flag is not None for flag in megatron_flags):
+        p.error("--megatron-format, --megatron-distributed-optimizer and --megatron-transformer-impl need "
+                "--to megatron")
+    if args.to == "megatron":
+        args.megatron_format = args.megatron_format or "torch_dist"
+        args.megatron_transformer_impl = args.megatron_transformer_impl or "transformer_engine"
+        if os.path.lexists(args.output):
+            p.error(f"--output {args.output} exists: choose a new directory")
     if args.to == "hf":
         try:
             check_hf_output(args.output)  # before the checkpoint is read

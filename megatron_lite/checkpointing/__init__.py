@@ -13,11 +13,13 @@
     files.py          directory naming (periodic and last words), atomic writes, manifest, sealing, scans,
                       the --save directory's lock
     rng.py            get_rng_state / set_rng_state
+    megatron_write.py a checkpoint's payload written as a Megatron-LM checkpoint (torch_dist or legacy torch),
+                      for tools/checkpoint_convert.py --to megatron (the names: megatron_lm.py)
     hf_files.py       a transformers model directory's files (config.json, safetensors shards), checked and read
                       for tools/checkpoint_convert.py --from hf (the mapping: tools/hf_convert.py)
 
 Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata). hf_files
-stands apart: only tools/checkpoint_convert.py imports it.
+and megatron_write stand apart: only tools/checkpoint_convert.py imports them.
 """
 
 from .last_words import LastWords

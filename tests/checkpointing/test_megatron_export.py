@@ -319,3 +319,13 @@ def test_export_refuses_an_existing_output_and_legacy_distributed_optimizer(tmp_
     with pytest.raises(ValueError, match="--megatron-format torch_dist"):
         megatron_write.export(str(tmp_path / "new"), _small_payload(), "torch", distributed_optimizer=True)
 
+
+def test_tool_refuses_an_existing_output_and_megatron_flags_without_to_megatron(tmp_path, capsys):
+    """Before any checkpoint is read: the output must be new; the --megatron-* flags belong to --to megatron."""
+    (tmp_path / "out").mkdir()
+    for argv, message in (
+            (["--output", str(tmp_path / "out"), "--to", "megatron"], "exists: choose a new directory"),
+            (["--output", str(tmp_path / "new"), "--to", "torch", "--megatron-format", "torch"], "need --to megatron")):
+        with pytest.raises(SystemExit) as exc:
+            checkpoint_convert.main(["--input", str(tmp_path / "missing"), *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
