@@ -57,8 +57,9 @@ _ADAM_GROUP = dict(amsgrad=False, maximize=False, foreach=None, capturable=False
 
 
 def check_exportable(payload: dict):
-    """Raise ValueError naming what megatron-core's GPTModel cannot hold: expert parameters, a model that is not
-    megatron-lite's GPT (names), a checkpoint without recorded architecture."""
+    """Raise ValueError naming what a Megatron-LM GPT cannot hold: expert parameters, the tanh GELU (--openai-gelu:
+    Megatron-LM's core GPT ignores it), a model that is not megatron-lite's GPT (names), a checkpoint without
+    recorded architecture."""
     if experts.SECTION in payload:
         raise ValueError("the checkpoint holds expert parameters (one set per expert-parallel position): Megatron-LM "
                          "export covers the dense GPT only; export a run without --num-experts")
@@ -67,6 +68,11 @@ def check_exportable(payload: dict):
     if lacking:
         raise ValueError(f"the checkpoint's args lack {lacking}: it was not saved by pretrain_gpt.py (a library "
                          f"checkpoint of another model): only megatron-lite's GPTModel maps to megatron-core's")
+    if args.get("openai_gelu"):
+        raise ValueError("args.openai_gelu: Megatron-LM 0.16 reads --openai-gelu only in its legacy models; its core "
+                         "GPTModel, which these checkpoints load into, computes the exact GELU whatever the flag, so a "
+                         "Megatron-LM run would silently change this model's MLP. Train with the exact GELU (no "
+                         "--openai-gelu) to move to Megatron-LM, or export with --to hf (gelu_new)")
     layers = int(args["num_layers"])
     for name in payload["model"]:
         parts = name.split(".")
@@ -436,7 +442,7 @@ def megatron_flags(payload: dict, output: str, ckpt_format: str, distributed_opt
         flags += ["--rotary-base", str(a.rotary_base)]
     if a.group_query_attention:
         flags += ["--group-query-attention", "--num-query-groups", str(a.num_query_groups)]
-    flags += [f for f, on in (("--swiglu", a.swiglu), ("--openai-gelu", a.openai_gelu),
+    flags += [f for f, on in (("--swiglu", a.swiglu),
                               ("--disable-bias-linear", not a.add_bias_linear),
                               ("--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights),
                               ("--bf16", a.bf16), ("--fp16", a.fp16)) if on]

@@ -305,6 +305,7 @@ def test_legacy_uses_transformer_engine_names_by_default(tmp_path):
     (dict(expert_parallel={}), "expert parameters"),
     (dict(model={"encoder.weight": torch.zeros(2)}), "'encoder.weight'"),
     (dict(args={"hidden_size": 32}), "args lack"),
+    (dict(args=dict(GPT2, openai_gelu=True)), "args.openai_gelu: .* core GPTModel.* exact GELU"),
 ])
 def test_export_refuses_what_megatron_core_cannot_hold(tmp_path, change, named):
     with pytest.raises(ValueError, match=named):
