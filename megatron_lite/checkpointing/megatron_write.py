@@ -57,9 +57,9 @@ _ADAM_GROUP = dict(amsgrad=False, maximize=False, foreach=None, capturable=False
 
 
 def check_exportable(payload: dict):
-    """Raise ValueError naming what a Megatron-LM GPT cannot hold: expert parameters, the tanh GELU (--openai-gelu:
-    Megatron-LM's core GPT ignores it), a model that is not megatron-lite's GPT (names), a checkpoint without
-    recorded architecture."""
+    """Raise ValueError naming what a Megatron-LM GPT cannot hold: expert parameters, the tanh GELU without biases
+    (megatron_flags), a model that is not megatron-lite's GPT (names), a checkpoint without recorded
+    architecture."""
     if experts.SECTION in payload:
         raise ValueError("the checkpoint holds expert parameters (one set per expert-parallel position): Megatron-LM "
                          "export covers the dense GPT only; export a run without --num-experts")
@@ -68,11 +68,11 @@ def check_exportable(payload: dict):
     if lacking:
         raise ValueError(f"the checkpoint's args lack {lacking}: it was not saved by pretrain_gpt.py (a library "
                          f"checkpoint of another model): only megatron-lite's GPTModel maps to megatron-core's")
-    if args.get("openai_gelu"):
-        raise ValueError("args.openai_gelu: Megatron-LM 0.16 reads --openai-gelu only in its legacy models; its core "
-                         "GPTModel, which these checkpoints load into, computes the exact GELU whatever the flag, so a "
-                         "Megatron-LM run would silently change this model's MLP. Train with the exact GELU (no "
-                         "--openai-gelu) to move to Megatron-LM, or export with --to hf (gelu_new)")
+    if args.get("openai_gelu") and args.get("disable_bias_linear"):
+        raise ValueError("args.openai_gelu with disable_bias_linear: Megatron-LM 0.16's core GPT ignores --openai-gelu "
+                         "and computes GELU's tanh form only in its bias-GELU fusion, which needs linear biases; "
+                         "without them it computes the exact GELU, another MLP. Train with the exact GELU (no "
+                         "--openai-gelu) or with biases to move to Megatron-LM, or export with --to hf (gelu_new)")
     layers = int(args["num_layers"])
     for name in payload["model"]:
         parts = name.split(".")
@@ -247,6 +247,7 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
         rotary_interleaved=False, add_bias_linear=not a.get("disable_bias_linear"),
         add_qkv_bias=not a.get("disable_bias_linear"), disable_bias_linear=bool(a.get("disable_bias_linear")),
         swiglu=bool(a.get("swiglu")), openai_gelu=bool(a.get("openai_gelu")), squared_relu=False,
+        bias_gelu_fusion=bool(a.get("openai_gelu")) and not a.get("disable_bias_linear"),
         untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
         apply_layernorm_1p=False, normalization=a.get("normalization", "LayerNorm"),
         norm_epsilon=float(a.get("norm_epsilon", 1e-5)), apply_query_key_layer_scaling=False,
@@ -442,6 +443,10 @@ def megatron_flags(payload: dict, output: str, ckpt_format: str, distributed_opt
         flags += ["--rotary-base", str(a.rotary_base)]
     if a.group_query_attention:
         flags += ["--group-query-attention", "--num-query-groups", str(a.num_query_groups)]
+    # Megatron-LM's core GPT ignores --openai-gelu: with linear biases its default bias-GELU fusion computes GELU's
+    # tanh form (megatron-core's bias_gelu_impl), --no-bias-gelu-fusion the exact one; without biases, the exact one.
+    if not a.swiglu and a.add_bias_linear and not a.openai_gelu:
+        flags += ["--no-bias-gelu-fusion"]
     flags += [f for f, on in (("--swiglu", a.swiglu),
                               ("--disable-bias-linear", not a.add_bias_linear),
                               ("--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights),

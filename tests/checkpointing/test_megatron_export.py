@@ -97,13 +97,17 @@ def _logits(payload, probe):
 
 # run: (recorded args, megatron-lite's distributed optimizer, megatron-lite's format, bf16)
 RUNS = {"gpt2": (GPT2, False, "torch", False), "llama": (LLAMA, True, "torch_dist", False),
-        "gpt2-bf16": (GPT2, False, "torch", True)}
+        "gpt2-bf16": (GPT2, False, "torch", True),
+        "gpt2-openai-gelu": (dict(GPT2, openai_gelu=True), False, "torch", False)}
 # export: (run, --megatron-format, --megatron-distributed-optimizer, legacy --megatron-transformer-impl)
 EXPORTS = {"gpt2-torch_dist": ("gpt2", "torch_dist", False, None),
            "gpt2-legacy": ("gpt2", "torch", False, "local"),
            "llama-torch_dist-distopt": ("llama", "torch_dist", True, None),
            "llama-torch_dist": ("llama", "torch_dist", False, None),
-           "llama-legacy": ("llama", "torch", False, "local")}
+           "llama-legacy": ("llama", "torch", False, "local"),
+           "gpt2-openai-gelu-torch_dist": ("gpt2-openai-gelu", "torch_dist", False, None)}
+"""gpt2-openai-gelu: megatron-core builds its MLP as Megatron-LM's flags make it (it ignores --openai-gelu): F.gelu
+in the bias-GELU fusion, which computes GELU's tanh form."""
 BF16_EXPORTS = {"gpt2-bf16-torch_dist": ("gpt2-bf16", "torch_dist", False, None),
                 "gpt2-bf16-torch_dist-distopt": ("gpt2-bf16", "torch_dist", True, None),
                 "gpt2-bf16-legacy": ("gpt2-bf16", "torch", False, "local")}
@@ -247,7 +251,7 @@ def test_iteration_samples_scheduler_args_and_rng_as_megatron_lm_reads_them(move
     assert common["iteration"] == SAVED_AT and common["checkpoint_version"] == 3.0
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, payload["args"]["hidden_size"], 4)
     assert args.consumed_train_samples == SAVED_AT * BATCH and args.padded_vocab_size == 128
-    assert args.add_position_embedding == (arch == "gpt2") and args.swiglu == (arch == "llama")
+    assert args.add_position_embedding == (arch != "llama") and args.swiglu == (arch == "llama")
     sched = common["opt_param_scheduler"]
     assert sched["num_steps"] == SAVED_AT * BATCH and sched["lr_decay_steps"] == (SAVED_AT + CONTINUED) * BATCH
     assert sched["max_lr"] == LR and sched["lr_decay_style"] == "constant"
@@ -267,6 +271,10 @@ def test_tool_prints_the_megatron_lm_flags(moved):
                  "--attention-dropout 0.0", "--hidden-dropout 0.0"):
         assert flag in out, out
     assert "--use-distributed-optimizer" not in out and "--swiglu" not in out
+    assert "--no-bias-gelu-fusion" in out  # the exact GELU (Megatron-LM's default fusion computes the tanh form)
+    flags = megatron_write.megatron_flags(moved["runs"]["gpt2-openai-gelu"]["payload"], "out", "torch_dist", False,
+                                          "transformer_engine", True)
+    assert "--no-bias-gelu-fusion" not in flags
 
 
 # ------------------------------------------------------------------------------------------ refusals
@@ -305,7 +313,7 @@ def test_legacy_uses_transformer_engine_names_by_default(tmp_path):
     (dict(expert_parallel={}), "expert parameters"),
     (dict(model={"encoder.weight": torch.zeros(2)}), "'encoder.weight'"),
     (dict(args={"hidden_size": 32}), "args lack"),
-    (dict(args=dict(GPT2, openai_gelu=True)), "args.openai_gelu: .* core GPTModel.* exact GELU"),
+    (dict(args=dict(LLAMA, swiglu=False, openai_gelu=True)), "args.openai_gelu with disable_bias_linear"),
 ])
 def test_export_refuses_what_megatron_core_cannot_hold(tmp_path, change, named):
     with pytest.raises(ValueError, match=named):

@@ -32,8 +32,11 @@ def _build(case, weights=None):
     from megatron_lite.models import GPTConfig
 
     bf16 = case.get("bf16", False)
-    precision = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
-    model = mr.build_gpt(GPTConfig(**case["config"]), **precision)
+    overrides = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    config = dict(case["config"])
+    if config["activation_func"] == "openai_gelu":  # what Megatron-LM's flags give: F.gelu in the bias-GELU fusion
+        config["activation_func"], overrides["bias_activation_fusion"] = "gelu", True
+    model = mr.build_gpt(GPTConfig(**config), **overrides)
     if bf16:  # what Megatron-LM's Float16Module does: every parameter bf16 (the local spec makes norms in fp32)
         model = model.bfloat16()
     if weights is not None:  # before DDP and the optimizer take their views / main copies
