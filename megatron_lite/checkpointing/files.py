@@ -48,6 +48,9 @@ MANIFEST_FILENAME = "manifest.json"
 # The key of a checkpoint with model weights only (no optimizer state, no RNG; tools/checkpoint_convert.py --from
 # hf writes it, its value says where the weights came from): load.py loads it only with --finetune.
 WEIGHTS_ONLY_KEY = "weights_only"
+# Architecture args recorded since a later version, and what a checkpoint saved before (its args lack the key)
+# was trained with: compared on resume as that value, not skipped.
+ABSENT_ARGS = {"openai_gelu": False}
 LAST_WORDS_DIRNAME = "last_words"
 LOCK_FILENAME = "job.lock"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology
 from . import experts
-from .files import digest, last_words_dir, last_words_entries, write_atomically
+from .files import ABSENT_ARGS, digest, last_words_dir, last_words_entries, write_atomically
 from .rng import get_rng_state, set_rng_state
 
 _RANK_FILE = re.compile(r"^rank_(\d{5,})\.pt$")
@@ -378,7 +378,7 @@ def _unfit(payload: dict, path: str, check_args: Optional[dict], optimizer) -> O
     """Why a readable record cannot be loaded into this run's model (the same for every file of a set, so
     no replica helps: the user must change the run), or None."""
     for key, value in (check_args or {}).items():
-        saved = payload["args"].get(key)
+        saved = payload["args"].get(key, ABSENT_ARGS.get(key))
         if saved is not None and saved != value:
             return f"last-words checkpoint {path} was trained with {key}={saved}, this run has {key}={value}"
     expected = {_key(s.name, s.start) for s in optimizer.sharded_state().shards}

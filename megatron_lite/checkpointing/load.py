@@ -160,7 +160,7 @@ def _read_verified(directory: str, path: str, check_args: Optional[dict]) -> dic
     if not isinstance(state, dict) or not {"iteration", "consumed_train_samples", "args"} <= set(state):
         raise ValueError(f"checkpoint file {path} holds no megatron_lite training state")
     for key, value in (check_args or {}).items():
-        saved = state["args"].get(key)
+        saved = state["args"].get(key, files.ABSENT_ARGS.get(key))
         if saved is not None and saved != value:
             raise ValueError(f"checkpoint {path} was trained with {key}={saved}, this run has {key}={value}")
     return state

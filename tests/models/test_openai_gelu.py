@@ -178,3 +178,25 @@ def test_pretrain_records_the_flag_and_a_resume_without_it_names_it(tmp_path):
     assert state["args"]["openai_gelu"] is True
     status, message = run_distributed(pretrain_outcome, 1, tiny_pretrain_flags(train_iters="4", load=str(tmp_path)))[0]
     assert status == "error" and "openai_gelu=True, this run has openai_gelu=False" in message, message
+
+
+def test_a_checkpoint_from_before_the_flag_resumes_only_without_it(tmp_path):
+    """A checkpoint saved before openai_gelu was recorded (its args lack the key) was trained with the exact GELU:
+    it resumes without --openai-gelu, and with it is refused naming openai_gelu. Would catch the missing key
+    skipping the comparison (a silent switch of the activation mid-training)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import checkpoint_convert
+
+    flags = dict(lr_decay_iters="4", ckpt_format="torch")
+    status, losses = run_distributed(pretrain_outcome, 1, tiny_pretrain_flags(
+        train_iters="2", save=str(tmp_path / "new"), **flags))[0]
+    assert status == "ok", losses
+    payload = checkpoint_convert.read(checkpoint_convert.files.find_latest(str(tmp_path / "new"))[1])
+    assert payload["args"].pop("openai_gelu") is False
+    checkpoint_convert.write(str(tmp_path / "old"), payload, "torch")
+    status, message = run_distributed(pretrain_outcome, 1, tiny_pretrain_flags(
+        train_iters="3", load=str(tmp_path / "old"), openai_gelu=True, **flags))[0]
+    assert status == "error" and "openai_gelu=False, this run has openai_gelu=True" in message, message
+    status, losses = run_distributed(pretrain_outcome, 1, tiny_pretrain_flags(
+        train_iters="3", load=str(tmp_path / "old"), **flags))[0]
+    assert status == "ok" and sorted(losses) == [3], losses
