@@ -119,15 +119,14 @@ def _write_torch_dist(directory: str, payload: dict):
 # ------------------------------------------------------------------------------------------ Megatron-LM
 def export_megatron(payload: dict, args):
     """--to megatron: write the Megatron-LM checkpoint and print the Megatron-LM flags that load it."""
-    info = megatron_write.export(args.output, payload, args.megatron_format, args.megatron_distributed_optimizer,
-                                 args.megatron_transformer_impl)
-    flags = megatron_write.megatron_flags(payload, args.output, args.megatron_format,
-                                          args.megatron_distributed_optimizer, args.megatron_transformer_impl,
+    info = megatron_write.export(args.output, payload, args.megatron_format, args.megatron_transformer_impl)
+    flags = megatron_write.megatron_flags(payload, args.output, args.megatron_format, args.megatron_transformer_impl,
                                           info["optimizer"])
     carried = "weights, Adam's state, scheduler, iteration" if info["optimizer"] else "the weights only"
+    also = "; it loads with --use-distributed-optimizer too" if args.megatron_format == "torch_dist" else ""
     print(f"> wrote iteration {payload['iteration']} as a Megatron-LM {args.megatron_format} checkpoint ({carried}) "
           f"to {args.output}; load it with\n  pretrain_gpt.py {' '.join(flags)}\n  and the run's tokenizer, "
-          f"--seq-length and --micro-batch-size flags")
+          f"--seq-length and --micro-batch-size flags{also if info['optimizer'] else ''}")
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face
@@ -307,10 +306,8 @@ def main(argv=None):
     p.add_argument("--export-weights", metavar="FILE", help="write the model's state_dict to FILE (torch.save)")
     m = p.add_argument_group("--to megatron: a Megatron-LM checkpoint (megatron_lite/checkpointing/megatron_write.py)")
     m.add_argument("--megatron-format", choices=list(megatron_write.FORMATS),
-                   help="Megatron-LM's --ckpt-format: torch_dist (its default) or torch (legacy mp_rank_00 files)")
-    m.add_argument("--megatron-distributed-optimizer", action="store_true",
-                   help="write Adam's state as the distributed optimizer's fully_reshardable form (torch_dist), "
-                        "loaded with --use-distributed-optimizer (default: the non-distributed optimizer's form)")
+                   help="Megatron-LM's --ckpt-format: torch_dist (its default; loads with and without "
+                        "--use-distributed-optimizer) or torch (legacy mp_rank_00 files; without it)")
     m.add_argument("--megatron-transformer-impl", choices=list(megatron_write.TRANSFORMER_IMPLS),
                    help="legacy torch: the parameter names of Megatron-LM's "
                    "--transformer-impl that loads it (default Megatron-LM's, transformer_engine)")
@@ -329,10 +326,8 @@ def main(argv=None):
         p.error(f"--output {args.output} is a file, not a directory: choose a new directory")
     if args.output and os.path.isdir(args.output) and files.complete_checkpoints(args.output):
         p.error(f"--output {args.output} already holds checkpoints: choose a new directory")
-    megatron_flags = (args.megatron_format, args.megatron_distributed_optimizer or None, args.megatron_transformer_impl)
-    if args.to != "megatron" and any(flag is not None for flag in megatron_flags):
-        p.error("--megatron-format, --megatron-distributed-optimizer and --megatron-transformer-impl need "
-                "--to megatron")
+    if args.to != "megatron" and (args.megatron_format or args.megatron_transformer_impl):
+        p.error("--megatron-format and --megatron-transformer-impl need --to megatron")
     if args.to == "megatron":
         args.megatron_format = args.megatron_format or "torch_dist"
         args.megatron_transformer_impl = args.megatron_transformer_impl or "transformer_engine"

@@ -14,14 +14,15 @@ torch_dist keys are GPTModel.sharded_state_dict()'s: the layers STACKED on a lea
 the layer spec, `_extra_state` ShardedObjects per layer (stored as bytes `KEY/shard_i_L`), the optimizer's state
 keyed by model key (`optimizer.state.exp_avg.KEY`). The QKV rows are regrouped per query group (megatron_lm.py).
 
-The optimizer, in the form megatron-core loads for the run's settings (megatron-lite's state does not depend on the
-data-parallel size; neither do these):
-  * non-distributed optimizer (Megatron-LM's default, no --use-distributed-optimizer): exp_avg and exp_avg_sq per
-    model key, the shared step as `common_step` ('fp32_param' too for bf16 weights);
-  * distributed optimizer (--use-distributed-optimizer), torch_dist only: the 'fully_reshardable' form (param,
-    exp_avg, exp_avg_sq per model key), recorded in the content metadata that Megatron-LM's load reads. Its default
-    'dp_reshardable' form and legacy distrib_optim.pt store the DP ranks' flat bucket shards: tied to megatron-core's
-    bucket layout and DP size, so not written.
+Adam's state is keyed by model key, so it does not depend on the data-parallel size (neither does megatron-lite's):
+  * torch_dist holds it in both forms megatron-core 0.16 loads, so the export loads with and without
+    --use-distributed-optimizer: exp_avg, exp_avg_sq and the fp32 main values ('param', the distributed optimizer's
+    'fully_reshardable' form, named in the content metadata its load reads; 'fp32_param' too for the
+    non-distributed optimizer of bf16 / fp16 weights), the step as torch's `common_step` and in each param group.
+    The distributed optimizer's default 'dp_reshardable' form (and legacy distrib_optim.pt) stores the DP ranks'
+    flat bucket shards, tied to megatron-core's bucket layout and DP size: not written.
+  * legacy torch holds the non-distributed optimizer's state_dict() (its ids in GPTModel.named_parameters() order):
+    it loads without --use-distributed-optimizer.
 Megatron's OptimizerParamScheduler counts samples: steps are converted with the global batch size
 (consumed_train_samples / iteration). The RNG of the CPU generators is written (python, numpy, torch); megatron-lite
 has no model-parallel CUDA RNG tracker state, which Megatron-LM requires to restore RNG: load with --no-load-rng.
@@ -289,10 +290,11 @@ def _object_bytes(data) -> io.BytesIO:
     return buffer
 
 
-def _write_torch_dist(directory: str, payload: dict, distributed_optimizer: bool, with_optimizer: bool):
+def _write_torch_dist(directory: str, payload: dict, with_optimizer: bool):
     args = payload["args"]
     layers = int(args["num_layers"])
-    entries = dict(_stacked(model_state(payload, "transformer_engine"), layers))
+    model = _stacked(model_state(payload, "transformer_engine"), layers)
+    entries = dict(model)
     for i in range(layers):  # ShardedObject unique keys: KEY/shard_{offset}_{global shape}
         for module in _EXTRA_STATE_TE:
             entries[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = _object_bytes(None)
@@ -304,28 +306,11 @@ def _write_torch_dist(directory: str, payload: dict, distributed_optimizer: bool
     if rng:  # ShardedObject 'rng_state' of global shape (PP, TP) = (1, 1)
         entries["rng_state/shard_0.0_1.1"] = _object_bytes(rng)
     if with_optimizer:
-        fields = {k: _stacked(v, layers) for k, v in _optimizer_tensors(payload, "transformer_engine").items()}
-        model = _stacked(model_state(payload, "transformer_engine"), layers)
-        groups = param_groups(payload, list(model), model)
-        step = _step(payload)
-        if distributed_optimizer:
-            names = ("param", "exp_avg", "exp_avg_sq")
-            common["optimizer"] = _with_scaler({"optimizer": {"param_groups": [
-                {k: v for k, v in g.items() if k != "params"} | {"step": float(step)} for g in groups]},
-                "param_state_sharding_type": "fully_reshardable"}, payload)
-            metadata.update(distrib_optim_sharding_type="fully_reshardable",
-                            distrib_optim_fully_reshardable_mem_efficient=False)
-        else:
-            names = ("exp_avg", "exp_avg_sq") + (("param",) if _dtype(payload) != torch.float32 else ())
-            inner = {"state": {"common_step": torch.tensor(float(step))},
-                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
-            # FP32Optimizer's state dict is torch's; Float16OptimizerWithFloat16Params nests it under 'optimizer'
-            # beside the grad scaler and the fp32 main params ('fp32_param' tensors).
-            common["optimizer"] = _with_scaler({"optimizer": inner}, payload) if "param" in names else inner
-        for field in names:
-            stored = "fp32_param" if field == "param" and not distributed_optimizer else field
-            entries.update({f"optimizer.state.{stored}.{key}": t for key, t in fields[field].items()})
+        common["optimizer"] = _torch_dist_optimizer(payload, model, layers, entries)
         common["opt_param_scheduler"] = scheduler_state(payload)
+        # Read by Megatron-LM's load only with --use-distributed-optimizer: the form of the state below.
+        metadata.update(distrib_optim_sharding_type="fully_reshardable",
+                        distrib_optim_fully_reshardable_mem_efficient=False)
     common["content_metadata"] = metadata
     torch.save(common, os.path.join(directory, "common.pt"))
     with warnings.catch_warnings():  # one process, no process group: exactly what no_dist is for
@@ -334,6 +319,27 @@ def _write_torch_dist(directory: str, payload: dict, distributed_optimizer: bool
     with open(os.path.join(directory, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, f)
+
+
+def _torch_dist_optimizer(payload: dict, model: Dict[str, torch.Tensor], layers: int, entries: dict) -> dict:
+    """Adam's state in both forms megatron-core loads, so that one export loads with and without
+    --use-distributed-optimizer: the tensors (added to `entries`) are exp_avg, exp_avg_sq and 'param' (the
+    distributed optimizer's fully_reshardable fp32 main values; 'fp32_param' for the non-distributed optimizer of
+    bf16 / fp16 weights); the returned common part holds the param groups and step where each reads them."""
+    fields = {k: _stacked(v, layers) for k, v in _optimizer_tensors(payload, "transformer_engine").items()}
+    names = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": "param"}
+    for field, stored in list(names.items()) + ([("param", "fp32_param")] if _dtype(payload) != torch.float32 else []):
+        entries.update({f"optimizer.state.{stored}.{key}": t for key, t in fields[field].items()})
+    step = _step(payload)
+    # The step in each group too: where the distributed optimizer (and Transformer Engine's FusedAdam) reads it.
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
+              for g in param_groups(payload, list(model), model)]
+    torch_state = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
+    distributed = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+    if _dtype(payload) == torch.float32:  # FP32Optimizer's state dict is torch's, beside the distributed one's keys
+        return {**torch_state, **distributed}
+    # Float16OptimizerWithFloat16Params nests torch's under 'optimizer', where the distributed one has its groups.
+    return _with_scaler({**distributed, "optimizer": {**torch_state}}, payload)
 
 
 def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_optimizer: bool):
@@ -357,7 +363,8 @@ def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_opt
         ids = {key: i for i, key in enumerate(k for g in groups for k in g["params"])}
         per_param = {ids[key]: {"step": step.clone(), "exp_avg": fields["exp_avg"][key],
                                 "exp_avg_sq": fields["exp_avg_sq"][key]} for key in ids}
-        inner = {"state": per_param, "param_groups": [{**g, "params": [ids[k] for k in g["params"]]} for g in groups]}
+        inner = {"state": per_param, "param_groups": [{**g, "params": [ids[k] for k in g["params"]],
+                                                       "step": int(step.item())} for g in groups]}
         if _dtype(payload) != torch.float32:  # Float16OptimizerWithFloat16Params: the fp32 main params by group
             inner = _with_scaler({"optimizer": inner, "fp32_from_fp16_params": [
                 [fields["param"][k] for k in g["params"]] for g in groups]}, payload)
@@ -389,7 +396,7 @@ def _parameter_order(keys: List[str], layers: int, transformer_impl: str) -> Lis
     return [k for k in order if k in present]
 
 
-def export(output: str, payload: dict, ckpt_format: str = "torch_dist", distributed_optimizer: bool = False,
+def export(output: str, payload: dict, ckpt_format: str = "torch_dist",
            transformer_impl: str = "transformer_engine") -> dict:
     """Write `payload` (the `torch` format's) as a Megatron-LM checkpoint in the new directory `output`, atomically
     (a temporary sibling renamed into place once complete). Returns {'optimizer': whether Adam's state was written,
@@ -398,10 +405,6 @@ def export(output: str, payload: dict, ckpt_format: str = "torch_dist", distribu
         raise ValueError(f"megatron_format must be one of {FORMATS}, got {ckpt_format!r}")
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, got {transformer_impl!r}")
-    if distributed_optimizer and ckpt_format == "torch":
-        raise ValueError("the distributed optimizer's legacy file (distrib_optim.pt) stores megatron-core's DP bucket "
-                         "shards: export it with --megatron-format torch_dist, or load the legacy checkpoint without "
-                         "--use-distributed-optimizer")
     if os.path.lexists(output):
         raise ValueError(f"--output {output} exists: choose a new directory")
     check_exportable(payload)
@@ -415,7 +418,7 @@ def export(output: str, payload: dict, ckpt_format: str = "torch_dist", distribu
         directory = os.path.join(tmp, f"iter_{iteration:07d}")
         os.makedirs(directory)
         if ckpt_format == "torch_dist":
-            _write_torch_dist(directory, payload, distributed_optimizer, with_optimizer)
+            _write_torch_dist(directory, payload, with_optimizer)
         else:
             _write_legacy(directory, payload, transformer_impl, with_optimizer)
         with open(os.path.join(tmp, files.TRACKER_FILENAME), "w") as f:
@@ -428,9 +431,10 @@ def export(output: str, payload: dict, ckpt_format: str = "torch_dist", distribu
     return {"optimizer": with_optimizer, "global_batch_size": gbs}
 
 
-def megatron_flags(payload: dict, output: str, ckpt_format: str, distributed_optimizer: bool,
-                   transformer_impl: str, with_optimizer: bool) -> List[str]:
-    """Megatron-LM pretrain_gpt.py flags that build this model and load the export."""
+def megatron_flags(payload: dict, output: str, ckpt_format: str, transformer_impl: str,
+                   with_optimizer: bool) -> List[str]:
+    """Megatron-LM pretrain_gpt.py flags that build this model and load the export (a torch_dist export loads with
+    --use-distributed-optimizer too; a legacy one only without)."""
     a = megatron_args(payload, ckpt_format, with_optimizer)
     flags = ["--load", output, "--ckpt-format", ckpt_format, "--transformer-impl", transformer_impl,
              "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -461,6 +465,4 @@ def megatron_flags(payload: dict, output: str, ckpt_format: str, distributed_opt
               "--min-lr", str(payload["opt_param_scheduler"]["min_lr"]),
               "--global-batch-size", str(global_batch_size(payload)),
               "--use-checkpoint-opt_param-scheduler", "--no-load-rng"]
-    if distributed_optimizer:
-        flags += ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
     return flags

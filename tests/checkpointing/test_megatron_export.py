@@ -99,11 +99,12 @@ def _logits(payload, probe):
 RUNS = {"gpt2": (GPT2, False, "torch", False), "llama": (LLAMA, True, "torch_dist", False),
         "gpt2-bf16": (GPT2, False, "torch", True),
         "gpt2-openai-gelu": (dict(GPT2, openai_gelu=True), False, "torch", False)}
-# export: (run, --megatron-format, --megatron-distributed-optimizer, legacy --megatron-transformer-impl)
+# loaded export: (run, --megatron-format, megatron-core's loader uses the distributed optimizer, legacy
+# --megatron-transformer-impl). One torch_dist export per run serves both loaders.
 EXPORTS = {"gpt2-torch_dist": ("gpt2", "torch_dist", False, None),
            "gpt2-legacy": ("gpt2", "torch", False, "local"),
-           "llama-torch_dist-distopt": ("llama", "torch_dist", True, None),
            "llama-torch_dist": ("llama", "torch_dist", False, None),
+           "llama-torch_dist-distopt": ("llama", "torch_dist", True, None),
            "llama-legacy": ("llama", "torch", False, "local"),
            "gpt2-openai-gelu-torch_dist": ("gpt2-openai-gelu", "torch_dist", False, None)}
 """gpt2-openai-gelu: megatron-core builds its MLP as Megatron-LM's flags make it (it ignores --openai-gelu): F.gelu
@@ -127,17 +128,20 @@ def moved(tmp_path_factory):
     probe = _batches(3, 1)[0][0]
     continuation = _batches(7, SAVED_AT + CONTINUED)[SAVED_AT:]
     cases, printed = [], {}
+    written = set()
     for name, (arch, fmt, use_do, impl) in {**EXPORTS, **BF16_EXPORTS}.items():
-        out = str(tmp / name)
+        out = str(tmp / f"{arch}-{fmt}")
         argv = ["--input", runs[arch]["root"], "--output", out, "--to", "megatron", "--megatron-format", fmt]
         argv += ["--megatron-transformer-impl", impl] if impl else []
-        argv += ["--megatron-distributed-optimizer"] if use_do else []
-        if name == "gpt2-torch_dist":  # the command line once, in a process of its own
+        if out in written:
+            pass
+        elif name == "gpt2-torch_dist":  # the command line once, in a process of its own
             run = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
             assert run.returncode == 0, run.stdout + run.stderr
             printed[name] = run.stdout
         else:
             checkpoint_convert.main(argv)
+        written.add(out)
         cases.append(_case(name, runs[arch]["payload"], out, fmt, use_do, probe,
                            continuation if name in EXPORTS else [], bf16=RUNS[arch][3]))
     # The regrouping skipped: a bridge that copies the fused QKV rows as they are.
@@ -227,13 +231,16 @@ def test_megatron_core_continues_with_megatron_lite_losses(moved, name):
 @pytest.mark.parametrize("name", list(EXPORTS) + list(BF16_EXPORTS))
 def test_export_holds_the_keys_megatron_core_writes(moved, name):
     """torch_dist: the sharded keys megatron-core would save for this model and optimizer, plus Transformer Engine's
-    core_attention `_extra_state` (which a TE model requests; an extra object is ignored by the load); legacy: the
-    local spec's state_dict() keys exactly."""
+    core_attention `_extra_state` (which a TE model requests; an extra object is ignored by the load) and the other
+    optimizer form's main values; legacy: the local spec's state_dict() keys exactly."""
     got = moved["mcore"][name]
+    _, fmt, use_do, _ = {**EXPORTS, **BF16_EXPORTS}[name]
     extra = set(got["written_keys"]) - set(got["expected_keys"])
     assert set(got["expected_keys"]) <= set(got["written_keys"])
-    if {**EXPORTS, **BF16_EXPORTS}[name][1] == "torch_dist":
-        assert extra == {f"decoder.layers.self_attention.core_attention._extra_state/shard_{i}_2" for i in range(2)}
+    if fmt == "torch_dist":
+        te_objects = {f"decoder.layers.self_attention.core_attention._extra_state/shard_{i}_2" for i in range(2)}
+        other_form = "optimizer.state.fp32_param." if use_do else "optimizer.state.param."
+        assert te_objects <= extra and all(k.startswith(other_form) for k in extra - te_objects), extra
     else:
         assert not extra
 
@@ -255,9 +262,8 @@ def test_iteration_samples_scheduler_args_and_rng_as_megatron_lm_reads_them(move
     sched = common["opt_param_scheduler"]
     assert sched["num_steps"] == SAVED_AT * BATCH and sched["lr_decay_steps"] == (SAVED_AT + CONTINUED) * BATCH
     assert sched["max_lr"] == LR and sched["lr_decay_style"] == "constant"
-    if fmt == "torch_dist":
-        assert common["content_metadata"].get("distrib_optim_sharding_type") == ("fully_reshardable" if use_do
-                                                                                  else None)
+    if fmt == "torch_dist":  # read by Megatron-LM's load with --use-distributed-optimizer
+        assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     rng = moved["mcore"][name]["rng"][0]
     assert torch.equal(rng["torch_rng_state"], payload["rng_state"][0]["torch"])
     assert tuple(rng["random_rng_state"][1]) == tuple(payload["rng_state"][0]["python"][1])
@@ -270,9 +276,11 @@ def test_tool_prints_the_megatron_lm_flags(moved):
                  "--use-checkpoint-opt_param-scheduler", "--no-load-rng", "--global-batch-size 2",
                  "--attention-dropout 0.0", "--hidden-dropout 0.0"):
         assert flag in out, out
-    assert "--use-distributed-optimizer" not in out and "--swiglu" not in out
+    command = out.splitlines()[1]
+    assert "--use-distributed-optimizer" not in command and "--swiglu" not in command
+    assert "it loads with --use-distributed-optimizer too" in out
     assert "--no-bias-gelu-fusion" in out  # the exact GELU (Megatron-LM's default fusion computes the tanh form)
-    flags = megatron_write.megatron_flags(moved["runs"]["gpt2-openai-gelu"]["payload"], "out", "torch_dist", False,
+    flags = megatron_write.megatron_flags(moved["runs"]["gpt2-openai-gelu"]["payload"], "out", "torch_dist",
                                           "transformer_engine", True)
     assert "--no-bias-gelu-fusion" not in flags
 
@@ -294,7 +302,7 @@ def test_weights_only_export_needs_no_optimizer(tmp_path):
     state = torch.load(tmp_path / "out" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert "optimizer" not in state and state["args"].no_save_optim
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "1"
-    assert "--finetune" in megatron_write.megatron_flags(_small_payload(), "out", "torch", False, "local", False)
+    assert "--finetune" in megatron_write.megatron_flags(_small_payload(), "out", "torch", "local", False)
 
 
 def test_legacy_uses_transformer_engine_names_by_default(tmp_path):
@@ -321,12 +329,11 @@ def test_export_refuses_what_megatron_core_cannot_hold(tmp_path, change, named):
     assert not os.listdir(tmp_path)  # nothing written, no temporary left
 
 
-def test_export_refuses_an_existing_output_and_legacy_distributed_optimizer(tmp_path):
+def test_export_refuses_an_existing_output(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ValueError, match="exists: choose a new directory"):
         megatron_write.export(str(tmp_path / "out"), _small_payload())
-    with pytest.raises(ValueError, match="--megatron-format torch_dist"):
-        megatron_write.export(str(tmp_path / "new"), _small_payload(), "torch", distributed_optimizer=True)
+    assert os.listdir(tmp_path) == ["out"]
 
 
 def test_tool_refuses_an_existing_output_and_megatron_flags_without_to_megatron(tmp_path, capsys):
