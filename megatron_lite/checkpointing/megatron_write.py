@@ -62,8 +62,9 @@ def check_exportable(payload: dict):
     (megatron_flags), a model that is not megatron-lite's GPT (names), a checkpoint without recorded
     architecture."""
     if experts.SECTION in payload:
-        raise ValueError("the checkpoint holds expert parameters (one set per expert-parallel position): Megatron-LM "
-                         "export covers the dense GPT only; export a run without --num-experts")
+        raise ValueError("the checkpoint holds expert parameters (param.allreduce = False, one set per "
+                         "expert-parallel position): they are no megatron-core MoE layer; Megatron-LM export covers "
+                         "megatron-lite's GPTModel without expert parameters")
     args = payload.get("args") or {}
     lacking = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size") if k not in args]
     if lacking:
