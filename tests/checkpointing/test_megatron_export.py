@@ -118,7 +118,7 @@ compared (bf16 kernels of the two implementations round differently)."""
 
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory):
-    """Both runs trained and saved, every export written, and megatron-core's one process over all of them."""
+    """Every run trained and saved, every export written, and megatron-core's one process over all of them."""
     tmp = tmp_path_factory.mktemp("megatron_export")
     runs = {}
     for arch, (args, use_do, fmt, bf16) in RUNS.items():
@@ -133,15 +133,15 @@ def moved(tmp_path_factory):
         out = str(tmp / f"{arch}-{fmt}")
         argv = ["--input", runs[arch]["root"], "--output", out, "--to", "megatron", "--megatron-format", fmt]
         argv += ["--megatron-transformer-impl", impl] if impl else []
-        if out in written:
-            pass
-        elif name == "gpt2-torch_dist":  # the command line once, in a process of its own
-            run = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
-            assert run.returncode == 0, run.stdout + run.stderr
-            printed[name] = run.stdout
-        else:
-            checkpoint_convert.main(argv)
-        written.add(out)
+        if out not in written:  # one export per run and format, loaded by every case that names it
+            if name == "gpt2-torch_dist":  # the command line once, in a process of its own
+                run = subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True, timeout=120,
+                                     cwd=REPO)
+                assert run.returncode == 0, run.stdout + run.stderr
+                printed[name] = run.stdout
+            else:
+                checkpoint_convert.main(argv)
+            written.add(out)
         cases.append(_case(name, runs[arch]["payload"], out, fmt, use_do, probe,
                            continuation if name in EXPORTS else [], bf16=RUNS[arch][3]))
     # The regrouping skipped: a bridge that copies the fused QKV rows as they are.
@@ -159,8 +159,7 @@ def moved(tmp_path_factory):
     run = subprocess.run([sys.executable, SCRIPT, spec, result], capture_output=True, text=True, timeout=300,
                          cwd=REPO, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return {"runs": runs, "probe": probe, "printed": printed, "mcore": torch.load(result, weights_only=False),
-            "tmp": tmp}
+    return {"runs": runs, "probe": probe, "printed": printed, "mcore": torch.load(result, weights_only=False)}
 
 
 def _case(name, payload, out, fmt, use_do, probe, batches, bf16=False):
