@@ -240,7 +240,7 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
     rope = a.get("position_embedding_type") == "rope"
     return argparse.Namespace(
         num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]), num_attention_heads=heads,
-        ffn_hidden_size=a.get("ffn_hidden_size") or (4 * int(a["hidden_size"])),
+        ffn_hidden_size=int(payload["model"]["layers.0.mlp.linear_fc2.weight"].shape[1]),  # as built (None: a default)
         kv_channels=int(a["hidden_size"]) // heads,
         group_query_attention=bool(a.get("group_query_attention")), num_query_groups=groups,
         max_position_embeddings=int(a.get("max_position_embeddings", 0)),

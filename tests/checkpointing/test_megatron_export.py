@@ -257,6 +257,7 @@ def test_iteration_samples_scheduler_args_and_rng_as_megatron_lm_reads_them(move
     assert common["iteration"] == SAVED_AT and common["checkpoint_version"] == 3.0
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, payload["args"]["hidden_size"], 4)
     assert args.consumed_train_samples == SAVED_AT * BATCH and args.padded_vocab_size == 128
+    assert args.ffn_hidden_size == (96 if arch == "llama" else 128)  # GPT2 records None: the size the model has
     assert args.add_position_embedding == (arch != "llama") and args.swiglu == (arch == "llama")
     sched = common["opt_param_scheduler"]
     assert sched["num_steps"] == SAVED_AT * BATCH and sched["lr_decay_steps"] == (SAVED_AT + CONTINUED) * BATCH
