@@ -7,6 +7,7 @@ weights, in one process.
     python tools/checkpoint_convert.py --input runs/a --output hf/a --to hf        # from_pretrained("hf/a")
     python tools/checkpoint_convert.py --from hf --input hf/a --output runs/b      # pretrain_gpt.py --finetune
     python tools/checkpoint_convert.py --input runs/a --output runs/a_mlm --to megatron  # Megatron-LM --load
+    python tools/checkpoint_convert.py --from megatron --input megatron_save --output runs/c   # --load resumes
 
 `--input` is a --save directory (its newest complete checkpoint, or `--iteration N`); every file is checked
 against the checkpoint's manifest first. The formats (megatron_lite/checkpointing/torch_format.py and
@@ -30,6 +31,12 @@ are the optional `hf` extra.
 `--megatron-format torch_dist` (megatron-core's dist_checkpointing, Megatron-LM's default) or `torch` (legacy
 iter_*/mp_rank_00/model_optim_rng.pt), with the weights, Adam's state, the scheduler (in samples), iteration,
 consumed samples and RNG, and prints the Megatron-LM flags that load it.
+
+`--from megatron` reads a Megatron-LM --save directory (its tracker's iteration, or `--iteration N`; torch_dist
+or legacy torch, detected) with megatron_lite/checkpointing/megatron_read.py: the weights, and the Adam state,
+iteration, consumed samples, learning-rate schedule and RNG where the checkpoint carries them, so that
+pretrain_gpt.py --load continues the run; an optimizer state in a form it cannot read is refused with the
+remedy, unless `--weights-only` asks for the weights alone (for --finetune).
 """
 
 import argparse
@@ -48,7 +55,14 @@ import hf_convert  # noqa: E402  (tools/, beside this file)
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.checkpointing import files, hf_files, megatron_write, torch_dist, torch_format  # noqa: E402
+from megatron_lite.checkpointing import (  # noqa: E402
+    files,
+    hf_files,
+    megatron_read,
+    megatron_write,
+    torch_dist,
+    torch_format,
+)
 from megatron_lite.data import build_tokenizer, gpt2_bpe  # noqa: E402
 from megatron_lite.data import tokenizer as lite_tokenizers  # noqa: E402
 from megatron_lite.training.initialize import vocab_size_with_padding  # noqa: E402
@@ -294,6 +308,41 @@ def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> l
     return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", target] if tokenizer else []
 
 
+# ------------------------------------------------------------------------------------------ Megatron-LM
+def megatron_flags(payload: dict, megatron_args) -> list:
+    """pretrain_gpt.py's flags that rebuild the imported run: the architecture (hf_convert.pretrain_flags) and,
+    for a resume, the batch, optimizer and schedule that the checkpoint's state is checked against."""
+    flags = hf_convert.pretrain_flags(payload["args"])
+    if payload.get(files.WEIGHTS_ONLY_KEY):
+        return flags
+    a, schedule = megatron_args, payload["opt_param_scheduler"]
+    flags += ["--seq-length", a.seq_length, "--global-batch-size", a.global_batch_size, "--lr", schedule["max_lr"],
+              "--min-lr", schedule["min_lr"], "--lr-decay-style", schedule["lr_decay_style"],
+              "--lr-warmup-iters", schedule["lr_warmup_steps"], "--lr-decay-iters", schedule["lr_decay_steps"],
+              "--weight-decay", a.weight_decay, "--adam-beta1", a.adam_beta1, "--adam-beta2", a.adam_beta2,
+              "--adam-eps", a.adam_eps, "--clip-grad", a.clip_grad]
+    return [str(f) for f in flags]
+
+
+def import_megatron(p, args):
+    """--from megatron: read, write, print the command that continues."""
+    try:
+        payload, megatron_args = megatron_read.read_megatron(args.input, args.iteration, args.weights_only)
+        _, directory, fmt = megatron_read.find_checkpoint(args.input, args.iteration)
+    except megatron_read.OptimizerStateUnreadable as e:
+        p.error(f"{e}\n(the weights are readable: --weights-only converts them alone)")
+    except ValueError as e:
+        p.error(str(e))
+    write(args.output, payload, args.to)
+    flags = " ".join(megatron_flags(payload, megatron_args))
+    what = "the weights" if args.weights_only else f"iteration {payload['iteration']} (weights, optimizer state, " \
+                                                    f"schedule, RNG)"
+    load = "--finetune --load" if args.weights_only else "--load"
+    print(f"> wrote {what} of Megatron-LM's {fmt} checkpoint {directory} as {args.to} to {args.output}; "
+          f"{'train from' if args.weights_only else 'continue'} with\n  pretrain_gpt.py {load} {args.output} "
+          f"{flags} (and the run's data and tokenizer flags)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="a --save directory (with --from hf: a transformers directory)")
@@ -301,8 +350,11 @@ def main(argv=None):
     p.add_argument("--output", help="a new --save directory for the converted checkpoint (--to hf: a new "
                                     "transformers directory)")
     p.add_argument("--to", choices=["torch", "torch_dist", "hf", "megatron"],
-                   help="the output format (with --from hf: torch or torch_dist, default torch)")
-    p.add_argument("--from", dest="source", choices=["hf"], help="read --input as a transformers directory")
+                   help="the output format (with --from hf / --from megatron: torch or torch_dist, default torch)")
+    p.add_argument("--from", dest="source", choices=["hf", "megatron"],
+                   help="read --input as a transformers directory (hf) or a Megatron-LM --save directory (megatron)")
+    p.add_argument("--weights-only", action="store_true", help="--from megatron: convert the model weights alone "
+                                                               "(for pretrain_gpt.py --finetune)")
     p.add_argument("--export-weights", metavar="FILE", help="write the model's state_dict to FILE (torch.save)")
     m = p.add_argument_group("--to megatron: a Megatron-LM checkpoint (megatron_lite/checkpointing/megatron_write.py)")
     m.add_argument("--megatron-format", choices=list(megatron_write.FORMATS),
@@ -320,6 +372,13 @@ def main(argv=None):
         args.to = args.to or "torch"
         if args.to == "hf" or args.export_weights or args.iteration is not None or not args.output:
             p.error("--from hf takes --input DIR --output SAVE_DIR [--to torch|torch_dist]")
+    if args.source == "megatron":
+        args.to = args.to or "torch"
+        if args.to not in ("torch", "torch_dist") or args.export_weights or not args.output:
+            p.error("--from megatron takes --input MEGATRON_SAVE --output SAVE [--iteration N] [--weights-only] "
+                    "[--to torch|torch_dist]")
+    elif args.weights_only:
+        p.error("--weights-only goes with --from megatron")
     if bool(args.output) != bool(args.to) or not (args.output or args.export_weights):
         p.error("give --output with --to, and/or --export-weights")
     if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -349,6 +408,8 @@ def main(argv=None):
         print(f"> wrote the weights of {args.input} as {args.to} to {args.output}; train from them with\n"
               f"  pretrain_gpt.py --finetune --load {args.output} {' '.join(flags)}")
         return
+    if args.source == "megatron":
+        return import_megatron(p, args)
     try:
         if args.iteration is None:
             iteration, directory = files.find_latest(args.input)

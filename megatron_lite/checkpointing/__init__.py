@@ -17,9 +17,12 @@
                       for tools/checkpoint_convert.py --to megatron (the names: megatron_lm.py)
     hf_files.py       a transformers model directory's files (config.json, safetensors shards), checked and read
                       for tools/checkpoint_convert.py --from hf (the mapping: tools/hf_convert.py)
+    megatron_read.py  a Megatron-LM checkpoint (torch_dist or legacy torch) as the torch format's payload, for
+                      tools/checkpoint_convert.py --from megatron (names and QKV layout: megatron_lm.py; its
+                      pickles read by foreign_pickle.py: torch's weights-only unpickler, unknown classes inert)
 
 Imports go one way: save/load -> formats and last words -> files, rng (and experts, dcp_metadata). hf_files
-and megatron_write stand apart: only tools/checkpoint_convert.py imports them.
+and megatron_write, megatron_read stand apart: only tools/checkpoint_convert.py imports them.
 """
 
 from .last_words import LastWords

@@ -23,7 +23,8 @@ The contract, piece by piece:
 
 * `check_metadata` then checks the types of the whole tree. Every entry must be a TensorStorageMetadata:
   megatron-lite never writes a BytesStorageMetadata entry, and DCP reads one with torch.load(weights_only=
-  False), i.e. would run its pickle. Every storage item must be a _StorageInfo naming a `__R_F.distcp` file of
+  False), i.e. would run its pickle (megatron_read.py reads megatron-core's, `allow_bytes`, with a planner of
+  its own that never does). Every storage item must be a _StorageInfo naming a `__R_F.distcp` file of
   the checkpoint directory, at non-negative offsets, with no stream transforms.
 
 * `SafeReader` is DCP's FileSystemReader with the metadata read as above, checked again where DCP sets the
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.planner import LoadItemType, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 METADATA_FILENAME = ".metadata"
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -60,7 +61,11 @@ _DCP = "torch.distributed.checkpoint.metadata"
 _RECORDS = {(_DCP, cls.__name__): cls for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata,
                                                   ChunkStorageMetadata, TensorProperties, StorageMeta, MetadataIndex)}
 _RECORDS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+# megatron-core (a Megatron-LM checkpoint, megatron_read.py) adds its save plans as Metadata.all_local_plans.
+_RECORDS.update({("torch.distributed.checkpoint.planner", cls.__name__): cls
+                 for cls in (SavePlan, WriteItem, TensorWriteData)})
 _RECORD_TYPES = {cls: {f.name for f in dataclasses.fields(cls)} for cls in _RECORDS.values()}
+_RECORD_TYPES[Metadata] = _RECORD_TYPES[Metadata] | {"all_local_plans"}
 
 
 def _size(dims=()) -> torch.Size:
@@ -84,6 +89,12 @@ def _layout(name) -> torch.layout:
     return _LAYOUTS[name]
 
 
+def _write_item_type(value) -> WriteItemType:
+    if type(value) is not int:
+        raise ValueError(f"a write item type of {value!r}")
+    return WriteItemType(value)
+
+
 def _path(*parts) -> str:
     """StorageMeta.checkpoint_id (where the checkpoint was saved; DCP does not use it to load): kept as text."""
     if not all(type(p) is str for p in parts):
@@ -97,6 +108,7 @@ _CONSTRUCTORS: Dict[Tuple[str, str], Callable] = {
     ("torch", "Size"): _size, (_DCP, "_MEM_FORMAT_ENCODING"): _memory_format,
     ("torch.serialization", "_get_layout"): _layout,
     **{(module, name): _path for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")},
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): _write_item_type,
 }
 _CALLABLE = set(_CONSTRUCTORS.values())
 _DTYPES = {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
@@ -223,15 +235,16 @@ def _container(obj, kind):
     return obj
 
 
-def read_metadata(path: str) -> Metadata:
-    """The DCP Metadata in the file `path`, built without running code and checked (check_metadata).
+def read_metadata(path: str, allow_bytes: bool = False) -> Metadata:
+    """The DCP Metadata in the file `path`, built without running code and checked (check_metadata; with
+    `allow_bytes`, byte entries pass, for a reader that never unpickles them as DCP does).
     Raises ValueError naming `path` if it holds anything else."""
     try:
         with open(path, "rb") as f:
             metadata = _interpret(f)
     except Exception as e:  # whatever goes wrong, the file cannot be read: one clear error
         raise ValueError(f"checkpoint metadata {path} cannot be read safely: {e}") from e
-    return check_metadata(metadata, path)
+    return check_metadata(metadata, path, allow_bytes)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -292,15 +305,17 @@ def _check_storage(index, info, where: str):
                          f"megatron-lite never writes")
 
 
-def check_metadata(metadata, where: str) -> Metadata:
-    """`metadata` if it is a DCP Metadata of tensors only (see the module docstring), else ValueError naming
-    `where` (the file) and the offending entry."""
+def check_metadata(metadata, where: str, allow_bytes: bool = False) -> Metadata:
+    """`metadata` if it is a DCP Metadata of tensors (and with `allow_bytes` byte entries) only (see the module
+    docstring), else ValueError naming `where` (the file) and the offending entry."""
     if type(metadata) is not Metadata:
         raise ValueError(f"checkpoint metadata {where} holds a {type(metadata).__name__}, not a DCP Metadata")
     entries = _field(metadata, "state_dict_metadata", where, dict)
     for key, entry in entries.items():
         if type(key) is not str:
             raise ValueError(f"checkpoint metadata {where}: an entry's key is a {type(key).__name__}")
+        if allow_bytes and type(entry) is BytesStorageMetadata:
+            continue
         if type(entry) is not TensorStorageMetadata:
             raise ValueError(f"checkpoint metadata {where}: entry {key!r} is a {type(entry).__name__}, not a tensor "
                              f"(TensorStorageMetadata). megatron-lite writes tensors only, and DCP would read this "

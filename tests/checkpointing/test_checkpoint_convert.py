@@ -104,4 +104,4 @@ def test_the_tool_finds_hf_convert_however_it_is_run(tmp_path, how):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120, cwd=cwd,
                          env=env)
-    assert out.returncode == 0 and "--from {hf}" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "--from {hf,megatron}" in out.stdout, out.stdout + out.stderr

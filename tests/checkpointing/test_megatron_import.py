@@ -1,0 +1,276 @@
+"""Megatron-LM checkpoints -> megatron-lite (tools/checkpoint_convert.py --from megatron,
+megatron_lite/checkpointing/megatron_read.py), against megatron-core 0.16.1 itself.
+
+One subprocess (tests/support/mcore_save.py) trains megatron-core's GPTModel with its DDP, Adam optimizer and
+sample-counted scheduler and writes, at iteration 3, the checkpoints Megatron-LM writes: torch_dist and legacy
+torch of a GPT-2-class run (non-distributed optimizer); torch_dist 'dp_reshardable' and legacy torch (with
+distrib_optim.pt) of a Llama-class run (distributed optimizer in 3 buckets, 4 heads in 2 query groups);
+torch_dist 'fully_reshardable' of the same model in one bucket (megatron-core 0.16.1's own fully_reshardable
+save is wrong past the first bucket: mcore_save.py); and the reference: logits at the save, the losses of 3 more
+iterations. Here each is converted, loaded by megatron-lite and compared:
+
+  * logits within 1e-6 of megatron-core's (the fused QKV rows regrouped: skipping it is off by 1e-1);
+  * a continuation: megatron-lite resumes from the converted checkpoint (weights, Adam moments and step, the
+    schedule converted from samples to iterations) and repeats megatron-core's 3 losses within 2e-6 relative.
+    Measured: equal to the bit on this machine; the bound is fp32 rounding, room for other attention and
+    cross-entropy kernels (their logits differ by ~1e-7); moments left at zero are 1e-3 off;
+  * pretrain_gpt.py --load with the printed command resumes, --finetune --load trains on the weights alone;
+  * refusals: an optimizer form not read (a chained optimizer, distrib_optim.pt missing), shapes that disagree
+    with the args, missing files, an architecture flag GPTModel lacks, each naming the key or field and the
+    remedy; and a pickled object in the checkpoint is never constructed.
+Skipped without megatron-core (pip install -e ".[megatron]").
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mcore_reference import requires_mcore
+from pretrain_testing import REPO
+
+from megatron_lite.checkpointing import foreign_pickle, megatron_lm, megatron_read
+from megatron_lite.models import GPTModel
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import checkpoint_convert  # noqa: E402
+import hf_convert  # noqa: E402
+
+pytestmark = requires_mcore
+RUNS = {"gpt2_dist": "gpt2", "gpt2_torch": "gpt2", "llama_dp": "llama", "llama_torch": "llama",
+        "llama_full": "llama_one_bucket"}  # checkpoint -> the megatron-core run that wrote it (mcore_save.py)
+RESUMABLE = list(RUNS)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """(directory of megatron-core's checkpoints, the reference of mcore_save.py)."""
+    out = tmp_path_factory.mktemp("megatron")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "support", "mcore_save.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(out), torch.load(os.path.join(out, "reference.pt"), weights_only=True)
+
+
+def convert(source, output, *flags):
+    """checkpoint_convert.py --from megatron; returns the written checkpoint read back (checkpoint_convert.read)."""
+    checkpoint_convert.main(["--from", "megatron", "--input", source, "--output", output, *flags])
+    (name,) = [n for n in os.listdir(output) if n.startswith("iter_")]
+    return checkpoint_convert.read(os.path.join(output, name))
+
+
+def lite_model(payload):
+    model = GPTModel(hf_convert.gpt_config(payload["args"]))
+    model.load_state_dict(payload["model"], strict=False)  # a tied output layer is stored once
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_converted_weights_give_megatron_core_logits(megatron, tmp_path, name):
+    """Weights of every format and model class -> megatron-lite: logits within 1e-6 of megatron-core's. Catches a
+    wrong name (TE norm names, stacked layers), a QKV not regrouped, a dropped padding row."""
+    out, reference = megatron
+    payload = convert(os.path.join(out, name), str(tmp_path / "c"), "--weights-only")
+    with torch.no_grad():
+        logits = lite_model(payload)(reference["probe"])
+    torch.testing.assert_close(logits, reference[RUNS[name]]["logits"], atol=1e-6, rtol=0)
+
+
+def test_skipping_the_qkv_regrouping_is_caught(megatron, monkeypatch):
+    """The logits check above fails when the QKV rows are copied as they are (megatron-core's per-group
+    [q_g | k_g | v_g] read as [q | k | v]): every other name and shape still fits."""
+    out, reference = megatron
+    monkeypatch.setattr(megatron_lm, "qkv_from_megatron", lambda tensor, heads, groups: tensor.clone())
+    for name in ("gpt2_torch", "llama_full"):
+        payload, _ = megatron_read.read_megatron(os.path.join(out, name), weights_only=True)
+        with torch.no_grad():
+            logits = lite_model(payload)(reference["probe"])
+        assert (logits - reference[RUNS[name]]["logits"]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", RESUMABLE)
+def test_continuation_repeats_megatron_core_losses(megatron, tmp_path, single_rank_group, name):
+    """megatron-lite resumes from the converted checkpoint (optimizer state, step, schedule moved) and its 3 losses
+    equal those megatron-core computed after its save, within 2e-6 relative (fp32 rounding of other kernels).
+    Catches moments mapped to the wrong parameter (legacy index order) or not regrouped, a step or schedule
+    position off by one, the schedule left in samples."""
+    import mcore_save as ms
+
+    from megatron_lite import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+    from megatron_lite.checkpointing import load_checkpoint
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    out, reference = megatron
+    payload = convert(os.path.join(out, name), str(tmp_path / "c"))
+    assert payload["iteration"] == ms.SAVE_AT and payload["consumed_train_samples"] == ms.SAVE_AT * ms.MICRO_BATCH
+    assert payload["opt_param_scheduler"]["num_steps"] == ms.SAVE_AT
+    model = GPTModel(hf_convert.gpt_config(payload["args"]))
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(), single_rank_group)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=ms.LR, min_lr=ms.MIN_LR, weight_decay=ms.WEIGHT_DECAY, adam_beta1=ms.BETAS[0],
+        adam_beta2=ms.BETAS[1], adam_eps=ms.EPS, clip_grad=0.0), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, ms.LR, ms.MIN_LR, ms.WARMUP_ITERS, ms.DECAY_ITERS, "cosine")
+    loaded = load_checkpoint(str(tmp_path / "c"), ddp, optimizer, scheduler, group=single_rank_group)
+    assert loaded["iteration"] == ms.SAVE_AT
+    losses = []
+    for batch in reference["batches"][ms.SAVE_AT:]:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        logits = ddp(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        loss.backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[RUNS[name]]["losses"]), rtol=2e-6, atol=0)
+
+
+def _printed_command(capsys):
+    text = capsys.readouterr().out
+    found = re.search(r"pretrain_gpt\.py (.*?) \(and the run", text)
+    assert found, text
+    return found.group(1).split()
+
+
+def test_pretrain_gpt_resumes_and_finetunes(megatron, tmp_path, capsys):
+    """The printed commands work: pretrain_gpt.py --load resumes at Megatron's iteration (the architecture,
+    optimizer hyperparameters and schedule of the converted checkpoint pass its checks), and --finetune --load
+    trains on the weights alone (--weights-only)."""
+    out, _ = megatron
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--micro-batch-size", "4",
+            "--eval-iters", "0", "--log-interval", "1"]
+    checkpoint_convert.main(["--from", "megatron", "--input", os.path.join(out, "llama_full"), "--output",
+                             str(tmp_path / "resume"), "--to", "torch_dist"])
+    resume = _printed_command(capsys)
+    checkpoint_convert.main(["--from", "megatron", "--input", os.path.join(out, "llama_torch"), "--output",
+                             str(tmp_path / "tune"), "--weights-only"])
+    finetune = _printed_command(capsys)
+    assert resume[0] == "--load" and finetune[:2] == ["--finetune", "--load"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    for flags, first in ((resume + ["--train-iters", "5"], 4),
+                         (finetune + ["--seq-length", "8", "--global-batch-size", "4", "--train-iters", "2"], 1)):
+        done = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *flags, *data], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        iterations = [int(i) for i in re.findall(r"iteration\s+(\d+)/", done.stdout)]
+        assert iterations and iterations[0] == first, done.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def refused(capsys, *argv) -> str:
+    with pytest.raises(SystemExit):
+        checkpoint_convert.main(list(argv))
+    return capsys.readouterr().err
+
+
+def test_unreadable_optimizer_state_is_refused_with_the_remedy(megatron, tmp_path, capsys):
+    """An optimizer state this reader does not convert (a chained optimizer's list; a legacy distributed
+    optimizer without its distrib_optim.pt) is refused naming it and the remedy, nothing written (never silently
+    weights only); --weights-only converts the weights."""
+    def chained(state):
+        state["optimizer"] = [state["optimizer"], state["optimizer"]]
+
+    source = _legacy_copy(megatron, tmp_path / "a", chained)
+    err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "a" / "c"))
+    assert "a chained optimizer of 2" in err and "--weights-only" in err
+    assert not os.path.exists(tmp_path / "a" / "c")
+    out, _ = megatron
+    root = tmp_path / "b"
+    shutil.copytree(os.path.join(out, "llama_torch"), root)
+    os.remove(root / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt")
+    err = refused(capsys, "--from", "megatron", "--input", str(root), "--output", str(tmp_path / "b" / "c"))
+    assert "lacks" in err and "distrib_optim.pt" in err and "--weights-only" in err
+    checkpoint_convert.main(["--from", "megatron", "--input", str(root), "--output", str(tmp_path / "b" / "c"),
+                             "--weights-only"])
+
+
+def _legacy_copy(megatron, tmp_path, change):
+    """A copy of the legacy GPT-2 checkpoint with `change(state)` applied (the test's own file: plain torch.load)."""
+    out, _ = megatron
+    os.makedirs(tmp_path, exist_ok=True)
+    root = tmp_path / "legacy"
+    shutil.copytree(os.path.join(out, "gpt2_torch"), root)
+    path = root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+    return str(root)
+
+
+def test_mismatched_shapes_and_flags_are_refused(megatron, tmp_path, capsys):
+    """Args that do not describe the tensors, an optimizer moment of another shape, and a flag GPTModel lacks:
+    each refused naming the key or field."""
+    def wider(state):
+        state["args"].ffn_hidden_size = 64
+
+    err = refused(capsys, "--from", "megatron", "--input", _legacy_copy(megatron, tmp_path / "a", wider),
+                  "--output", str(tmp_path / "a" / "c"))
+    assert "decoder.layers.0.mlp.linear_fc1.weight has shape [128, 32]" in err and "[64, 32]" in err
+
+    def moment(state):
+        state["optimizer"]["state"][2]["exp_avg"] = torch.zeros(3)
+
+    err = refused(capsys, "--from", "megatron", "--input", _legacy_copy(megatron, tmp_path / "b", moment),
+                  "--output", str(tmp_path / "b" / "c"))
+    assert "optimizer state 2 exp_avg has shape [3]" in err and "--weights-only" in err
+
+    def qk_norm(state):
+        state["args"].qk_layernorm = True
+
+    err = refused(capsys, "--from", "megatron", "--input", _legacy_copy(megatron, tmp_path / "d", qk_norm),
+                  "--output", str(tmp_path / "d" / "c"))
+    assert "args.qk_layernorm=True" in err
+
+
+def test_missing_files_are_refused(megatron, tmp_path, capsys):
+    """No tracker (remedy: --iteration), no common.pt, no checkpoint directory: each named."""
+    out, _ = megatron
+    root = tmp_path / "dist"
+    shutil.copytree(os.path.join(out, "gpt2_dist"), root)
+    os.remove(root / "latest_checkpointed_iteration.txt")
+    err = refused(capsys, "--from", "megatron", "--input", str(root), "--output", str(tmp_path / "c"))
+    assert "latest_checkpointed_iteration.txt" in err and "--iteration" in err
+    err = refused(capsys, "--from", "megatron", "--input", str(root), "--iteration", "7", "--output",
+                  str(tmp_path / "c"))
+    assert "iter_0000007 does not exist" in err
+    os.remove(root / "iter_0000003" / "common.pt")
+    err = refused(capsys, "--from", "megatron", "--input", str(root), "--iteration", "3", "--output",
+                  str(tmp_path / "c"))
+    assert "common.pt" in err
+
+
+class _Trap:
+    """Pickles as a call of `function(*args)`: what a hostile checkpoint would do."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def test_pickled_code_is_never_run(megatron, tmp_path, capsys):
+    """An object in a legacy checkpoint whose unpickling would call a function: shutil.copyfile stays an inert
+    placeholder (the weights still convert, nothing is copied); os.makedirs (a module torch's weights-only
+    unpickler blocks) makes the file unreadable, refused naming it. Neither function runs."""
+    copied, made = str(tmp_path / "copied"), str(tmp_path / "made")
+    source = _legacy_copy(megatron, tmp_path / "a", lambda state: state.update(
+        extra=_Trap(shutil.copyfile, os.path.join(REPO, "README.md"), copied)))
+    payload, _ = megatron_read.read_megatron(source, weights_only=True)
+    assert not os.path.exists(copied) and "word_embeddings.weight" in payload["model"]
+    legacy = os.path.join(source, "iter_0000003", "mp_rank_00", "model_optim_rng.pt")
+    assert isinstance(foreign_pickle.load(legacy, "x")["extra"], foreign_pickle.Placeholder)
+    source = _legacy_copy(megatron, tmp_path / "b", lambda state: state.update(extra=_Trap(os.makedirs, made)))
+    err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "b" / "c"))
+    assert "model_optim_rng.pt cannot be read" in err and not os.path.exists(made)
