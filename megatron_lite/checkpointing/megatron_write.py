@@ -147,6 +147,10 @@ def param_groups(payload: dict, order: List[str], params: Dict[str, torch.Tensor
     if any(float(g.get("lr_mult", 1.0)) != 1.0 or g.get("use_muon") for g in by_mult.values()) or not by_mult:
         raise ValueError(f"optimizer.param_groups {opt.get('param_groups')}: only megatron-core's standard groups "
                          f"(wd_mult 1 / 0, lr_mult 1) are exported")
+    unusual = sorted({k for g in by_mult.values() for k in ("amsgrad", "maximize") if g.get(k)})
+    if unusual:
+        raise ValueError(f"optimizer.param_groups set {unusual}: megatron-core's Adam has neither; export a run "
+                         f"trained without them")
     groups = []
     for wd_mult in (1.0, 0.0):
         keys = [k for k in order if _no_decay(k, params[k]) == (wd_mult == 0.0)]

@@ -317,11 +317,19 @@ def test_legacy_uses_transformer_engine_names_by_default(tmp_path):
     assert "decoder.layers.1.self_attention.core_attention._extra_state" in state["model"]
 
 
+_ADAM_WITH_AMSGRAD = {"optimizer": "adam", "grad_scaler": None, "param_groups": [
+    {"wd_mult": 1.0, "lr_mult": 1.0, "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+     "amsgrad": True}],
+    "state": {name: {"exp_avg": t, "exp_avg_sq": t, "max_exp_avg_sq": t, "step": 1}
+              for name, t in GPTModel(hf_convert.gpt_config(GPT2)).state_dict().items()}}
+
+
 @pytest.mark.parametrize("change, named", [
     (dict(expert_parallel={}), "expert parameters"),
     (dict(model={"encoder.weight": torch.zeros(2)}), "'encoder.weight'"),
     (dict(args={"hidden_size": 32}), "args lack"),
     (dict(args=dict(LLAMA, swiglu=False, openai_gelu=True)), "args.openai_gelu with disable_bias_linear"),
+    (dict(optimizer=_ADAM_WITH_AMSGRAD), r"optimizer.param_groups set \['amsgrad'\]"),
 ])
 def test_export_refuses_what_megatron_core_cannot_hold(tmp_path, change, named):
     with pytest.raises(ValueError, match=named):
