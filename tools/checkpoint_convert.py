@@ -180,6 +180,8 @@ def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=N
     given = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file, "merge_file": merge_file}
     paths = {k: v or (args.get(k) if k in reads else None) for k, v in given.items()}
     tokenizer = build_tokenizer(tokenizer_type, vocab_size=vocab_size or args.get("vocab_size"), **paths)
+    # The exported eos_token_id must be the eod the run trained with (recorded, or by name in older runs).
+    lite_tokenizers.check_trained_eod(args, tokenizer_type, paths["tokenizer_model"], tokenizer.eod, "the checkpoint")
     config, tensors = hf_convert.to_hf(payload["model"], args, tokenizer.vocab_size, tokenizer.eod)
     hf_tokenizer_files = None if tokenizer_type == "NullTokenizer" else _hf_tokenizer(tokenizer_type, tokenizer)
     os.makedirs(output, exist_ok=True)
@@ -293,7 +295,8 @@ def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> l
     os.makedirs(output, exist_ok=True)
     target = os.path.join(output, "tokenizer.json")
     if tokenizer:
-        payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(target))
+        payload["args"].update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(target),
+                               eod=build_tokenizer("HuggingFaceTokenizer", tokenizer).eod)
     try:
         write(output, payload, ckpt_format)
     except BaseException:

@@ -31,10 +31,11 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                      "normalization", "swiglu", "group_query_attention", "num_query_groups", "disable_bias_linear",
                      "norm_epsilon", "rotary_base", "openai_gelu")
 # Recorded: what tools/checkpoint_convert.py --to hf needs besides the architecture (the tokenizer, so the
-# vocabulary before padding; the init and dropout of the exported config). Of these only tokenizer_type is
-# compared on resume (training.resume adds it to the architecture, except with --finetune).
-RECORDED_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "init_method_std",
-                 "hidden_dropout", "attention_dropout")
+# vocabulary before padding; the init and dropout of the exported config). Of these tokenizer_type and eod (the
+# tokenizer's end-of-document id, set by initialize_megatron) are compared on resume (training.resume, except
+# with --finetune); the export checks eod too.
+RECORDED_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", "eod",
+                 "init_method_std", "hidden_dropout", "attention_dropout")
 
 
 def architecture_args(args) -> dict:

@@ -156,9 +156,11 @@ class HuggingFaceTokenizer:
     Args:
         tokenizer_model: path to a tokenizer.json file, or to the directory holding it (and, as transformers
             reads them, special_tokens_map.json / tokenizer_config.json naming the eos_token).
+        by_name: take the eod by name only, as if no file named an eos_token: megatron-lite's rule before it
+            followed megatron-core (98f4df2), which checkpoints that record no eod trained with.
     """
 
-    def __init__(self, tokenizer_model: str):
+    def __init__(self, tokenizer_model: str, by_name: bool = False):
         path = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
         if not os.path.isfile(path):
             raise ValueError(f"--tokenizer-model {tokenizer_model!r}: no tokenizer.json in that directory (a model "
@@ -181,7 +183,7 @@ class HuggingFaceTokenizer:
                              f"package can read ({e}); a SentencePiece .model goes with --tokenizer-type "
                              f"{' / '.join(SENTENCEPIECE_TYPES)}") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_token = eos_token(os.path.dirname(path))
+        self.eos_token = None if by_name else eos_token(os.path.dirname(path))
         if self.eos_token is not None:
             self.eod = self._tokenizer.token_to_id(self.eos_token)
             if self.eod is None:
@@ -207,6 +209,39 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         """Args: ids (eod is dropped). Returns: the decoded text."""
         return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
+
+
+def check_trained_eod(saved_args: dict, tokenizer_type: str, tokenizer_model: Optional[str], eod: int,
+                      checkpoint: str, remedy: str = ""):
+    """Raise ValueError when `eod` (this run's tokenizer's) is not the end-of-document id the checkpoint's run
+    trained with: its recorded `eod`, or for a HuggingFaceTokenizer run saved before the eod followed the
+    eos_token (its args record no vocab_file), the eod by name of the same tokenizer.json. Resuming would
+    change what its data and --eod-mask-loss mean by eod; an export would name another eos_token_id.
+
+    Args:
+        saved_args: the checkpoint's recorded args.
+        tokenizer_type, tokenizer_model, eod: this run's tokenizer.
+        checkpoint: the checkpoint, as the message names it.
+        remedy: another way out, appended to the message.
+    """
+    trained = saved_args.get("eod")
+    if trained is None and "vocab_file" not in saved_args and tokenizer_type == "HuggingFaceTokenizer":
+        trained = HuggingFaceTokenizer(tokenizer_model, by_name=True).eod
+        if trained != eod:
+            raise ValueError(
+                f"{checkpoint} was saved before megatron-lite took HuggingFaceTokenizer's eod from the eos_token of "
+                f"{' / '.join(EOS_FILES)} (megatron-core's rule): its run took the token named "
+                f"{' or '.join(map(repr, EOD_TOKENS))} (else a new id) as eod, id {trained}, where --tokenizer-model "
+                f"{tokenizer_model} now gives id {eod}: give --tokenizer-model a directory holding only its "
+                f"tokenizer.json (the eod by name, as the run trained){remedy}")
+    if trained is not None and trained != eod:
+        named = None
+        if tokenizer_type == "HuggingFaceTokenizer":
+            named = eos_token(tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(tokenizer_model))
+        raise ValueError(f"{checkpoint} was trained with eod {trained}, --tokenizer-type {tokenizer_type}"
+                         + (f" --tokenizer-model {tokenizer_model}" if tokenizer_model else "")
+                         + (f" (eos_token {named!r})" if named else "")
+                         + f" gives eod {eod}: give the tokenizer files the run used{remedy}")
 
 
 def eos_token(directory: str) -> Optional[str]:

@@ -106,7 +106,7 @@ def apply_deterministic_mode(env=os.environ):
 
 def initialize_megatron(args) -> Tuple[torch.device, object]:
     """pretrain()'s start-up: process group and device, the seed of the identical initial replicas, the
-    tokenizer. Sets `args.padded_vocab_size` (the one value known only once the tokenizer is built).
+    tokenizer. Sets `args.padded_vocab_size` and `args.eod` (the values known only once the tokenizer is built).
 
     Returns:
         (device, tokenizer)
@@ -121,4 +121,5 @@ def initialize_megatron(args) -> Tuple[torch.device, object]:
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_size=args.vocab_size,
                                 vocab_file=args.vocab_file, merge_file=args.merge_file)
     args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size)
+    args.eod = tokenizer.eod  # recorded in checkpoints: a resume must not change it
     return device, tokenizer

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..checkpointing import load_checkpoint, lock_save_directory, refuse_to_shadow
 from ..checkpointing.files import unlock_save_directory
 from ..checkpointing.save import architecture_args
+from ..data.tokenizer import check_trained_eod
 from ..distributed import DistributedDataParallel, collectives
 from ..optimizer import get_megatron_optimizer
 from .arguments import as_flags, ddp_config_from_args, optimizer_config_from_args
@@ -78,8 +79,13 @@ def resume(args, model, optimizer, scheduler):
         check = architecture_args(args)
         if not finetune:  # the embedding rows mean the checkpoint's tokens (Megatron compares it too);
             check["tokenizer_type"] = args.tokenizer_type  # a fine-tuning may bring another tokenizer on purpose
-        return collectives.run_collectively(load_checkpoint, directory, model, optimizer, scheduler, None, check,
-                                            policy, finetune, not args.no_load_optim, not args.no_load_rng)
+        loaded = collectives.run_collectively(load_checkpoint, directory, model, optimizer, scheduler, None, check,
+                                              policy, finetune, not args.no_load_optim, not args.no_load_rng)
+        if loaded is not None and not finetune:  # the same args on every rank: all raise
+            check_trained_eod(loaded["args"], args.tokenizer_type, args.tokenizer_model, args.eod,
+                              f"--load {loaded['path']}", remedy=", or start a new run from its weights with "
+                                                                 "--finetune")
+        return loaded
 
     if args.load:
         loaded = load(args.load, args.finetune)

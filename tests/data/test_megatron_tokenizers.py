@@ -241,14 +241,14 @@ def test_exported_tokenizer_gives_the_ids_in_the_bin(files, tmp_path, capsys, to
     prefix = str(tmp_path / "data")
     preprocess.main(["--input", str(files["corpus"]), "--output-prefix", prefix, "--tokenizer-type",
                      tokenizer_type] + _argv(flags))
+    eod = build_tokenizer(tokenizer_type, **flags).eod
     args = dict(num_layers=1, hidden_size=16, num_attention_heads=2, padded_vocab_size=512,
-                max_position_embeddings=64, tokenizer_type=tokenizer_type, **flags)
+                max_position_embeddings=64, tokenizer_type=tokenizer_type, eod=eod, **flags)  # as a run records
     torch.manual_seed(0)
     model = GPTModel(hf_convert.gpt_config(args))
     checkpoint_convert.export_hf({"model": model.state_dict(), "iteration": 0, "args": args}, str(tmp_path / "hf"))
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     dataset = IndexedDataset(prefix)
-    eod = build_tokenizer(tokenizer_type, **flags).eod
     assert exported.eos_token_id == eod
     for i, text in enumerate(CORPUS):
         stored = [int(t) for t in dataset[i]]
@@ -379,3 +379,81 @@ def test_tokenizer_files_that_cannot_give_an_eod_are_refused(files, tmp_path):
             build_tokenizer("SentencePieceTokenizer", str(files["root"] / "spm" / "tokenizer.model"))
     finally:
         sys.modules["sentencepiece"] = saved
+
+
+# ------------------------------------------------------------------------------ the eod a checkpoint trained with
+_RECORDED_BEFORE_EOS_RULE = ("tokenizer_type", "tokenizer_model", "vocab_size", "init_method_std", "hidden_dropout",
+                             "attention_dropout")
+"""checkpointing/save.py's RECORDED_ARGS before 98f4df2 (HuggingFaceTokenizer's eod chosen by name then)."""
+
+
+def _pretrain_saving_as_before_the_eos_rule(argv):
+    """pretrain_outcome(argv) with checkpoints whose args are recorded as before 98f4df2 (no vocab_file,
+    merge_file nor eod). A run_distributed worker: restores save.RECORDED_ARGS for the pool's next test."""
+    from pretrain_testing import pretrain_outcome
+
+    from megatron_lite.checkpointing import save
+
+    recorded = save.RECORDED_ARGS
+    save.RECORDED_ARGS = _RECORDED_BEFORE_EOS_RULE
+    try:
+        return pretrain_outcome(argv)
+    finally:
+        save.RECORDED_ARGS = recorded
+
+
+@_needs("tokenizers", "transformers", "safetensors")
+def test_a_run_whose_eod_would_change_is_refused_on_resume_and_export(files, tmp_path, capsys):
+    """A HuggingFaceTokenizer run saved before 98f4df2 took '<|endoftext|>' / '</s>' by name as eod, else a new id
+    (400 for the Llama-3 fixture, whose tokenizer_config.json names eos_token '<|end_of_text|>', id 1, the eod
+    since 98f4df2; both pad to 512 rows, so the architecture check passes). Resuming it with the same
+    --tokenizer-model, or exporting it, is refused, naming the two eods and the remedy; with the remedy (a
+    directory holding only its tokenizer.json: the by-name rule) it resumes and exports with eod 400. A new
+    checkpoint records its eod: resuming it after its tokenizer_config.json named another eos_token is refused.
+    Would catch a resume that silently changes the eod its data and --eod-mask-loss mean (the built-in corpus
+    rebuilt with another eod, preprocessed files read with the wrong one) and an export whose eos_token_id is not
+    the eod training used."""
+    from distributed_helper import run_distributed
+    from pretrain_testing import pretrain_outcome, tiny_pretrain_flags
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import checkpoint_convert
+
+    llama3 = files["root"] / "llama3"
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((llama3 / "tokenizer.json").read_bytes())
+    assert build_tokenizer("HuggingFaceTokenizer", str(bare)).eod == 400
+    assert build_tokenizer("HuggingFaceTokenizer", str(llama3)).eod == 1
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+
+    def flags(model, save, iters):
+        return tiny_pretrain_flags(num_layers="1", train_iters=str(iters), log_interval="1",
+                                   lr_decay_iters="4") + [
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(model), "--save", save]
+
+    # The old run (its eod was 400: today's rule on its bare tokenizer.json gives the same).
+    [(status, _)] = run_distributed(_pretrain_saving_as_before_the_eos_rule, 1, flags(bare, old, 2))
+    assert status == "ok"
+    [(status, message)] = run_distributed(pretrain_outcome, 1, flags(llama3, old, 4) + ["--load", old])
+    assert status == "error" and "eod" in message and "400" in message and "1" in message, message
+    assert "tokenizer.json" in message and "--finetune" in message, message
+    with pytest.raises(SystemExit):
+        checkpoint_convert.main(["--input", old, "--output", str(tmp_path / "hf_refused"), "--to", "hf",
+                                 "--tokenizer-model", str(llama3)])
+    assert "400" in capsys.readouterr().err and not os.path.exists(tmp_path / "hf_refused" / "config.json")
+    [(status, _)] = run_distributed(pretrain_outcome, 1, flags(bare, old, 4) + ["--load", old])
+    assert status == "ok"
+    checkpoint_convert.main(["--input", old, "--output", str(tmp_path / "hf"), "--to", "hf"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 400
+    # A new run records its eod (1); its tokenizer_config.json then names another eos_token.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "tokenizer.json").write_bytes((llama3 / "tokenizer.json").read_bytes())
+    (moved / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end_of_text|>"}))
+    [(status, _)] = run_distributed(pretrain_outcome, 1, flags(moved, new, 2))
+    assert status == "ok"
+    (moved / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|begin_of_text|>"}))
+    [(status, message)] = run_distributed(pretrain_outcome, 1, flags(moved, new, 4) + ["--load", new])
+    assert status == "error" and "eod" in message and "'<|begin_of_text|>'" in message, message
+    capsys.readouterr()
