@@ -174,6 +174,9 @@ def export_hf(payload: dict, output: str, tokenizer_type=None, tokenizer_model=N
         raise ValueError("the checkpoint does not record its tokenizer (saved by an older version): give "
                          "--tokenizer-type (and --tokenizer-model / --vocab-file / --merge-file / --vocab-size as "
                          "for pretrain_gpt.py)")
+    if vocab_size is not None and tokenizer_type != "NullTokenizer":  # build_tokenizer would ignore it
+        raise ValueError(f"--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only; {tokenizer_type} "
+                         f"defines its own: drop --vocab-size")
     # A given file flag that the tokenizer would ignore is refused by build_tokenizer; a recorded one counts only
     # for the tokenizer that reads it (older runs recorded --tokenizer-model whatever the type).
     reads = lite_tokenizers.FILE_FLAGS.get(tokenizer_type, ())
@@ -371,6 +374,9 @@ def main(argv=None):
     lite_tokenizers.add_tokenizer_file_arguments(g)
     g.add_argument("--vocab-size", type=int, help="vocabulary of NullTokenizer")
     args = p.parse_args(argv)
+    for dest in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size"):
+        if getattr(args, dest) is not None and args.to != "hf":  # the other conversions keep the recorded tokenizer
+            p.error(f"--{dest.replace('_', '-')} is read by --to hf only (the exported run's tokenizer): drop it")
     if args.source == "hf":
         args.to = args.to or "torch"
         if args.to == "hf" or args.export_weights or args.iteration is not None or not args.output:

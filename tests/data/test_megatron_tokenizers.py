@@ -457,3 +457,39 @@ def test_a_run_whose_eod_would_change_is_refused_on_resume_and_export(files, tmp
     [(status, message)] = run_distributed(pretrain_outcome, 1, flags(moved, new, 4) + ["--load", new])
     assert status == "error" and "eod" in message and "'<|begin_of_text|>'" in message, message
     capsys.readouterr()
+
+
+@_needs("tokenizers", "safetensors")
+def test_checkpoint_convert_refuses_tokenizer_flags_it_would_ignore(files, tmp_path, capsys):
+    """tools/checkpoint_convert.py reads its tokenizer flags for --to hf only, and --vocab-size for NullTokenizer
+    only: --vocab-file / --merge-file / --tokenizer-model / --tokenizer-type / --vocab-size with --to torch,
+    --from hf or --export-weights, and --vocab-size with another --tokenizer-type, are usage errors naming the
+    flag, before anything is written. Would catch a flag accepted and silently ignored (a user who believes the
+    conversion used the tokenizer given)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import checkpoint_convert
+    import hf_convert
+
+    from megatron_lite.models import GPTModel
+
+    vocab = str(files["root"] / "gpt2" / "vocab.json")
+    for extra, flag in ((["--to", "torch", "--output", str(tmp_path / "t")], "--vocab-file"),
+                        (["--export-weights", str(tmp_path / "w.pt")], "--vocab-file"),
+                        (["--from", "hf", "--output", str(tmp_path / "f")], "--vocab-file")):
+        with pytest.raises(SystemExit) as exc:
+            checkpoint_convert.main(["--input", str(tmp_path / "run")] + extra + ["--vocab-file", vocab])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"{flag} is read by --to hf only" in err, err
+    with pytest.raises(SystemExit):
+        checkpoint_convert.main(["--input", str(tmp_path / "run"), "--to", "torch", "--output", str(tmp_path / "t"),
+                                 "--vocab-size", "1000"])
+    assert "--vocab-size is read by --to hf only" in capsys.readouterr().err
+    args = dict(num_layers=1, hidden_size=16, num_attention_heads=2, padded_vocab_size=384,
+                max_position_embeddings=64, tokenizer_type="ByteLevelTokenizer", eod=256)
+    torch.manual_seed(0)
+    payload = {"model": GPTModel(hf_convert.gpt_config(args)).state_dict(), "iteration": 0, "args": args}
+    with pytest.raises(ValueError, match="--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only"):
+        checkpoint_convert.export_hf(payload, str(tmp_path / "hf"), vocab_size=1000)
+    assert not (tmp_path / "hf").exists()
