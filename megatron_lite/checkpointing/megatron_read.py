@@ -645,6 +645,7 @@ def megatron_args_to_lite(a: argparse.Namespace) -> dict:
                 rotary_base=float(getattr(a, "rotary_base", 10000)),
                 tokenizer_type=getattr(a, "tokenizer_type", None),
                 tokenizer_model=getattr(a, "tokenizer_model", None),
+                vocab_file=getattr(a, "vocab_file", None), merge_file=getattr(a, "merge_file", None),
                 vocab_size=getattr(a, "vocab_size", None), init_method_std=getattr(a, "init_method_std", 0.02),
                 hidden_dropout=getattr(a, "hidden_dropout", 0.1),
                 attention_dropout=getattr(a, "attention_dropout", 0.1))

@@ -493,3 +493,27 @@ def test_checkpoint_convert_refuses_tokenizer_flags_it_would_ignore(files, tmp_p
     with pytest.raises(ValueError, match="--vocab-size sets the vocabulary of --tokenizer-type NullTokenizer only"):
         checkpoint_convert.export_hf(payload, str(tmp_path / "hf"), vocab_size=1000)
     assert not (tmp_path / "hf").exists()
+
+
+@_needs("tokenizers")
+def test_a_megatron_lm_import_resumes_with_megatron_cores_eod(files):
+    """A Megatron-LM checkpoint imported by checkpoint_convert.py --from megatron (megatron_read's args) records
+    the run's --vocab-file / --merge-file, like a megatron-lite run since 98f4df2, so --load does not take it for a
+    megatron-lite HuggingFaceTokenizer run saved before 98f4df2 (eod by name): with the Llama-3 fixture (eod 1 by
+    the eos_token, 400 by name) it passes check_trained_eod, and a GPT2BPETokenizer run keeps its files for --to
+    hf. Would catch the import's resume refused with a remedy that would give it another eod."""
+    import argparse
+
+    from megatron_lite.checkpointing.megatron_read import megatron_args_to_lite
+    from megatron_lite.data.tokenizer import check_trained_eod
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, padded_vocab_size=512,
+                max_position_embeddings=64)
+    llama3 = str(files["root"] / "llama3")
+    args = megatron_args_to_lite(argparse.Namespace(**base, tokenizer_type="HuggingFaceTokenizer",
+                                                    tokenizer_model=llama3, vocab_file=None, merge_file=None))
+    check_trained_eod(args, "HuggingFaceTokenizer", llama3, 1, "--load imported")
+    gpt2 = {"vocab_file": str(files["root"] / "gpt2" / "vocab.json"),
+            "merge_file": str(files["root"] / "gpt2" / "merges.txt")}
+    args = megatron_args_to_lite(argparse.Namespace(**base, tokenizer_type="GPT2BPETokenizer", **gpt2))
+    assert {key: args.get(key) for key in gpt2} == gpt2
