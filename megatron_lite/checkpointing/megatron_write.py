@@ -51,9 +51,9 @@ FORMATS = ("torch_dist", "torch")
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 _LOCAL_NORMS = {local: te for te, local in TE_NORM_NAMES.items()}  # input_layernorm.weight -> linear_qkv.layer_...
 # Per-layer modules with an `_extra_state` entry: the local spec's linear layers; Transformer Engine's also have
-# core_attention's (written in torch_dist, where a missing requested object fails the load and an extra is ignored).
-_EXTRA_STATE_LOCAL = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-_EXTRA_STATE_TE = ("self_attention.core_attention",) + _EXTRA_STATE_LOCAL
+# core_attention's (torch_dist writes both: a missing requested object fails the load, an extra one is ignored).
+_EXTRA_STATE_TE = ("self_attention.core_attention", "self_attention.linear_proj", "self_attention.linear_qkv",
+                   "mlp.linear_fc1", "mlp.linear_fc2")
 _ADAM_GROUP = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
 
 
@@ -265,6 +265,7 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1, context_parallel_size=1, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch",
+        global_batch_size=global_batch_size(payload) if with_optimizer else None,
         consumed_train_samples=int(payload.get("consumed_train_samples", 0)), skipped_train_samples=0,
         consumed_valid_samples=0, iteration=int(payload["iteration"]), no_save_optim=not with_optimizer,
         no_save_rng=False, data_parallel_random_init=False, bf16=_dtype(payload) == torch.bfloat16,
@@ -273,10 +274,6 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
 
 def _dtype(payload: dict) -> torch.dtype:
     return next(iter(payload["model"].values())).dtype
-
-
-def _extra_state_keys(layers: int, modules) -> List[str]:
-    return [f"decoder.layers.{i}.{m}._extra_state" for i in range(layers) for m in modules]
 
 
 # ------------------------------------------------------------------------------------------ writers
@@ -348,21 +345,20 @@ def _torch_dist_optimizer(payload: dict, model: Dict[str, torch.Tensor], layers:
 
 
 def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_optimizer: bool):
-    args = payload["args"]
-    layers = int(args["num_layers"])
-    model = model_state(payload, transformer_impl)
-    extra = _EXTRA_STATE_TE if transformer_impl == "transformer_engine" else _EXTRA_STATE_LOCAL
+    layers = int(payload["args"]["num_layers"])
+    weights = model_state(payload, transformer_impl)
+    # GPTModel.state_dict()'s order (readers take the parameters' order from it), `_extra_state` entries included.
+    model = {k: weights.get(k) for k in _state_dict_order(layers, transformer_impl) if k in weights or
+             k.endswith("._extra_state")}
     state = {"args": megatron_args(payload, "torch", with_optimizer),
              "checkpoint_version": MEGATRON_CHECKPOINT_VERSION, "iteration": int(payload["iteration"]),
-             "model": {**model, **{k: None for k in _extra_state_keys(layers, extra)},
-                       "output_layer._extra_state": None},
-             "num_floating_point_operations_so_far": 0}
+             "model": model, "num_floating_point_operations_so_far": 0}
     rng = rng_state(payload)
     if rng:
         state["rng_state"] = rng
     if with_optimizer:
-        order = _parameter_order(list(model), layers, transformer_impl)
-        groups = param_groups(payload, order, model)
+        order = [k for k in model if not k.endswith("._extra_state")]  # named_parameters(): the optimizer's ids
+        groups = param_groups(payload, order, weights)
         fields = _optimizer_tensors(payload, transformer_impl)
         step = torch.tensor(float(_step(payload)))
         ids = {key: i for i, key in enumerate(k for g in groups for k in g["params"])}
@@ -379,26 +375,33 @@ def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_opt
     torch.save(state, os.path.join(directory, LEGACY_FILENAME))
 
 
-def _parameter_order(keys: List[str], layers: int, transformer_impl: str) -> List[str]:
-    """megatron-core GPTModel.named_parameters() order (what the optimizer's ids follow): embeddings, per layer
-    [norm, linear_proj, linear_qkv, norm, linear_fc1, linear_fc2] (local: the norms are modules of their own
-    before each block; Transformer Engine: inside linear_qkv / linear_fc1, before their weight), final norm,
-    output layer."""
-    local = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_proj.weight",
-             "self_attention.linear_proj.bias", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-             "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-             "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
-    te = ["self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-          "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-          "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.layer_norm_weight",
-          "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight",
-          "mlp.linear_fc2.bias"]
-    per_layer = te if transformer_impl == "transformer_engine" else local
-    order = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
-    order += [f"decoder.layers.{i}.{rest}" for i in range(layers) for rest in per_layer]
-    order += ["decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight"]
-    present = set(keys)
-    return [k for k in order if k in present]
+_LOCAL_LAYER = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_proj.weight",
+                "self_attention.linear_proj.bias", "self_attention.linear_proj._extra_state",
+                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                "self_attention.linear_qkv._extra_state", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc1._extra_state", "mlp.linear_fc2.weight",
+                "mlp.linear_fc2.bias", "mlp.linear_fc2._extra_state"]
+_TE_LAYER = ["self_attention.core_attention._extra_state", "self_attention.linear_proj.weight",
+             "self_attention.linear_proj.bias", "self_attention.linear_proj._extra_state",
+             "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+             "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+             "self_attention.linear_qkv._extra_state", "mlp.linear_fc1.layer_norm_weight",
+             "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+             "mlp.linear_fc1._extra_state", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+             "mlp.linear_fc2._extra_state"]
+
+
+def _state_dict_order(layers: int, transformer_impl: str) -> List[str]:
+    """megatron-core GPTModel.state_dict() keys in order (module registration order; a module's `_extra_state`
+    after its parameters): embeddings, per layer [norm, linear_proj, linear_qkv, norm, linear_fc1, linear_fc2]
+    (local: the norms are modules of their own; Transformer Engine: inside linear_qkv / linear_fc1 before their
+    weight, and core_attention has an `_extra_state` of its own), final norm, output layer. Parameters and
+    `_extra_state` entries the model does not have are left out by the caller."""
+    per_layer = _TE_LAYER if transformer_impl == "transformer_engine" else _LOCAL_LAYER
+    return ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+            *[f"decoder.layers.{i}.{rest}" for i in range(layers) for rest in per_layer],
+            "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
+            "output_layer._extra_state"]
 
 
 def export(output: str, payload: dict, ckpt_format: str = "torch_dist",

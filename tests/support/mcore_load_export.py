@@ -12,7 +12,7 @@ RESULT.pt, per case name: {'weights' and 'optimizer_state' (per parameter name: 
 with the loaded optimizer state, 'fresh_losses' with a new optimizer (the same loaded weights), 'common'
 (torch_dist: the common.pt megatron-core reads; legacy: the file's non-tensor entries), 'expected_keys' /
 'written_keys' (torch_dist: the sharded keys megatron-core would save for this model and optimizer vs. the
-export's; legacy: state_dict() keys), 'rng' (the loaded rng_state)}.
+export's, sorted; legacy: state_dict() keys in order), 'rng' (the loaded rng_state)}.
 """
 
 import os
@@ -87,14 +87,14 @@ def _load_torch_dist(case, model, opt):
     expected = {"model": model.sharded_state_dict(metadata=save_metadata)}
     if case["optimizer"]:
         expected["optimizer"] = opt.sharded_state_dict(expected, metadata=save_metadata)
-    expected_keys = _sharded_keys(expected) | {"rng_state/shard_0.0_1.1"}
+    expected_keys = sorted(_sharded_keys(expected) | {"rng_state/shard_0.0_1.1"})
     loaded = dist_checkpointing.load(state, directory, strict="raise_unexpected")
     model.load_state_dict(loaded["model"], strict=True)
     if case["optimizer"]:
         opt.load_state_dict(loaded["optimizer"])
         if case["distributed_optimizer"]:
             _unshare_steps(opt)
-    written = set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+    written = sorted(FileSystemReader(directory).read_metadata().state_dict_metadata)
     return common, loaded.get("rng_state"), expected_keys, written
 
 
@@ -139,12 +139,12 @@ def _load_legacy(case, model, opt):
     optimizer.load_state_dict."""
     path = os.path.join(case["checkpoint"], "mp_rank_00", "model_optim_rng.pt")
     state = torch.load(path, map_location="cpu")  # megatron.core registered its safe globals (Namespace, ndarray)
-    expected = set(model.state_dict())
+    expected = list(model.state_dict())  # in order: readers take the parameters' order from it
     model.load_state_dict(state["model"], strict=True)
     if case["optimizer"]:
         opt.load_state_dict(state["optimizer"])
     common = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-    return common, state.get("rng_state"), expected, set(state["model"])
+    return common, state.get("rng_state"), expected, list(state["model"])
 
 
 def _optimizer_state(model, opt):
@@ -197,8 +197,8 @@ def run_case(case):
         _, fresh_ddp, fresh_opt = _build(case, weights)
         fresh_losses = _train(fresh_ddp, fresh_opt, case["batches"])
     return {"logits": logits, "losses": losses, "optimizer_state": optimizer_state, "weights": weights,
-            "fresh_losses": fresh_losses, "common": common, "rng": rng, "expected_keys": sorted(expected),
-            "written_keys": sorted(written)}
+            "fresh_losses": fresh_losses, "common": common, "rng": rng, "expected_keys": expected,
+            "written_keys": written}
 
 
 if __name__ == "__main__":
