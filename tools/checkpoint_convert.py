@@ -321,13 +321,18 @@ def megatron_flags(payload: dict, megatron_args) -> list:
     flags = hf_convert.pretrain_flags(payload["args"])
     if payload.get(files.WEIGHTS_ONLY_KEY):
         return flags
-    a, schedule = megatron_args, payload["opt_param_scheduler"]
-    flags += ["--seq-length", a.seq_length, "--global-batch-size", a.global_batch_size, "--lr", schedule["max_lr"],
-              "--min-lr", schedule["min_lr"], "--lr-decay-style", schedule["lr_decay_style"],
-              "--lr-warmup-iters", schedule["lr_warmup_steps"], "--lr-decay-iters", schedule["lr_decay_steps"],
-              "--weight-decay", a.weight_decay, "--adam-beta1", a.adam_beta1, "--adam-beta2", a.adam_beta2,
-              "--adam-eps", a.adam_eps, "--clip-grad", a.clip_grad]
-    return [str(f) for f in flags]
+    schedule, groups = payload["opt_param_scheduler"], payload["optimizer"]["param_groups"]
+    group = next((g for g in groups if g["wd_mult"] == 1.0), groups[0])  # the weight-decayed parameters' group
+    pairs = [("--seq-length", getattr(megatron_args, "seq_length", None)),
+             ("--global-batch-size", megatron_read.global_batch_size(megatron_args, payload["iteration"]))]
+    if schedule:
+        pairs += [("--lr", schedule["max_lr"]), ("--min-lr", schedule["min_lr"]),
+                  ("--lr-decay-style", schedule["lr_decay_style"]), ("--lr-warmup-iters", schedule["lr_warmup_steps"]),
+                  ("--lr-decay-iters", schedule["lr_decay_steps"])]
+    pairs += [("--weight-decay", group["weight_decay"]), ("--adam-beta1", group["betas"][0]),
+              ("--adam-beta2", group["betas"][1]), ("--adam-eps", group["eps"]),
+              ("--clip-grad", getattr(megatron_args, "clip_grad", None))]
+    return flags + [str(f) for flag, value in pairs if value is not None for f in (flag, value)]
 
 
 def import_megatron(p, args):
@@ -335,12 +340,12 @@ def import_megatron(p, args):
     try:
         payload, megatron_args = megatron_read.read_megatron(args.input, args.iteration, args.weights_only)
         _, directory, fmt = megatron_read.find_checkpoint(args.input, args.iteration)
+        flags = " ".join(megatron_flags(payload, megatron_args))
     except megatron_read.OptimizerStateUnreadable as e:
         p.error(f"{e}\n(the weights are readable: --weights-only converts them alone)")
     except ValueError as e:
         p.error(str(e))
     write(args.output, payload, args.to)
-    flags = " ".join(megatron_flags(payload, megatron_args))
     what = "the weights" if args.weights_only else f"iteration {payload['iteration']} (weights, optimizer state, " \
                                                     f"schedule, RNG)"
     load = "--finetune --load" if args.weights_only else "--load"

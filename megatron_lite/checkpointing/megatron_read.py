@@ -211,7 +211,8 @@ def read_megatron(root: str, iteration: Optional[int] = None,
     optimizer = _to_lite_optimizer(optimizer, model, heads, groups, directory)
     return {"checkpoint_version": files.CHECKPOINT_VERSION, "iteration": int(state.get("iteration", iteration)),
             "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0), "model": weights,
-            "optimizer": optimizer, "opt_param_scheduler": scheduler_to_lite(state.get("opt_param_scheduler"), args),
+            "optimizer": optimizer, "opt_param_scheduler": scheduler_to_lite(state.get("opt_param_scheduler"), args,
+                                                                      int(state.get("iteration", iteration))),
             "rng_state": rng_to_lite(state.get("rng_state"), state), "args": lite_args}, args
 
 
@@ -485,7 +486,7 @@ def _optimizer_legacy(saved, model: Dict[str, torch.Tensor], where: str) -> dict
                                        f"{sorted(saved)[:4] if isinstance(saved, dict) else ''}) is not one this "
                                        f"reader knows: convert the weights only (--weights-only)")
     groups = _param_groups(torch_state["param_groups"], where)
-    names = [k for k in model]  # registration order (requires_grad parameters only: all of GPTModel's)
+    names = legacy_registration_order(list(model))
     no_decay = {n: n.endswith(".bias") or model[n].dim() == 1 for n in names}
     state, index_to_name = {}, {}
     for g, group in enumerate(groups):
@@ -511,6 +512,39 @@ def _optimizer_legacy(saved, model: Dict[str, torch.Tensor], where: str) -> dict
                         f"default: {FULLY_RESHARDABLE_REMEDY}")
             state[name] = _adam_entry(fields, entry.get("step"), f"{where}: optimizer state {index}")
     return {"groups": groups, "state": state}
+
+
+_LOCAL_LAYER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv", "pre_mlp_layernorm",
+                "mlp.linear_fc1", "mlp.linear_fc2")
+_TE_LAYER = ("self_attention.linear_proj", "self_attention.linear_qkv.layer_norm", "self_attention.linear_qkv",
+             "mlp.linear_fc1.layer_norm", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def legacy_registration_order(names: List[str]) -> List[str]:
+    """megatron-core GPTModel.named_parameters() order of a legacy model state dict's parameter names (what the
+    optimizer's indices follow): embeddings; per layer the local spec's modules [input_layernorm, linear_proj,
+    linear_qkv, pre_mlp_layernorm, linear_fc1, linear_fc2] or Transformer Engine's [linear_proj, linear_qkv
+    with its norm first, linear_fc1 with its norm first, linear_fc2], weight before bias; the final norm; the
+    output layer. Megatron-LM's own files list them so; a name outside these keeps its place after them."""
+    layer = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.((?:layer_norm_)?(?:weight|bias))")
+    te = any(n.endswith("linear_qkv.layer_norm_weight") for n in names)
+    modules = _TE_LAYER if te else _LOCAL_LAYER
+
+    def rank(item):
+        position, name = item
+        found = layer.fullmatch(name)
+        if name.startswith("embedding."):
+            return (0, 0, 0, 0, position)
+        if found is None:
+            return (2 if name.startswith(("decoder.final_layernorm", "output_layer")) else 3, 0, 0, 0, position)
+        module, field = found.group(2), found.group(3)
+        if field.startswith("layer_norm_"):
+            module, field = f"{module}.layer_norm", field[len("layer_norm_"):]
+        if module not in modules:
+            return (3, 0, 0, 0, position)
+        return (1, int(found.group(1)), modules.index(module), field == "bias", position)
+
+    return [name for _, name in sorted(enumerate(names), key=rank)]
 
 
 def _to_lite_optimizer(saved: dict, model: Dict[str, torch.Tensor], heads: int, groups: int, where: str) -> dict:
@@ -539,11 +573,24 @@ def _to_lite_optimizer(saved: dict, model: Dict[str, torch.Tensor], heads: int, 
 
 
 # ------------------------------------------------------------------------------------------ the small state
-def scheduler_to_lite(saved, args) -> dict:
+def global_batch_size(args, iteration: int) -> int:
+    """args.global_batch_size, or (a checkpoint without it) the consumed samples per iteration."""
+    gbs = getattr(args, "global_batch_size", None)
+    consumed = getattr(args, "consumed_train_samples", None)
+    if gbs is None and iteration and consumed and consumed % iteration == 0:
+        gbs = consumed // iteration
+    if not isinstance(gbs, int) or gbs <= 0:
+        raise ValueError(f"the checkpoint's args.global_batch_size is {gbs!r} (consumed_train_samples {consumed} at "
+                         f"iteration {iteration}): the schedule's samples cannot be turned into iterations: convert "
+                         f"the weights only (--weights-only)")
+    return gbs
+
+
+def scheduler_to_lite(saved, args, iteration: int) -> dict:
     """Megatron's OptimizerParamScheduler state (steps in samples) -> training/scheduler.py's (iterations)."""
     if not saved:
         return {}
-    gbs = args.global_batch_size
+    gbs = global_batch_size(args, iteration)
     if getattr(args, "rampup_batch_size", None):
         raise ValueError(f"args.rampup_batch_size={args.rampup_batch_size}: the schedule's samples do not map to "
                          f"iterations of one batch size: convert the weights only (--weights-only)")
