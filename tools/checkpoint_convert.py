@@ -138,9 +138,10 @@ def export_megatron(payload: dict, args):
                                           info["optimizer"])
     carried = "weights, Adam's state, scheduler, iteration" if info["optimizer"] else "the weights only"
     also = "; it loads with --use-distributed-optimizer too" if args.megatron_format == "torch_dist" else ""
+    tokenizer = "" if megatron_write.tokenizer_flags(payload["args"]) else "the run's tokenizer, "
     print(f"> wrote iteration {payload['iteration']} as a Megatron-LM {args.megatron_format} checkpoint ({carried}) "
-          f"to {args.output}; load it with\n  pretrain_gpt.py {' '.join(flags)}\n  and the run's tokenizer, "
-          f"--seq-length and --micro-batch-size flags{also if info['optimizer'] else ''}")
+          f"to {args.output}; load it with\n  pretrain_gpt.py {' '.join(flags)}\n  and {tokenizer}--seq-length, "
+          f"--micro-batch-size and --train-iters{also if info['optimizer'] else ''}")
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face

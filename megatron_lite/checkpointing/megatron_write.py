@@ -260,8 +260,8 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
         attention_dropout=float(a.get("attention_dropout", 0.0)), hidden_dropout=float(a.get("hidden_dropout", 0.0)),
         init_method_std=float(a.get("init_method_std", 0.02)), num_experts=None,
         padded_vocab_size=int(a["padded_vocab_size"]), make_vocab_size_divisible_by=128,
-        tokenizer_type=a.get("tokenizer_type"), tokenizer_model=a.get("tokenizer_model"),
-        vocab_size=a.get("vocab_size"),
+        tokenizer_type=_megatron_tokenizer(a)[0], tokenizer_model=a.get("tokenizer_model"),
+        vocab_file=a.get("vocab_file"), merge_file=a.get("merge_file"), vocab_size=_megatron_tokenizer(a)[1],
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1, context_parallel_size=1, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch",
@@ -439,6 +439,31 @@ def export(output: str, payload: dict, ckpt_format: str = "torch_dist",
     return {"optimizer": with_optimizer, "global_batch_size": gbs}
 
 
+def _megatron_tokenizer(args: dict):
+    """(Megatron-LM's --tokenizer-type, its --vocab-size) for the run's ids: Megatron's NullTokenizer adds the
+    end-of-document id after --vocab-size ids (megatron-lite's counts it among them); ByteLevelTokenizer has no
+    Megatron-LM type, its ids (bytes, eod 256) are NullTokenizer's of 256."""
+    kind = args.get("tokenizer_type")
+    if kind == "NullTokenizer" and args.get("vocab_size"):
+        return kind, int(args["vocab_size"]) - 1
+    if kind == "ByteLevelTokenizer":
+        return "NullTokenizer", 256
+    return kind, args.get("vocab_size")
+
+
+def tokenizer_flags(args: dict) -> List[str]:
+    """Megatron-LM's tokenizer flags giving the run's ids (_megatron_tokenizer, the recorded files); [] where
+    nothing is recorded."""
+    kind, vocab_size = _megatron_tokenizer(args)
+    if kind == "NullTokenizer" and vocab_size:
+        return ["--tokenizer-type", kind, "--vocab-size", str(vocab_size)]
+    if kind == "GPT2BPETokenizer" and args.get("vocab_file") and args.get("merge_file"):
+        return ["--tokenizer-type", kind, "--vocab-file", args["vocab_file"], "--merge-file", args["merge_file"]]
+    if kind and args.get("tokenizer_model"):
+        return ["--tokenizer-type", kind, "--tokenizer-model", args["tokenizer_model"]]
+    return []
+
+
 def megatron_flags(payload: dict, output: str, ckpt_format: str, transformer_impl: str,
                    with_optimizer: bool) -> List[str]:
     """Megatron-LM pretrain_gpt.py flags that build this model and load the export (a torch_dist export loads with
@@ -463,6 +488,7 @@ def megatron_flags(payload: dict, output: str, ckpt_format: str, transformer_imp
                               ("--disable-bias-linear", not a.add_bias_linear),
                               ("--untie-embeddings-and-output-weights", a.untie_embeddings_and_output_weights),
                               ("--bf16", a.bf16), ("--fp16", a.fp16)) if on]
+    flags += tokenizer_flags(payload["args"])
     if not with_optimizer:
         return flags + ["--finetune"]  # weights only: iteration 0, no optimizer, no RNG
     groups = payload["optimizer"]["param_groups"]

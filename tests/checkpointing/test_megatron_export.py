@@ -281,6 +281,7 @@ def test_tool_prints_the_megatron_lm_flags(moved):
     assert "--use-distributed-optimizer" not in command and "--swiglu" not in command
     assert "it loads with --use-distributed-optimizer too" in out
     assert "--no-bias-gelu-fusion" in out  # the exact GELU (Megatron-LM's default fusion computes the tanh form)
+    assert "--tokenizer-type NullTokenizer --vocab-size 126" in out  # Megatron's adds the eod id: 127 ids here
     flags = megatron_write.megatron_flags(moved["runs"]["gpt2-openai-gelu"]["payload"], "out", "torch_dist",
                                           "transformer_engine", True)
     assert "--no-bias-gelu-fusion" not in flags
@@ -304,6 +305,23 @@ def test_weights_only_export_needs_no_optimizer(tmp_path):
     assert "optimizer" not in state and state["args"].no_save_optim
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert "--finetune" in megatron_write.megatron_flags(_small_payload(), "out", "torch", "local", False)
+
+
+@pytest.mark.parametrize("recorded, flags", [
+    (dict(tokenizer_type="NullTokenizer", vocab_size=128), "--tokenizer-type NullTokenizer --vocab-size 127"),
+    (dict(tokenizer_type="ByteLevelTokenizer"), "--tokenizer-type NullTokenizer --vocab-size 256"),
+    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json", merge_file="m.txt"),
+     "--tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt"),
+    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="t.json"),
+     "--tokenizer-type HuggingFaceTokenizer --tokenizer-model t.json"),
+    (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="t.model"),
+     "--tokenizer-type Llama2Tokenizer --tokenizer-model t.model"),
+    (dict(), ""),
+])
+def test_tokenizer_flags_give_the_runs_ids(recorded, flags):
+    """Megatron-LM's NullTokenizer adds its end-of-document id after --vocab-size ids, megatron-lite's counts it
+    (eod = vocab_size - 1); ByteLevelTokenizer's bytes and eod 256 are Megatron's NullTokenizer of 256."""
+    assert " ".join(megatron_write.tokenizer_flags(recorded)) == flags
 
 
 def test_legacy_uses_transformer_engine_names_by_default(tmp_path):
