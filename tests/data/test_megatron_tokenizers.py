@@ -517,3 +517,70 @@ def test_a_megatron_lm_import_resumes_with_megatron_cores_eod(files):
             "merge_file": str(files["root"] / "gpt2" / "merges.txt")}
     args = megatron_args_to_lite(argparse.Namespace(**base, tokenizer_type="GPT2BPETokenizer", **gpt2))
     assert {key: args.get(key) for key in gpt2} == gpt2
+
+
+def _merge_loop(parts, ranks):
+    """Megatron-LM's BPE loop (gpt2_tokenization.py's bpe), the reference: merge the adjacent pair of lowest
+    rank, every occurrence left to right, until no pair is ranked."""
+    while len(parts) > 1:
+        pair = min(zip(parts, parts[1:]), key=lambda p: ranks.get(p, float("inf")))
+        if pair not in ranks:
+            return parts
+        merged, i = [], 0
+        while i < len(parts):
+            if i < len(parts) - 1 and (parts[i], parts[i + 1]) == pair:
+                merged, i = merged + [parts[i] + parts[i + 1]], i + 2
+            else:
+                merged, i = merged + [parts[i]], i + 1
+        parts = merged
+    return parts
+
+
+class _CountingRanks(dict):
+    lookups = 0
+
+    def get(self, key, default=None):
+        _CountingRanks.lookups += 1
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        _CountingRanks.lookups += 1
+        return super().__contains__(key)
+
+
+@_needs("tokenizers")
+def test_gpt2_bpe_merges_a_long_word_in_about_linear_time(files):
+    """A 6000-character run of letters (no space or digit: one pre-tokenized word; DNA, a hash, minified text)
+    looks up O(length) pairs, not O(length x merges applied) (Megatron-LM's loop rescans the word after each merge:
+    a 32 KB run took 26 s, the `tokenizers` library 14 ms), and gives the ids `tokenizers` gives. The merge order is
+    Megatron-LM's loop's on random words under random, scrambled merge ranks. Would catch the rescanning loop
+    and a faster merge that picks another order (an overlap 'a a a', a pair created below the current rank)."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatron_lite.data.gpt2_bpe import GPT2BPE, read_merges, read_vocab
+
+    gpt2 = files["root"] / "gpt2"
+    bpe = GPT2BPE(read_vocab(str(gpt2 / "vocab.json")), read_merges(str(gpt2 / "merges.txt")))
+    rng = random.Random(0)
+    letters = [w for w in " ".join(DOCUMENTS).split() if w.isalpha() and w.isascii()]
+    word = "".join(rng.choice(letters) for _ in range(1500))[:6000]
+    fast = Tokenizer(models.BPE.from_file(str(gpt2 / "vocab.json"), str(gpt2 / "merges.txt")))
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert bpe.encode(word) == fast.encode(word).ids
+    bpe.ranks = _CountingRanks(bpe.ranks)
+    bpe._cache.clear()
+    _CountingRanks.lookups = 0
+    bpe.encode(word)
+    assert _CountingRanks.lookups < 4 * len(word), _CountingRanks.lookups
+    for _ in range(2000):
+        tokens, ranks = list("abc"), {}
+        for _ in range(rng.randint(1, 12)):
+            pair = (rng.choice(tokens), rng.choice(tokens))
+            ranks.setdefault(pair, len(ranks))
+            tokens.append(pair[0] + pair[1])
+        order = rng.sample(range(len(ranks)), len(ranks))  # a pair may now rank below the pairs it is made of
+        bpe.ranks, bpe._cache = dict(zip(ranks, order)), {}
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(1, 40)))
+        assert bpe._bpe(text) == _merge_loop(list(text), bpe.ranks), (text, bpe.ranks)
