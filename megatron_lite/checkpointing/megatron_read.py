@@ -174,7 +174,6 @@ def read_megatron(root: str, iteration: Optional[int] = None,
     if fmt == "torch_dist":
         common, tensors, objects = read_torch_dist(directory, lambda k: "_extra_state" not in k and not (
             weights_only and k.startswith("optimizer.")))
-        tensors = {_strip(k): v for k, v in tensors.items()}
         args = _namespace(common.get("args"), f"{directory}/common.pt")
         model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
         model = _unstack(model, args.num_layers, directory)
@@ -185,7 +184,7 @@ def read_megatron(root: str, iteration: Optional[int] = None,
         if not isinstance(state, dict) or "model" not in state:
             raise ValueError(f"{directory}/{LEGACY_FILE} holds no 'model': not a Megatron-LM checkpoint")
         args = _namespace(state.get("args"), f"{directory}/{LEGACY_FILE}")
-        model = {_strip(k): v for k, v in state["model"].items()
+        model = {k: v for k, v in state["model"].items()
                  if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         tensors, objects = {}, {}
     lite_args = megatron_args_to_lite(args)
@@ -214,10 +213,6 @@ def read_megatron(root: str, iteration: Optional[int] = None,
             "optimizer": optimizer, "opt_param_scheduler": scheduler_to_lite(state.get("opt_param_scheduler"), args,
                                                                       int(state.get("iteration", iteration))),
             "rng_state": rng_to_lite(state.get("rng_state"), state), "args": lite_args}, args
-
-
-def _strip(key: str) -> str:
-    return key[len("module."):] if key.startswith("module.") else key
 
 
 def _namespace(args, where: str) -> argparse.Namespace:
@@ -290,9 +285,8 @@ def _optimizer_torch_dist(saved, tensors: Dict[str, torch.Tensor], objects: Dict
             return _optimizer_dp_reshardable(tensors, objects, model, args, where)
         if form != "fully_reshardable":
             raise OptimizerStateUnreadable(
-                f"{where}: the distributed optimizer's state is stored as {form!r} (flat per-bucket buffers of "
-                f"Megatron-LM's --use-distributed-optimizer default), which is not converted: "
-                f"{FULLY_RESHARDABLE_REMEDY}")
+                f"{where}: the distributed optimizer's state is stored as {form!r}, a form not converted (only "
+                f"dp_reshardable and fully_reshardable are): {FULLY_RESHARDABLE_REMEDY}")
         groups = _param_groups(saved.get("optimizer", {}).get("param_groups"), where)
         step = groups[0].get("step") if groups else None
     elif isinstance(saved, dict) and "state" in saved and "param_groups" in saved:  # FP32Optimizer
@@ -558,6 +552,15 @@ def _to_lite_optimizer(saved: dict, model: Dict[str, torch.Tensor], heads: int, 
     for name, fields in saved["state"].items():
         step = fields.pop("step")
         fields.setdefault("param", model[name])
+        # The main params are what the weights were cast from: a mismatch means the state sits at other
+        # parameters' positions (megatron-core 0.16.1's fully_reshardable save of several buckets does that).
+        if not torch.equal(fields["param"].to(model[name].dtype), model[name]):
+            raise OptimizerStateUnreadable(
+                f"{where}: the optimizer's main params of {name} differ from the weights: its state is misplaced. "
+                f"megatron-core 0.16.1 saves the fully_reshardable form so for a distributed optimizer of several "
+                f"buckets (its warning: 'param range exceeds unpadded buffer'); re-save it with Megatron-LM's "
+                f"default dp_reshardable form (without --dist-ckpt-optim-fully-reshardable), or convert the weights "
+                f"only (--weights-only)")
         entry = {f: (megatron_lm.qkv_from_megatron(v, heads, groups) if megatron_lm.is_qkv(name) else v).to(
             torch.float32, copy=True) for f, v in fields.items()}
         entry["step"] = int(step.item() if isinstance(step, torch.Tensor) else (step or 0))

@@ -15,9 +15,10 @@ iterations. Here each is converted, loaded by megatron-lite and compared:
     Measured: equal to the bit on this machine; the bound is fp32 rounding, room for other attention and
     cross-entropy kernels (their logits differ by ~1e-7); moments left at zero are 1e-3 off;
   * pretrain_gpt.py --load with the printed command resumes, --finetune --load trains on the weights alone;
-  * refusals: an optimizer form not read (a chained optimizer, distrib_optim.pt missing), shapes that disagree
-    with the args, missing files, an architecture flag GPTModel lacks, each naming the key or field and the
-    remedy; and a pickled object in the checkpoint is never constructed.
+  * refusals: an optimizer form not read (a chained optimizer, distrib_optim.pt missing), a misplaced state
+    (megatron-core's own multi-bucket fully_reshardable save), shapes that disagree with the args, missing
+    files, an architecture flag GPTModel lacks, each naming the key or field and the remedy; and a pickled
+    object in the checkpoint is never constructed.
 Those are skipped without megatron-core (pip install -e ".[megatron]"); the round trip through megatron_write.py's
 export (--to megatron, both formats) back to an equal checkpoint runs without it.
 """
@@ -195,6 +196,20 @@ def test_unreadable_optimizer_state_is_refused_with_the_remedy(megatron, tmp_pat
     err = refused(capsys, "--from", "megatron", "--input", str(root), "--output", str(tmp_path / "b" / "c"))
     assert "lacks" in err and "distrib_optim.pt" in err and "--weights-only" in err
     checkpoint_convert.main(["--from", "megatron", "--input", str(root), "--output", str(tmp_path / "b" / "c"),
+                             "--weights-only"])
+
+
+def test_misplaced_optimizer_state_is_refused(megatron, tmp_path, capsys):
+    """megatron-core 0.16.1's fully_reshardable save of a distributed optimizer with several buckets stores the
+    state of later buckets at other parameters' positions (its own 'data corruption' warning). The converter
+    sees the main params disagree with the weights and refuses, naming the cause and the remedy; the weights
+    convert alone. Would catch resuming with moments of the wrong parameters."""
+    out, _ = megatron
+    source = os.path.join(out, "llama_full_buckets")
+    err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "c"))
+    assert "main params of" in err and "misplaced" in err and "dp_reshardable" in err and "--weights-only" in err
+    assert not os.path.exists(tmp_path / "c")
+    checkpoint_convert.main(["--from", "megatron", "--input", source, "--output", str(tmp_path / "c"),
                              "--weights-only"])
 
 

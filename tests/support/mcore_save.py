@@ -11,6 +11,7 @@ SAVE_AT iterations, saved, and continued CONTINUE iterations (the reference loss
     OUT/llama_dp      Llama-class (rope, RMSNorm, SwiGLU, no biases, untied, 4 heads in 2 query groups),
     OUT/llama_torch     distributed optimizer with 3 buckets (--overlap-grad-reduce --ddp-bucket-size 8000):
                         torch_dist 'dp_reshardable' (Megatron-LM's default) and legacy torch (+ distrib_optim.pt)
+    OUT/llama_full_buckets   and torch_dist 'fully_reshardable', which megatron-core 0.16.1 writes wrongly here
     OUT/llama_full    the same model, one bucket: torch_dist 'fully_reshardable'
     OUT/reference.pt  {'batches': ids of every iteration, 'probe': ids, per run: 'config' (GPTConfig fields),
                        'logits' of `probe` at the save, 'losses' of the CONTINUE iterations after it}
@@ -48,7 +49,8 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
 RUNS = {  # name -> (GPTConfig fields, use_distributed_optimizer, bucket size, {directory: (ckpt_format, sharding)})
     "gpt2": (dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=16),
              False, None, {"gpt2_dist": ("torch_dist", None), "gpt2_torch": ("torch", None)}),
-    "llama": (LLAMA, True, BUCKET_SIZE, {"llama_dp": ("torch_dist", "dp_reshardable"), "llama_torch": ("torch", None)}),
+    "llama": (LLAMA, True, BUCKET_SIZE, {"llama_dp": ("torch_dist", "dp_reshardable"), "llama_torch": ("torch", None),
+                                         "llama_full_buckets": ("torch_dist", "fully_reshardable")}),
     # One bucket: megatron-core 0.16.1's fully_reshardable save shifts the state of every bucket after the first
     # by the first's end padding (its own warning "param range exceeds unpadded buffer ... data corruption").
     "llama_one_bucket": (LLAMA, True, None, {"llama_full": ("torch_dist", "fully_reshardable")}),
