@@ -133,6 +133,7 @@ def _write_torch_dist(directory: str, payload: dict):
 # ------------------------------------------------------------------------------------------ Megatron-LM
 def export_megatron(payload: dict, args):
     """--to megatron: write the Megatron-LM checkpoint and print the Megatron-LM flags that load it."""
+    _check_megatron_eod(payload["args"])
     info = megatron_write.export(args.output, payload, args.megatron_format, args.megatron_transformer_impl)
     flags = megatron_write.megatron_flags(payload, args.output, args.megatron_format, args.megatron_transformer_impl,
                                           info["optimizer"])
@@ -142,6 +143,22 @@ def export_megatron(payload: dict, args):
     print(f"> wrote iteration {payload['iteration']} as a Megatron-LM {args.megatron_format} checkpoint ({carried}) "
           f"to {args.output}; load it with\n  pretrain_gpt.py {' '.join(flags)}\n  and {tokenizer}--seq-length, "
           f"--micro-batch-size and --train-iters{also if info['optimizer'] else ''}")
+
+
+def _check_megatron_eod(args: dict):
+    """Megatron-LM takes a HuggingFaceTokenizer's eod from its eos_token (megatron-core's rule, megatron-lite's
+    since 98f4df2): refuse a run that trained with another (saved before, or its tokenizer files changed since)."""
+    model = args.get("tokenizer_model")
+    if args.get("tokenizer_type") != "HuggingFaceTokenizer" or not model or not os.path.exists(model):
+        return  # the printed command names the tokenizer; nothing here to compare
+    trained = lite_tokenizers.trained_eod(args, "HuggingFaceTokenizer", model)
+    theirs = build_tokenizer("HuggingFaceTokenizer", model)
+    if trained is not None and theirs.eos_token is not None and trained != theirs.eod:
+        raise ValueError(f"the run trained with eod {trained}, but Megatron-LM would take the eos_token "
+                         f"{theirs.eos_token!r} (id {theirs.eod}) that {model}'s tokenizer_config.json / "
+                         f"special_tokens_map.json name: give Megatron-LM a copy of its tokenizer.json beside a "
+                         f"tokenizer_config.json whose eos_token is the token of id {trained}, if the vocabulary has "
+                         f"one (its data and --eod-mask-loss would otherwise mean another token by eod)")
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face

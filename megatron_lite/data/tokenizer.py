@@ -211,6 +211,17 @@ class HuggingFaceTokenizer:
         return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
 
 
+def trained_eod(saved_args: dict, tokenizer_type: str, tokenizer_model: Optional[str]) -> Optional[int]:
+    """The end-of-document id a checkpoint's run trained with: its recorded `eod`; for a HuggingFaceTokenizer run
+    saved before the eod followed the eos_token (98f4df2; its args record no vocab_file) the eod by name of
+    `tokenizer_model`'s tokenizer.json; else None (saved by 98f4df2's version: the rule in force now)."""
+    if saved_args.get("eod") is not None:
+        return saved_args["eod"]
+    if "vocab_file" not in saved_args and tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model, by_name=True).eod
+    return None
+
+
 def check_trained_eod(saved_args: dict, tokenizer_type: str, tokenizer_model: Optional[str], eod: int,
                       checkpoint: str, remedy: str = ""):
     """Raise ValueError when `eod` (this run's tokenizer's) is not the end-of-document id the checkpoint's run
@@ -224,9 +235,8 @@ def check_trained_eod(saved_args: dict, tokenizer_type: str, tokenizer_model: Op
         checkpoint: the checkpoint, as the message names it.
         remedy: another way out, appended to the message.
     """
-    trained = saved_args.get("eod")
-    if trained is None and "vocab_file" not in saved_args and tokenizer_type == "HuggingFaceTokenizer":
-        trained = HuggingFaceTokenizer(tokenizer_model, by_name=True).eod
+    trained = trained_eod(saved_args, tokenizer_type, tokenizer_model)
+    if "eod" not in saved_args and trained is not None:
         if trained != eod:
             raise ValueError(
                 f"{checkpoint} was saved before megatron-lite took HuggingFaceTokenizer's eod from the eos_token of "

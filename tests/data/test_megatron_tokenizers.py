@@ -407,8 +407,9 @@ def test_a_run_whose_eod_would_change_is_refused_on_resume_and_export(files, tmp
     """A HuggingFaceTokenizer run saved before 98f4df2 took '<|endoftext|>' / '</s>' by name as eod, else a new id
     (400 for the Llama-3 fixture, whose tokenizer_config.json names eos_token '<|end_of_text|>', id 1, the eod
     since 98f4df2; both pad to 512 rows, so the architecture check passes). Resuming it with the same
-    --tokenizer-model, or exporting it, is refused, naming the two eods and the remedy; with the remedy (a
-    directory holding only its tokenizer.json: the by-name rule) it resumes and exports with eod 400. A new
+    --tokenizer-model, or exporting it (--to hf, --to megatron: megatron-core takes the eos_token), is refused,
+    naming the two eods and the remedy; with the remedy (a directory holding only its tokenizer.json: the by-name
+    rule) it resumes and exports with eod 400. A new
     checkpoint records its eod: resuming it after its tokenizer_config.json named another eos_token is refused.
     Would catch a resume that silently changes the eod its data and --eod-mask-loss mean (the built-in corpus
     rebuilt with another eod, preprocessed files read with the wrong one) and an export whose eos_token_id is not
@@ -446,6 +447,15 @@ def test_a_run_whose_eod_would_change_is_refused_on_resume_and_export(files, tmp
     assert status == "ok"
     checkpoint_convert.main(["--input", old, "--output", str(tmp_path / "hf"), "--to", "hf"])
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 400
+    # An old run that recorded the Llama-3 directory (eod 400 by name then): Megatron-LM would take its eos_token.
+    old_llama3 = str(tmp_path / "old_llama3")
+    [(status, _)] = run_distributed(_pretrain_saving_as_before_the_eos_rule, 1, flags(llama3, old_llama3, 2))
+    assert status == "ok"
+    with pytest.raises(SystemExit):
+        checkpoint_convert.main(["--input", old_llama3, "--output", str(tmp_path / "mlm"), "--to", "megatron"])
+    err = capsys.readouterr().err
+    assert "eod 400" in err and "'<|end_of_text|>'" in err and "Megatron-LM" in err, err
+    assert not os.path.exists(tmp_path / "mlm")
     # A new run records its eod (1); its tokenizer_config.json then names another eos_token.
     moved = tmp_path / "moved"
     moved.mkdir()
