@@ -337,6 +337,7 @@ def megatron_flags(payload: dict, megatron_args) -> list:
     """pretrain_gpt.py's flags that rebuild the imported run: the architecture (hf_convert.pretrain_flags) and,
     for a resume, the batch, optimizer and schedule that the checkpoint's state is checked against."""
     flags = hf_convert.pretrain_flags(payload["args"])
+    flags += [flag for flag in ("--bf16", "--fp16") if getattr(megatron_args, flag[2:], False)]
     if payload.get(files.WEIGHTS_ONLY_KEY):
         return flags
     schedule, groups = payload["opt_param_scheduler"], payload["optimizer"]["param_groups"]
