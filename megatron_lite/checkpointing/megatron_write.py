@@ -171,8 +171,9 @@ def _optimizer_tensors(payload: dict, transformer_impl: str) -> Dict[str, Dict[s
     state = payload["optimizer"]["state"]
     fields = {}
     for field in ("param", "exp_avg", "exp_avg_sq"):
-        lite = {name: entry[field].float().reshape(payload["model"][name].shape)
-                for name, entry in state.items() if field in entry}
+        # 'param' (the fp32 main values) is in every state megatron-lite writes; else the weights are the mains.
+        lite = {name: entry.get(field, payload["model"][name]).float().reshape(payload["model"][name].shape)
+                for name, entry in state.items()}
         fields[field] = model_state({**payload, "model": lite}, transformer_impl)
     return fields
 
