@@ -338,6 +338,11 @@ def megatron_flags(payload: dict, megatron_args) -> list:
     for a resume, the batch, optimizer and schedule that the checkpoint's state is checked against."""
     flags = hf_convert.pretrain_flags(payload["args"])
     flags += [flag for flag in ("--bf16", "--fp16") if getattr(megatron_args, flag[2:], False)]
+    # The run's tokenizer in megatron-lite's terms (NullTokenizer's --vocab-size counts Megatron-LM's eod).
+    kind, a = payload["args"].get("tokenizer_type"), payload["args"]
+    needed = lite_tokenizers.FILE_FLAGS.get(kind, ()) + (("vocab_size",) if kind == "NullTokenizer" else ())
+    if kind in lite_tokenizers.FILE_FLAGS and all(a.get(k) for k in needed):
+        flags += ["--tokenizer-type", kind] + [str(f) for k in needed for f in ("--" + k.replace("_", "-"), a[k])]
     if payload.get(files.WEIGHTS_ONLY_KEY):
         return flags
     schedule, groups = payload["opt_param_scheduler"], payload["optimizer"]["param_groups"]
@@ -370,7 +375,7 @@ def import_megatron(p, args):
     load = "--finetune --load" if args.weights_only else "--load"
     print(f"> wrote {what} of Megatron-LM's {fmt} checkpoint {directory} as {args.to} to {args.output}; "
           f"{'train from' if args.weights_only else 'continue'} with\n  pretrain_gpt.py {load} {args.output} "
-          f"{flags} (and the run's data and tokenizer flags)")
+          f"{flags} (and the run's data flags{'' if '--tokenizer-type' in flags else ' and tokenizer flags'})")
 
 
 def main(argv=None):

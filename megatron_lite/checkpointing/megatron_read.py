@@ -699,6 +699,10 @@ def megatron_args_to_lite(a: argparse.Namespace) -> dict:
                 vocab_size=getattr(a, "vocab_size", None), init_method_std=getattr(a, "init_method_std", 0.02),
                 hidden_dropout=getattr(a, "hidden_dropout", 0.1),
                 attention_dropout=getattr(a, "attention_dropout", 0.1))
+    # Megatron-LM's NullTokenizer puts its eod AFTER --vocab-size N ids (vocab N+1, eod N); megatron-lite's counts
+    # it among them (eod = vocab_size - 1): record the size that gives Megatron-LM's ids, eod and padded rows.
+    if args["tokenizer_type"] == "NullTokenizer" and args["vocab_size"] is not None:
+        args["vocab_size"], args["eod"] = args["vocab_size"] + 1, args["vocab_size"]
     if args["normalization"] not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"the checkpoint's args.normalization={args['normalization']!r} cannot be converted: "
                          f"GPTModel has LayerNorm and RMSNorm")

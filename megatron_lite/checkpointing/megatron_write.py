@@ -262,9 +262,11 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
         init_method_std=float(a.get("init_method_std", 0.02)), num_experts=None,
         padded_vocab_size=int(a["padded_vocab_size"]), make_vocab_size_divisible_by=128,
         # The run's tokenizer as recorded (what --from megatron gives back; Megatron-LM reads these only with
-        # --use-tokenizer-model-from-checkpoint-args): the printed flags spell it in Megatron-LM's terms.
+        # --use-tokenizer-model-from-checkpoint-args): the printed flags spell it in Megatron-LM's terms, and so
+        # does NullTokenizer's vocab_size (the ids before Megatron-LM's eod, as a Megatron-LM run records it).
         tokenizer_type=a.get("tokenizer_type"), tokenizer_model=a.get("tokenizer_model"),
-        vocab_file=a.get("vocab_file"), merge_file=a.get("merge_file"), vocab_size=a.get("vocab_size"),
+        vocab_file=a.get("vocab_file"), merge_file=a.get("merge_file"),
+        vocab_size=_megatron_tokenizer(a)[1] if a.get("tokenizer_type") == "NullTokenizer" else a.get("vocab_size"),
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1, context_parallel_size=1, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch",

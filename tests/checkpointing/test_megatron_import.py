@@ -23,6 +23,7 @@ Those are skipped without megatron-core (pip install -e ".[megatron]"); the roun
 export (--to megatron, both formats) back to an equal checkpoint runs without it.
 """
 
+import argparse
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from mcore_reference import HAVE_MCORE
 from pretrain_testing import REPO, tiny_pretrain_flags
 
-from megatron_lite.checkpointing import foreign_pickle, megatron_lm, megatron_read
+from megatron_lite.checkpointing import files, foreign_pickle, megatron_lm, megatron_read
 from megatron_lite.checkpointing.save import ARCHITECTURE_ARGS
 from megatron_lite.models import GPTModel
 
@@ -151,10 +152,10 @@ def _printed_command(capsys):
 def test_pretrain_gpt_resumes_and_finetunes(megatron, tmp_path, capsys):
     """The printed commands work: pretrain_gpt.py --load resumes at Megatron's iteration (the architecture,
     optimizer hyperparameters and schedule of the converted checkpoint pass its checks), and --finetune --load
-    trains on the weights alone (--weights-only)."""
+    trains on the weights alone (--weights-only). The tokenizer comes from the printed flags (Megatron-LM's
+    NullTokenizer --vocab-size 127 is megatron-lite's 128: the same eod 127)."""
     out, _ = megatron
-    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--micro-batch-size", "4",
-            "--eval-iters", "0", "--log-interval", "1"]
+    data = ["--mock-data", "--micro-batch-size", "4", "--eval-iters", "0", "--log-interval", "1"]
     checkpoint_convert.main(["--from", "megatron", "--input", os.path.join(out, "llama_full"), "--output",
                              str(tmp_path / "resume"), "--to", "torch_dist"])
     resume = _printed_command(capsys)
@@ -295,17 +296,20 @@ def test_pickled_code_is_never_run(megatron, tmp_path, capsys):
     assert "model_optim_rng.pt cannot be read" in err and not os.path.exists(made)
 
 
-@pytest.mark.parametrize("megatron_format, bf16", [("torch", False), ("torch", True), ("torch_dist", True)])
-def test_round_trip_through_megatron_lm_formats_is_exact(tmp_path, megatron_format, bf16):
+@pytest.mark.parametrize("megatron_format, bf16, tokenizer", [("torch", False, ["NullTokenizer", "100"]),
+                                                               ("torch", True, None), ("torch_dist", True, None)])
+def test_round_trip_through_megatron_lm_formats_is_exact(tmp_path, megatron_format, bf16, tokenizer):
     """A megatron-lite checkpoint exported as Megatron-LM's (--to megatron) and imported back (--from megatron)
     is the same checkpoint: weights (and their dtype) and Adam state bitwise, step, schedule, iteration, consumed
     samples, RNG, architecture; bf16 through Megatron's fp32 main params (legacy fp32_from_fp16_params, torch_dist
     optimizer.state.fp32_param). Catches the two directions disagreeing on names, QKV rows, the legacy
     optimizer's index order (megatron-core's registration order, whatever order the model dict lists), the
-    schedule's units."""
+    schedule's units, NullTokenizer's vocab_size (Megatron-LM's counts its eod apart) and eod."""
     save = str(tmp_path / "lite")
+    vocab = dict(tokenizer_type=tokenizer[0], vocab_size=tokenizer[1]) if tokenizer else {}
     done = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_pretrain_flags(
-        train_iters="3", save=save, save_interval="3", ckpt_format="torch", lr_warmup_iters="1", bf16=bf16 or None)],
+        train_iters="3", save=save, save_interval="3", ckpt_format="torch", lr_warmup_iters="1", bf16=bf16 or None,
+        **vocab)],
         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     exported, back = str(tmp_path / "megatron"), str(tmp_path / "back")
@@ -319,6 +323,8 @@ def test_round_trip_through_megatron_lm_formats_is_exact(tmp_path, megatron_form
     # The architecture (the tokenizer is recorded in Megatron-LM's terms, which have no ByteLevelTokenizer).
     recorded = [k for k in ARCHITECTURE_ARGS if before["args"].get(k) is not None]
     assert {k: after["args"][k] for k in recorded} == {k: before["args"][k] for k in recorded}
+    if tokenizer:
+        assert [after["args"][k] for k in ("tokenizer_type", "vocab_size", "eod")] == ["NullTokenizer", 100, 99]
     assert before["model"].keys() == after["model"].keys()
     assert all(torch.equal(before["model"][k], after["model"][k]) and before["model"][k].dtype ==
                after["model"][k].dtype for k in before["model"])
@@ -332,3 +338,25 @@ def test_round_trip_through_megatron_lm_formats_is_exact(tmp_path, megatron_form
     assert list(rng["python"][1]) == list(rng_after["python"][1]) and torch.equal(rng["torch"], rng_after["torch"])
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                for a, b in zip(rng["numpy"], rng_after["numpy"]))
+
+
+def test_a_null_tokenizer_run_keeps_megatron_lms_eod_and_vocabulary(tmp_path):
+    """Megatron-LM's NullTokenizer puts its eod AFTER --vocab-size N ids (vocab N+1, eod N: megatron/training/
+    tokenizer/tokenizer.py _NullTokenizer at core_v0.16.1; megatron.core.tokenizers' NullTokenizer the same);
+    megatron-lite's counts it among them (eod = vocab_size - 1). The import records vocab_size N+1 and eod N, so
+    megatron-lite's tokenizer of the recorded size has Megatron-LM's eod and padded vocabulary, and a resume with
+    Megatron-LM's own --vocab-size N (eod N-1, the same 128 padded rows) is refused, not trained with another eod.
+    Catches the copied vocab_size (eod one lower: --eod-mask-loss and document boundaries silently moved)."""
+    from megatron_lite.data.tokenizer import build_tokenizer, check_trained_eod
+    from megatron_lite.training.initialize import vocab_size_with_padding
+
+    megatron_args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                         padded_vocab_size=128, tokenizer_type="NullTokenizer", vocab_size=120)
+    lite = megatron_read.megatron_args_to_lite(argparse.Namespace(**megatron_args))
+    assert (lite["vocab_size"], lite["eod"]) == (121, 120)
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=lite["vocab_size"])
+    assert tokenizer.eod == 120 and vocab_size_with_padding(tokenizer.vocab_size) == 128
+    with pytest.raises(ValueError, match="eod 120"):
+        check_trained_eod(lite, "NullTokenizer", None, build_tokenizer("NullTokenizer", vocab_size=120).eod, "x")
+    flags = checkpoint_convert.megatron_flags({"args": lite, files.WEIGHTS_ONLY_KEY: "x"}, argparse.Namespace())
+    assert " ".join(flags).endswith("--tokenizer-type NullTokenizer --vocab-size 121")

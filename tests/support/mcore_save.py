@@ -72,7 +72,8 @@ def megatron_args(config, use_distributed_optimizer: bool, bucket_size, ckpt_for
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_bias_linear, qk_layernorm=False,
         untie_embeddings_and_output_weights=not config.share_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=False, num_experts=None, multi_latent_attention=False,
-        padded_vocab_size=config.vocab_size, vocab_size=None, make_vocab_size_divisible_by=128,
+        padded_vocab_size=config.vocab_size, vocab_size=config.vocab_size - 1,  # --vocab-size: + eod
+        make_vocab_size_divisible_by=128,
         tokenizer_type="NullTokenizer", tokenizer_model=None, vocab_file=None, merge_file=None,
         init_method_std=config.init_method_std, hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
