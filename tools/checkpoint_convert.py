@@ -334,8 +334,10 @@ def write_imported(output: str, payload: dict, ckpt_format: str, tokenizer) -> l
 
 # ------------------------------------------------------------------------------------------ Megatron-LM
 def megatron_flags(payload: dict, megatron_args) -> list:
-    """pretrain_gpt.py's flags that rebuild the imported run: the architecture (hf_convert.pretrain_flags) and,
-    for a resume, the batch, optimizer and schedule that the checkpoint's state is checked against."""
+    """pretrain_gpt.py's flags that rebuild the imported run: the architecture (hf_convert.pretrain_flags), the
+    tokenizer and dropout and, for a resume, the batch, optimizer and schedule that the checkpoint's state is
+    checked against and what fixes the sample order (seed, train and evaluation sizes). ValueError for a run
+    megatron-lite cannot continue (reset_position_ids, reset_attention_mask)."""
     flags = hf_convert.pretrain_flags(payload["args"])
     flags += [flag for flag in ("--bf16", "--fp16") if getattr(megatron_args, flag[2:], False)]
     # The run's tokenizer in megatron-lite's terms (NullTokenizer's --vocab-size counts Megatron-LM's eod).
@@ -343,8 +345,17 @@ def megatron_flags(payload: dict, megatron_args) -> list:
     needed = lite_tokenizers.FILE_FLAGS.get(kind, ()) + (("vocab_size",) if kind == "NullTokenizer" else ())
     if kind in lite_tokenizers.FILE_FLAGS and all(a.get(k) for k in needed):
         flags += ["--tokenizer-type", kind] + [str(f) for k in needed for f in ("--" + k.replace("_", "-"), a[k])]
+    # Not left to --model-preset, whose recipe fills what is not given (dropout 0.0; Megatron-LM's default is 0.1).
+    flags += [str(f) for k in ("hidden_dropout", "attention_dropout") if a.get(k) is not None
+              for f in ("--" + k.replace("_", "-"), a[k])]
     if payload.get(files.WEIGHTS_ONLY_KEY):
         return flags
+    for key in ("reset_position_ids", "reset_attention_mask"):
+        if getattr(megatron_args, key, False):
+            raise ValueError(f"the checkpoint's args.{key}=True: megatron-lite's GPT batches have no --"
+                             f"{key.replace('_', '-')} (the loss would change): convert the weights only "
+                             f"(--weights-only)")
+    flags += ["--eod-mask-loss"] if getattr(megatron_args, "eod_mask_loss", False) else []
     schedule, groups = payload["opt_param_scheduler"], payload["optimizer"]["param_groups"]
     group = next((g for g in groups if g["wd_mult"] == 1.0), groups[0])  # the weight-decayed parameters' group
     pairs = [("--seq-length", getattr(megatron_args, "seq_length", None)),
@@ -355,7 +366,13 @@ def megatron_flags(payload: dict, megatron_args) -> list:
                   ("--lr-decay-iters", schedule["lr_decay_steps"])]
     pairs += [("--weight-decay", group["weight_decay"]), ("--adam-beta1", group["betas"][0]),
               ("--adam-beta2", group["betas"][1]), ("--adam-eps", group["eps"]),
-              ("--clip-grad", getattr(megatron_args, "clip_grad", None))]
+              ("--clip-grad", getattr(megatron_args, "clip_grad", None)),
+              # The sample order: megatron-core's datasets are built for train_iters x batch samples (and the
+              # evaluations'), shuffled by the seed; the same values continue on Megatron-LM's next samples.
+              ("--seed", getattr(megatron_args, "seed", None)),
+              ("--train-iters", getattr(megatron_args, "train_iters", None)),
+              ("--eval-interval", getattr(megatron_args, "eval_interval", None)),
+              ("--eval-iters", getattr(megatron_args, "eval_iters", None))]
     return flags + [str(f) for flag, value in pairs if value is not None for f in (flag, value)]
 
 

@@ -359,4 +359,38 @@ def test_a_null_tokenizer_run_keeps_megatron_lms_eod_and_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="eod 120"):
         check_trained_eod(lite, "NullTokenizer", None, build_tokenizer("NullTokenizer", vocab_size=120).eod, "x")
     flags = checkpoint_convert.megatron_flags({"args": lite, files.WEIGHTS_ONLY_KEY: "x"}, argparse.Namespace())
-    assert " ".join(flags).endswith("--tokenizer-type NullTokenizer --vocab-size 121")
+    assert "--tokenizer-type NullTokenizer --vocab-size 121 " in " ".join(flags)
+
+
+def _megatron_run_args(**changes) -> argparse.Namespace:
+    """Megatron-LM args of a GPT-2-class run with its defaults where they differ from megatron-lite's preset."""
+    return argparse.Namespace(**{
+        **dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+               padded_vocab_size=128, tokenizer_type="NullTokenizer", vocab_size=127, seq_length=16,
+               global_batch_size=4, consumed_train_samples=12, hidden_dropout=0.1, attention_dropout=0.1, seed=42,
+               train_iters=1000, eval_interval=500, eval_iters=7, eod_mask_loss=True, clip_grad=1.0),
+        **changes})
+
+
+def test_the_printed_command_continues_megatron_lms_run_not_the_preset():
+    """pretrain_gpt.py of the printed command (plus --mock-data) has the Megatron-LM run's dropout, seed,
+    --train-iters and evaluation sizes (which fix the train and validation samples: megatron-core's sample
+    count), and --eod-mask-loss. Catches the flags left to megatron-lite's --model-preset tiny, which fills what
+    is not given with its recipe: dropout 0.0 (Megatron-LM's default 0.1), train_iters 200, eval 100 x 5. A run
+    with --reset-position-ids (which megatron-lite lacks) is refused naming it."""
+    from megatron_lite.training.arguments import parse_args
+
+    megatron = _megatron_run_args()
+    lite = megatron_read.megatron_args_to_lite(megatron)
+    payload = {"args": lite, "iteration": 3, "opt_param_scheduler": {}, "optimizer": {"param_groups": [
+        {"wd_mult": 1.0, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}]}}
+    args = parse_args(checkpoint_convert.megatron_flags(payload, megatron) + ["--mock-data", "--lr", "1e-3"],
+                      world_size=1)
+    for key in ("hidden_dropout", "attention_dropout", "seed", "train_iters", "eval_interval", "eval_iters",
+                "eod_mask_loss", "seq_length", "global_batch_size", "clip_grad"):
+        assert getattr(args, key) == getattr(megatron, key), key
+    finetune = parse_args(checkpoint_convert.megatron_flags({**payload, files.WEIGHTS_ONLY_KEY: "x"}, megatron)
+                          + ["--mock-data", "--lr", "1e-3", "--seq-length", "16"], world_size=1)
+    assert (finetune.hidden_dropout, finetune.attention_dropout) == (0.1, 0.1)
+    with pytest.raises(ValueError, match=r"args.reset_position_ids=True.*--weights-only"):
+        checkpoint_convert.megatron_flags(payload, _megatron_run_args(reset_position_ids=True))
