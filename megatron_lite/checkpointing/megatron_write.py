@@ -249,7 +249,9 @@ def megatron_args(payload: dict, ckpt_format: str, with_optimizer: bool) -> argp
         kv_channels=int(a["hidden_size"]) // heads,
         group_query_attention=bool(a.get("group_query_attention")), num_query_groups=groups,
         max_position_embeddings=int(a.get("max_position_embeddings", 0)),
-        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=not rope,
+        # add_position_embedding: Megatron-LM's --no-position-embedding (default True, also with rope, whose
+        # core GPT reads position_embedding_type); check_checkpoint_args compares it with the run's always.
+        position_embedding_type="rope" if rope else "learned_absolute", add_position_embedding=True,
         use_rotary_position_embeddings=rope, rotary_base=int(float(a.get("rotary_base", 10000))), rotary_percent=1.0,
         rotary_interleaved=False, add_bias_linear=not a.get("disable_bias_linear"),
         add_qkv_bias=not a.get("disable_bias_linear"), disable_bias_linear=bool(a.get("disable_bias_linear")),
@@ -504,4 +506,7 @@ def megatron_flags(payload: dict, output: str, ckpt_format: str, transformer_imp
               "--min-lr", str(payload["opt_param_scheduler"]["min_lr"]),
               "--global-batch-size", str(global_batch_size(payload)),
               "--use-checkpoint-opt_param-scheduler", "--no-load-rng"]
+    scaler = payload["optimizer"].get("grad_scaler")
+    if scaler and "growth_tracker" not in scaler:  # Megatron's ConstantGradScaler: built from --loss-scale alone
+        flags += ["--loss-scale", str(float(scaler["scale"]))]
     return flags

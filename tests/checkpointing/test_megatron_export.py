@@ -259,7 +259,7 @@ def test_iteration_samples_scheduler_args_and_rng_as_megatron_lm_reads_them(move
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, payload["args"]["hidden_size"], 4)
     assert args.consumed_train_samples == SAVED_AT * BATCH and args.padded_vocab_size == 128
     assert args.ffn_hidden_size == (96 if arch == "llama" else 128)  # GPT2 records None: the size the model has
-    assert args.add_position_embedding == (arch != "llama") and args.swiglu == (arch == "llama")
+    assert args.add_position_embedding and args.swiglu == (arch == "llama")  # Megatron-LM's, also with rope
     sched = common["opt_param_scheduler"]
     assert sched["num_steps"] == SAVED_AT * BATCH and sched["lr_decay_steps"] == (SAVED_AT + CONTINUED) * BATCH
     assert sched["max_lr"] == LR and sched["lr_decay_style"] == "constant"
@@ -422,3 +422,54 @@ def test_export_then_import_gives_the_checkpoint_back(tmp_path, fmt, impl, arch,
     for key, value in payload["args"].items():
         if key not in ("vocab_size", "tokenizer_type"):
             assert back["args"].get(key) == value, key
+
+
+# ------------------------------------------------------------------------------------------ Megatron-LM's load
+def _megatron_lm_args(flags):
+    """The fields Megatron-LM 0.16.1's check_checkpoint_args (megatron/training/checkpointing.py) compares, as its
+    parser gives them for `flags` (megatron/training/arguments.py: the defaults where the flags say nothing;
+    padded_vocab_size by its _vocab_size_with_padding, the NullTokenizer's eod after --vocab-size ids)."""
+    def value(flag, default=None):
+        return flags[flags.index(flag) + 1] if flag in flags else default
+
+    divisor = int(value("--make-vocab-size-divisible-by", 128))
+    vocab = int(value("--vocab-size")) + 1 if value("--tokenizer-type") == "NullTokenizer" else None
+    return {"num_layers": int(value("--num-layers")), "hidden_size": int(value("--hidden-size")),
+            "num_attention_heads": int(value("--num-attention-heads")),
+            "add_position_embedding": "--no-position-embedding" not in flags,
+            "max_position_embeddings": int(value("--max-position-embeddings")),
+            "make_vocab_size_divisible_by": divisor,
+            "padded_vocab_size": vocab and -(-vocab // divisor) * divisor,
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_printed_flags_pass_megatron_lms_checkpoint_args_check(fmt, arch):
+    """Megatron-LM's load_checkpoint asserts that the checkpoint's args equal the run's for these fields
+    (add_position_embedding always, whatever the position embedding type: a rope run's is True, as Megatron-LM
+    saves it); the printed flags must give the recorded values."""
+    payload = _trained_like_payload(GPT2 if arch == "gpt2" else LLAMA)
+    flags = megatron_write.megatron_flags(payload, "out", fmt, "transformer_engine", True)
+    saved = vars(megatron_write.megatron_args(payload, fmt, True))
+    expected = _megatron_lm_args(flags)
+    assert {k: saved[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("precision, scaler, flag", [
+    ("fp16", {"scale": 1024.0}, ["--loss-scale", "1024.0"]),  # ConstantGradScaler: Megatron's state is {}
+    ("bf16", {"scale": 1024.0}, ["--loss-scale", "1024.0"]),
+    ("fp16", {"scale": 4096.0, "growth_tracker": 3, "hysteresis_tracker": 2}, []),  # dynamic: the state has it
+])
+def test_a_constant_loss_scale_is_given_as_megatron_lms_flag(precision, scaler, flag):
+    """A run with --loss-scale: Megatron-LM's ConstantGradScaler saves and loads {} and is built only from
+    --loss-scale; without the flag an fp16 run builds a DynamicGradScaler whose load of {} raises KeyError
+    ('scale': load_checkpoint stops), a bf16 one no scaler at all."""
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    payload = _trained_like_payload(GPT2)
+    payload["model"] = {k: v.to(dtype) for k, v in payload["model"].items()}
+    payload["optimizer"]["grad_scaler"] = scaler
+    flags = megatron_write.megatron_flags(payload, "out", "torch_dist", "transformer_engine", True)
+    assert f"--{precision}" in flags
+    at = flags.index("--loss-scale") if "--loss-scale" in flags else None
+    assert (flags[at:at + 2] if at is not None else []) == flag
