@@ -142,7 +142,8 @@ def export_megatron(payload: dict, args):
     tokenizer = "" if megatron_write.tokenizer_flags(payload["args"]) else "the run's tokenizer, "
     print(f"> wrote iteration {payload['iteration']} as a Megatron-LM {args.megatron_format} checkpoint ({carried}) "
           f"to {args.output}; load it with\n  pretrain_gpt.py {' '.join(flags)}\n  and {tokenizer}--seq-length, "
-          f"--micro-batch-size and --train-iters{also if info['optimizer'] else ''}")
+          f"--micro-batch-size and --train-iters"
+          f"{also if info['optimizer'] else ', and the optimizer flags (--lr at least: Megatron-LM has no default)'}")
 
 
 def _check_megatron_eod(args: dict):

@@ -466,8 +466,12 @@ def tokenizer_flags(args: dict) -> List[str]:
         return ["--tokenizer-type", kind, "--vocab-size", str(vocab_size)]
     if kind == "GPT2BPETokenizer" and args.get("vocab_file") and args.get("merge_file"):
         return ["--tokenizer-type", kind, "--vocab-file", args["vocab_file"], "--merge-file", args["merge_file"]]
-    if kind and args.get("tokenizer_model"):
-        return ["--tokenizer-type", kind, "--tokenizer-model", args["tokenizer_model"]]
+    model = args.get("tokenizer_model")
+    if kind == "HuggingFaceTokenizer" and model and not os.path.isdir(model) and os.path.basename(model) == \
+            "tokenizer.json":  # megatron-core's AutoTokenizer.from_pretrained takes the directory, not the file
+        model = os.path.dirname(model) or "."
+    if kind and model:
+        return ["--tokenizer-type", kind, "--tokenizer-model", model]
     return []
 
 

@@ -307,13 +307,28 @@ def test_weights_only_export_needs_no_optimizer(tmp_path):
     assert "--finetune" in megatron_write.megatron_flags(_small_payload(), "out", "torch", "local", False)
 
 
+def test_a_weights_only_export_asks_for_megatron_lms_learning_rate(tmp_path, capsys):
+    """Without the checkpoint's scheduler, Megatron-LM builds one from --lr, which has no default (None: its
+    OptimizerParamScheduler's `max_lr >= min_lr` raises TypeError): the tool says to give it."""
+    import argparse
+
+    checkpoint_convert.export_megatron(_small_payload(), argparse.Namespace(
+        output=str(tmp_path / "out"), megatron_format="torch_dist", megatron_transformer_impl="transformer_engine"))
+    out = capsys.readouterr().out
+    assert "--finetune" in out and "--lr at least" in out
+
+
 @pytest.mark.parametrize("recorded, flags", [
     (dict(tokenizer_type="NullTokenizer", vocab_size=128), "--tokenizer-type NullTokenizer --vocab-size 127"),
     (dict(tokenizer_type="ByteLevelTokenizer"), "--tokenizer-type NullTokenizer --vocab-size 256"),
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json", merge_file="m.txt"),
      "--tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt"),
-    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="t.json"),
-     "--tokenizer-type HuggingFaceTokenizer --tokenizer-model t.json"),
+    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="llama3"),
+     "--tokenizer-type HuggingFaceTokenizer --tokenizer-model llama3"),
+    # megatron-core's AutoTokenizer.from_pretrained takes the directory (a file path: "Repo id must be in the
+    # form ..."); megatron-lite reads the eos_token from that directory too
+    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/m/llama3/tokenizer.json"),
+     "--tokenizer-type HuggingFaceTokenizer --tokenizer-model /m/llama3"),
     (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="t.model"),
      "--tokenizer-type Llama2Tokenizer --tokenizer-model t.model"),
     (dict(), ""),
