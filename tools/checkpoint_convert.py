@@ -351,12 +351,18 @@ def megatron_flags(payload: dict, megatron_args) -> list:
               for f in ("--" + k.replace("_", "-"), a[k])]
     if payload.get(files.WEIGHTS_ONLY_KEY):
         return flags
+    if getattr(megatron_args, "legacy_tokenizer", False) and kind == "SentencePieceTokenizer":
+        raise ValueError("the checkpoint's args.legacy_tokenizer=True with SentencePieceTokenizer: Megatron-LM's "
+                         "legacy class appends <CLS> <SEP> <EOD> <MASK> to the model's pieces and takes <EOD> as eod, "
+                         "megatron-lite's (megatron-core's) the model's eos: resumed, the run's eod would change. "
+                         "Convert the weights only (--weights-only) and train on with --finetune")
     for key in ("reset_position_ids", "reset_attention_mask"):
         if getattr(megatron_args, key, False):
             raise ValueError(f"the checkpoint's args.{key}=True: megatron-lite's GPT batches have no --"
                              f"{key.replace('_', '-')} (the loss would change): convert the weights only "
                              f"(--weights-only)")
-    flags += ["--eod-mask-loss"] if getattr(megatron_args, "eod_mask_loss", False) else []
+    flags += [f"--{k.replace('_', '-')}" for k in ("eod_mask_loss", "calculate_per_token_loss")
+              if getattr(megatron_args, k, False)]
     schedule, groups = payload["opt_param_scheduler"], payload["optimizer"]["param_groups"]
     group = next((g for g in groups if g["wd_mult"] == 1.0), groups[0])  # the weight-decayed parameters' group
     pairs = [("--seq-length", getattr(megatron_args, "seq_length", None)),

@@ -654,6 +654,22 @@ _REFUSED = {  # Megatron-LM arg -> (the value GPTModel expresses, why)
     "fp8": (None, "an fp8 run's Transformer Engine state is not converted"),
     "quick_geglu": (False, "GPTModel's MLP activations are GELU and SwiGLU"),
     "use_legacy_models": (False, "the legacy models' layout is not megatron-core's: re-save with the core models"),
+    # megatron-core TransformerConfig fields (Megatron-LM's args carry them by name) that change the forward pass.
+    "layernorm_zero_centered_gamma": (False, "GPTModel's norms multiply by their weight (--apply-layernorm-1p "
+                                             "stores the weight minus one)"),
+    "apply_layernorm_1p": (False, "GPTModel's norms multiply by their weight (--apply-layernorm-1p stores the "
+                                  "weight minus one)"),
+    "softmax_type": ("vanilla", "GPTModel's attention takes the plain softmax"),
+    "window_size": (None, "GPTModel's attention is fully causal (no sliding window)"),
+    "qk_l2_norm": (False, "GPTModel has no query/key norm"),
+    "attention_output_gate": (False, "GPTModel's attention has no output gate"),
+    "no_rope_freq": (None, "GPTModel applies rope in every layer"),
+    "rotary_seq_len_interpolation_factor": (None, "GPTModel's rope is not interpolated"),
+    "experimental_attention_variant": (None, "GPTModel has standard attention"),
+    "is_hybrid_model": (False, "GPTModel is a transformer, not a hybrid Mamba model"),
+    "heterogeneous_layers_config_path": (None, "GPTModel's layers are all alike"),
+    "activation_func_clamp_value": (None, "GPTModel's activations are not clamped"),
+    "glu_linear_offset": (0.0, "GPTModel's SwiGLU adds no offset"),
 }
 
 
@@ -673,6 +689,10 @@ def megatron_args_to_lite(a: argparse.Namespace) -> dict:
     if position == "rope" and getattr(a, "rotary_percent", 1.0) != 1.0:
         raise ValueError(f"the checkpoint's args.rotary_percent={a.rotary_percent} cannot be converted: GPTModel "
                          f"rotates the whole head")
+    scale = getattr(a, "softmax_scale", None)
+    if scale is not None and abs(scale - (a.hidden_size // a.num_attention_heads) ** -0.5) > 1e-12 * scale:
+        raise ValueError(f"the checkpoint's args.softmax_scale={scale} cannot be converted: GPTModel's attention "
+                         f"scales by 1/sqrt(head dim)")
     kv = getattr(a, "kv_channels", None)
     if kv is not None and kv * a.num_attention_heads != a.hidden_size:
         raise ValueError(f"the checkpoint's args.kv_channels={kv} cannot be converted: GPTModel's head dim is "

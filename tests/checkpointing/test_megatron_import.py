@@ -368,16 +368,18 @@ def _megatron_run_args(**changes) -> argparse.Namespace:
         **dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
                padded_vocab_size=128, tokenizer_type="NullTokenizer", vocab_size=127, seq_length=16,
                global_batch_size=4, consumed_train_samples=12, hidden_dropout=0.1, attention_dropout=0.1, seed=42,
-               train_iters=1000, eval_interval=500, eval_iters=7, eod_mask_loss=True, clip_grad=1.0),
+               train_iters=1000, eval_interval=500, eval_iters=7, eod_mask_loss=True, clip_grad=1.0,
+               calculate_per_token_loss=True),
         **changes})
 
 
 def test_the_printed_command_continues_megatron_lms_run_not_the_preset():
     """pretrain_gpt.py of the printed command (plus --mock-data) has the Megatron-LM run's dropout, seed,
     --train-iters and evaluation sizes (which fix the train and validation samples: megatron-core's sample
-    count), and --eod-mask-loss. Catches the flags left to megatron-lite's --model-preset tiny, which fills what
-    is not given with its recipe: dropout 0.0 (Megatron-LM's default 0.1), train_iters 200, eval 100 x 5. A run
-    with --reset-position-ids (which megatron-lite lacks) is refused naming it."""
+    count), --eod-mask-loss and --calculate-per-token-loss. Catches the flags left to megatron-lite's
+    --model-preset tiny, which fills what is not given with its recipe: dropout 0.0 (Megatron-LM's default 0.1),
+    train_iters 200, eval 100 x 5. A run with --reset-position-ids (which megatron-lite lacks) is refused, and
+    one whose eod megatron-lite's tokenizer would change (--legacy-tokenizer's SentencePieceTokenizer: <EOD>)."""
     from megatron_lite.training.arguments import parse_args
 
     megatron = _megatron_run_args()
@@ -387,10 +389,50 @@ def test_the_printed_command_continues_megatron_lms_run_not_the_preset():
     args = parse_args(checkpoint_convert.megatron_flags(payload, megatron) + ["--mock-data", "--lr", "1e-3"],
                       world_size=1)
     for key in ("hidden_dropout", "attention_dropout", "seed", "train_iters", "eval_interval", "eval_iters",
-                "eod_mask_loss", "seq_length", "global_batch_size", "clip_grad"):
+                "eod_mask_loss", "seq_length", "global_batch_size", "clip_grad", "calculate_per_token_loss"):
         assert getattr(args, key) == getattr(megatron, key), key
     finetune = parse_args(checkpoint_convert.megatron_flags({**payload, files.WEIGHTS_ONLY_KEY: "x"}, megatron)
                           + ["--mock-data", "--lr", "1e-3", "--seq-length", "16"], world_size=1)
     assert (finetune.hidden_dropout, finetune.attention_dropout) == (0.1, 0.1)
     with pytest.raises(ValueError, match=r"args.reset_position_ids=True.*--weights-only"):
         checkpoint_convert.megatron_flags(payload, _megatron_run_args(reset_position_ids=True))
+    legacy = _megatron_run_args(legacy_tokenizer=True, tokenizer_type="SentencePieceTokenizer", tokenizer_model="m")
+    with pytest.raises(ValueError, match=r"args.legacy_tokenizer=True.*<EOD>.*--weights-only"):
+        checkpoint_convert.megatron_flags({**payload, "args": megatron_read.megatron_args_to_lite(legacy)}, legacy)
+
+
+@pytest.mark.parametrize("key, value", [("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True),
+                                        ("softmax_type", "off-by-one"), ("window_size", (128, 0)),
+                                        ("attention_output_gate", True), ("no_rope_freq", 4),
+                                        ("rotary_seq_len_interpolation_factor", 2), ("softmax_scale", 0.5)])
+def test_megatron_core_forward_options_gpt_model_lacks_are_refused(key, value):
+    """megatron-core 0.16.1 TransformerConfig fields (Megatron-LM args of the same name) that change the forward
+    pass: --apply-layernorm-1p stores each norm's weight minus one, a sliding window, an off-by-one softmax, an
+    attention output gate, layers without rope, an interpolated rope, another softmax scale. Each is refused
+    naming the arg; converted, the model would silently compute something else. The defaults convert."""
+    with pytest.raises(ValueError, match=f"args.{key}="):
+        megatron_read.megatron_args_to_lite(_megatron_run_args(**{key: value}))
+    megatron_read.megatron_args_to_lite(_megatron_run_args(softmax_scale=(32 // 4) ** -0.5, softmax_type="vanilla"))
+
+
+def test_no_pickled_call_runs_whatever_it_names(tmp_path):
+    """torch.save'd objects whose unpickling would call os.system, builtins.eval / exec, subprocess.Popen,
+    torch.save or io.open (each would create a file): foreign_pickle.load gives inert placeholders or refuses
+    the file, and no file appears. Catches an allow-list that lets a callable through or a placeholder that
+    calls what it stands for."""
+    marker = str(tmp_path / "ran")
+    traps = {"system": _Trap(os.system, f"touch {marker}-system"),
+             "eval": _Trap(eval, f"open({marker + '-eval'!r}, 'w')"),
+             "exec": _Trap(exec, f"open({marker + '-exec'!r}, 'w')"),
+             "popen": _Trap(subprocess.Popen, ["touch", marker + "-popen"]),
+             "save": _Trap(torch.save, 1, marker + "-save"), "open": _Trap(open, marker + "-open", "w")}
+    for name, trap in traps.items():
+        path = str(tmp_path / f"{name}.pt")
+        torch.save({"args": argparse.Namespace(num_layers=1), "extra": trap}, path)
+        try:
+            loaded = foreign_pickle.load(path, path)
+            assert isinstance(loaded["extra"], foreign_pickle.Placeholder), name
+            assert loaded["args"].num_layers == 1
+        except ValueError as e:
+            assert "cannot be read" in str(e), name
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ran")]
