@@ -361,6 +361,13 @@ def megatron_flags(payload: dict, megatron_args) -> list:
             raise ValueError(f"the checkpoint's args.{key}=True: megatron-lite's GPT batches have no --"
                              f"{key.replace('_', '-')} (the loss would change): convert the weights only "
                              f"(--weights-only)")
+    # megatron-lite's samples are megatron-core's GPTDataset in MegatronPretrainingSampler's order (Megatron-LM's
+    # default --dataloader-type single): another dataset or order would go on with other samples.
+    for key, value in (("dataloader_type", "single"), ("fim_data", False), ("sft", False)):
+        if getattr(megatron_args, key, value) not in (value, None):
+            raise ValueError(f"the checkpoint's args.{key}={getattr(megatron_args, key)!r}: megatron-lite reads "
+                             f"GPTDataset's samples in Megatron-LM's --dataloader-type single order only (resumed, "
+                             f"the run would train on other samples): convert the weights only (--weights-only)")
     flags += [f"--{k.replace('_', '-')}" for k in ("eod_mask_loss", "calculate_per_token_loss")
               if getattr(megatron_args, k, False)]
     schedule, groups = payload["opt_param_scheduler"], payload["optimizer"]["param_groups"]

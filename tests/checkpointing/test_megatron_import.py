@@ -378,8 +378,9 @@ def test_the_printed_command_continues_megatron_lms_run_not_the_preset():
     --train-iters and evaluation sizes (which fix the train and validation samples: megatron-core's sample
     count), --eod-mask-loss and --calculate-per-token-loss. Catches the flags left to megatron-lite's
     --model-preset tiny, which fills what is not given with its recipe: dropout 0.0 (Megatron-LM's default 0.1),
-    train_iters 200, eval 100 x 5. A run with --reset-position-ids (which megatron-lite lacks) is refused, and
-    one whose eod megatron-lite's tokenizer would change (--legacy-tokenizer's SentencePieceTokenizer: <EOD>)."""
+    train_iters 200, eval 100 x 5. A run with --reset-position-ids (which megatron-lite lacks) is refused, one
+    with another sample order (--dataloader-type cyclic, FIM data), and one whose eod megatron-lite's tokenizer
+    would change (--legacy-tokenizer's SentencePieceTokenizer: <EOD>)."""
     from megatron_lite.training.arguments import parse_args
 
     megatron = _megatron_run_args()
@@ -396,6 +397,9 @@ def test_the_printed_command_continues_megatron_lms_run_not_the_preset():
     assert (finetune.hidden_dropout, finetune.attention_dropout) == (0.1, 0.1)
     with pytest.raises(ValueError, match=r"args.reset_position_ids=True.*--weights-only"):
         checkpoint_convert.megatron_flags(payload, _megatron_run_args(reset_position_ids=True))
+    for change in (dict(dataloader_type="cyclic"), dict(fim_data=True)):
+        with pytest.raises(ValueError, match=rf"args.{next(iter(change))}=.*single.*--weights-only"):
+            checkpoint_convert.megatron_flags(payload, _megatron_run_args(**change))
     legacy = _megatron_run_args(legacy_tokenizer=True, tokenizer_type="SentencePieceTokenizer", tokenizer_model="m")
     with pytest.raises(ValueError, match=r"args.legacy_tokenizer=True.*<EOD>.*--weights-only"):
         checkpoint_convert.megatron_flags({**payload, "args": megatron_read.megatron_args_to_lite(legacy)}, legacy)
