@@ -104,7 +104,8 @@ def test_continuation_repeats_megatron_core_losses(megatron, tmp_path, single_ra
     """megatron-lite resumes from the converted checkpoint (optimizer state, step, schedule moved) and its 3 losses
     equal those megatron-core computed after its save, within 2e-6 relative (fp32 rounding of other kernels).
     Catches moments mapped to the wrong parameter (legacy index order) or not regrouped, a step or schedule
-    position off by one, the schedule left in samples."""
+    position off by one, the schedule left in samples. The save lies mid-warmup (3 of 4 iterations) and the
+    continuation runs into the cosine decay: a warmup one iteration short fails all five."""
     import mcore_save as ms
 
     from megatron_lite import (

@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 SAVE_AT, CONTINUE = 3, 3
 MICRO_BATCH, SEQ, VOCAB = 4, 8, 128  # one micro-batch per iteration: the global batch is MICRO_BATCH
 BUCKET_SIZE = 8000
-LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY, BETAS, EPS = 1e-3, 1e-4, 2, 8, 0.1, (0.9, 0.95), 1e-8
+# The save (iteration 3) lies mid-warmup; the continuation ends the warmup and goes on into the cosine decay.
+LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY, BETAS, EPS = 1e-3, 1e-4, 4, 8, 0.1, (0.9, 0.95), 1e-8
 
 LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB,
              max_position_embeddings=16, normalization="RMSNorm", gated_linear_unit=True, activation_func="silu",
