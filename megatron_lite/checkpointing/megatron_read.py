@@ -300,6 +300,8 @@ def _optimizer_torch_dist(saved, tensors: Dict[str, torch.Tensor], objects: Dict
                                        f"{sorted(saved)[:4] if isinstance(saved, dict) else ''}) is not one this "
                                        f"reader knows (a chained optimizer of several?): convert the weights only "
                                        f"(--weights-only)")
+    if step is None and groups:  # FusedAdam (Transformer Engine's, apex's) counts it per group, not per parameter
+        step = groups[0].get("step")
     per_key: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if key.startswith("optimizer.state."):
@@ -504,7 +506,8 @@ def _optimizer_legacy(saved, model: Dict[str, torch.Tensor], where: str) -> dict
                         f"{where}: optimizer state {index} {field} has shape {list(value.shape)}, the parameter it "
                         f"maps to ({name}) {list(model[name].shape)}: the param-group order is not megatron-core's "
                         f"default: {FULLY_RESHARDABLE_REMEDY}")
-            state[name] = _adam_entry(fields, entry.get("step"), f"{where}: optimizer state {index}")
+            state[name] = _adam_entry(fields, entry.get("step", group.get("step")),  # FusedAdam: the group's
+                                      f"{where}: optimizer state {index}")
     return {"groups": groups, "state": state}
 
 
@@ -551,6 +554,10 @@ def _to_lite_optimizer(saved: dict, model: Dict[str, torch.Tensor], heads: int, 
     state = {}
     for name, fields in saved["state"].items():
         step = fields.pop("step")
+        if step is None:  # 0 would restart Adam's bias correction: updates several times too large
+            raise OptimizerStateUnreadable(f"{where}: the optimizer state of {name} has no step (neither per "
+                                           f"parameter nor in its param group): convert the weights only "
+                                           f"(--weights-only)")
         fields.setdefault("param", model[name])
         # The main params are what the weights were cast from: a mismatch means the state sits at other
         # parameters' positions (megatron-core 0.16.1's fully_reshardable save of several buckets does that).
@@ -563,7 +570,7 @@ def _to_lite_optimizer(saved: dict, model: Dict[str, torch.Tensor], heads: int, 
                 f"only (--weights-only)")
         entry = {f: (megatron_lm.qkv_from_megatron(v, heads, groups) if megatron_lm.is_qkv(name) else v).to(
             torch.float32, copy=True) for f, v in fields.items()}
-        entry["step"] = int(step.item() if isinstance(step, torch.Tensor) else (step or 0))
+        entry["step"] = int(step.item() if isinstance(step, torch.Tensor) else step)
         state[megatron_lm.name_from_megatron(name)] = entry
     lite_groups = []
     for group in saved["groups"]:

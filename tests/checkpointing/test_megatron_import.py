@@ -441,3 +441,27 @@ def test_no_pickled_call_runs_whatever_it_names(tmp_path):
         except ValueError as e:
             assert "cannot be read" in str(e), name
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ran")]
+
+
+@pytest.mark.parametrize("name", ["gpt2_torch", "gpt2_dist"])
+def test_fused_adams_step_in_the_param_groups_is_read(megatron, tmp_path, name):
+    """On a GPU Megatron-LM's Adam is Transformer Engine's (or apex's) FusedAdam, which counts the step in each
+    param group, not per parameter; megatron-core then saves no per-parameter step (torch_dist: no common_step,
+    optimizer.py _extract_common_per_param_step). This CPU run used torch's AdamW: its checkpoint is rewritten
+    in FusedAdam's form. Every parameter must get the group's step, 3: with 0, Adam's bias correction starts
+    over and the resumed updates are several times too large, silently."""
+    import mcore_save as ms
+
+    root = tmp_path / name
+    shutil.copytree(os.path.join(megatron[0], name), root)
+    path = root / "iter_0000003" / ("mp_rank_00/model_optim_rng.pt" if name == "gpt2_torch" else "common.pt")
+    state = torch.load(path, weights_only=False)
+    saved = state["optimizer"]
+    steps = [entry.pop("step") for entry in saved["state"].values() if isinstance(entry, dict)]
+    steps += [saved["state"].pop("common_step")] if "common_step" in saved["state"] else []
+    assert steps and all(int(s) == ms.SAVE_AT for s in steps)
+    for group in saved["param_groups"]:
+        group["step"] = ms.SAVE_AT
+    torch.save(state, path)
+    payload, _ = megatron_read.read_megatron(str(root))
+    assert {entry["step"] for entry in payload["optimizer"]["state"].values()} == {ms.SAVE_AT}
