@@ -572,6 +572,12 @@ def _to_lite_optimizer(saved: dict, model: Dict[str, torch.Tensor], heads: int, 
             torch.float32, copy=True) for f, v in fields.items()}
         entry["step"] = int(step.item() if isinstance(step, torch.Tensor) else step)
         state[megatron_lm.name_from_megatron(name)] = entry
+    schedules = {(g.get("max_lr"), g.get("min_lr")) for g in saved["groups"]}
+    if len(schedules) > 1:  # megatron-core's scheduler follows each group's own; megatron-lite's one times lr_mult
+        raise OptimizerStateUnreadable(f"{where}: the param groups have learning rates of their own (max_lr, min_lr: "
+                                       f"{sorted(schedules, key=str)}; --decoupled-lr or param-group overrides), "
+                                       f"which megatron-lite's one schedule does not continue: convert the weights "
+                                       f"only (--weights-only)")
     lite_groups = []
     for group in saved["groups"]:
         lite_groups.append({"wd_mult": float(group.get("wd_mult", 1.0)), "lr_mult": float(group.get("lr_mult", 1.0)),

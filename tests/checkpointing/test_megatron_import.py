@@ -465,3 +465,15 @@ def test_fused_adams_step_in_the_param_groups_is_read(megatron, tmp_path, name):
     torch.save(state, path)
     payload, _ = megatron_read.read_megatron(str(root))
     assert {entry["step"] for entry in payload["optimizer"]["state"].values()} == {ms.SAVE_AT}
+
+
+def test_param_groups_with_their_own_learning_rate_are_refused(megatron, tmp_path, capsys):
+    """megatron-core's scheduler gives each param group its own max_lr / min_lr (--decoupled-lr, param-group
+    overrides); megatron-lite's one schedule times lr_mult cannot continue that: refused naming max_lr and the
+    remedy, not resumed with the main learning rate for every parameter."""
+    def decoupled(state):
+        state["optimizer"]["param_groups"][1]["max_lr"] = 2 * state["optimizer"]["param_groups"][1]["max_lr"]
+
+    source = _legacy_copy(megatron, tmp_path / "a", decoupled)
+    err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "a" / "c"))
+    assert "max_lr" in err and "--weights-only" in err
