@@ -264,6 +264,11 @@ def _adam_entry(fields: Dict[str, torch.Tensor], step, where: str) -> Dict[str, 
     if not {"exp_avg", "exp_avg_sq"} <= set(fields):
         raise OptimizerStateUnreadable(f"{where}: optimizer state with fields {sorted(fields)}, not Adam's "
                                        f"exp_avg / exp_avg_sq: convert the weights only (--weights-only)")
+    other = sorted(set(fields) - {"exp_avg", "exp_avg_sq", "param"})
+    if other:  # e.g. FusedAdam's 'master_param' (--use-precision-aware-optimizer), amsgrad's max_exp_avg_sq
+        raise OptimizerStateUnreadable(f"{where}: optimizer state field(s) {other} are not converted (only "
+                                       f"exp_avg, exp_avg_sq, the step and the fp32 main params): convert the "
+                                       f"weights only (--weights-only)")
     return {**fields, "step": step}
 
 

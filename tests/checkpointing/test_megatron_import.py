@@ -477,3 +477,16 @@ def test_param_groups_with_their_own_learning_rate_are_refused(megatron, tmp_pat
     source = _legacy_copy(megatron, tmp_path / "a", decoupled)
     err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "a" / "c"))
     assert "max_lr" in err and "--weights-only" in err
+
+
+def test_optimizer_fields_it_does_not_convert_are_refused(megatron, tmp_path, capsys):
+    """An Adam state with fields beyond exp_avg / exp_avg_sq / step / the main params (Transformer Engine's
+    FusedAdam with --use-precision-aware-optimizer keeps the fp32 master values as 'master_param', amsgrad its
+    max_exp_avg_sq) is refused naming the field, not converted without it (the bf16 weights taken as the mains)."""
+    def precision_aware(state):
+        entry = state["optimizer"]["state"][0]
+        entry["master_param"] = entry["exp_avg"].clone()
+
+    source = _legacy_copy(megatron, tmp_path / "a", precision_aware)
+    err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "a" / "c"))
+    assert "master_param" in err and "--weights-only" in err
