@@ -427,8 +427,9 @@ def main(argv=None):
                    help="Megatron-LM's --ckpt-format: torch_dist (its default; loads with and without "
                         "--use-distributed-optimizer) or torch (legacy mp_rank_00 files; without it)")
     m.add_argument("--megatron-transformer-impl", choices=list(megatron_write.TRANSFORMER_IMPLS),
-                   help="legacy torch: the parameter names of Megatron-LM's "
-                   "--transformer-impl that loads it (default Megatron-LM's, transformer_engine)")
+                   help="Megatron-LM's --transformer-impl that loads it, in the printed flags (default "
+                   "Megatron-LM's, transformer_engine); legacy torch writes its parameter names (torch_dist loads "
+                   "with either)")
     g = p.add_argument_group("--to hf: the run's tokenizer where the checkpoint does not record it (pretrain_gpt.py's)")
     g.add_argument("--tokenizer-type", choices=lite_tokenizers.TOKENIZER_TYPES)
     lite_tokenizers.add_tokenizer_file_arguments(g)

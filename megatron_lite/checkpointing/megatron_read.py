@@ -98,8 +98,11 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Tuple[int, st
                          f"mp_rank_00 alone is read. Re-save it in Megatron-LM with --ckpt-format torch_dist "
                          f"(global tensors, any parallelism)")
     if not os.path.isfile(os.path.join(directory, LEGACY_FILE)):
+        own = os.path.isfile(os.path.join(directory, files.MANIFEST_FILENAME))
         raise ValueError(f"{directory} has neither metadata.json (torch_dist) nor {LEGACY_FILE} (torch): not a "
-                         f"Megatron-LM checkpoint")
+                         f"Megatron-LM checkpoint; " + ("it is megatron-lite's own (manifest.json): give it to "
+                         "pretrain_gpt.py --load as it is, or convert it without --from" if own else
+                         "give --input a Megatron-LM --save directory"))
     return iteration, directory, "torch"
 
 

@@ -490,3 +490,17 @@ def test_optimizer_fields_it_does_not_convert_are_refused(megatron, tmp_path, ca
     source = _legacy_copy(megatron, tmp_path / "a", precision_aware)
     err = refused(capsys, "--from", "megatron", "--input", source, "--output", str(tmp_path / "a" / "c"))
     assert "master_param" in err and "--weights-only" in err
+
+
+def test_a_megatron_lite_checkpoint_given_to_from_megatron_is_named(tmp_path):
+    """--from megatron on megatron-lite's own --save directory said only 'not a Megatron-LM checkpoint': the
+    refusal names what it is (its manifest.json) and the remedy; another directory gets the right --input."""
+    own = tmp_path / "lite" / "iter_0000006"
+    own.mkdir(parents=True)
+    (own / files.MANIFEST_FILENAME).write_text("{}")
+    (tmp_path / "lite" / megatron_read.TRACKER).write_text("6")
+    with pytest.raises(ValueError, match=r"megatron-lite's own \(manifest.json\).*pretrain_gpt.py --load"):
+        megatron_read.find_checkpoint(str(tmp_path / "lite"))
+    (tmp_path / "other" / "iter_0000001").mkdir(parents=True)
+    with pytest.raises(ValueError, match="give --input a Megatron-LM --save directory"):
+        megatron_read.find_checkpoint(str(tmp_path / "other" / "iter_0000001"))
