@@ -24,7 +24,8 @@ Query head j reads key/value group j // (H / G) in both. Copying the rows as the
 unexpected key and computes garbage: qkv_to_megatron / qkv_from_megatron regroup them.
 """
 
-from typing import Dict
+import os
+from typing import Dict, List
 
 import torch
 
@@ -35,6 +36,41 @@ TE_NORM_NAMES = {
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 """Transformer Engine's fused-norm parameter names (per layer) -> the local spec's (megatron-lite's)."""
+
+LEGACY_FILENAME = os.path.join("mp_rank_00", "model_optim_rng.pt")
+"""Megatron-LM's legacy `torch` checkpoint file inside iter_XXXXXXX/ (one tensor- and pipeline-parallel rank)."""
+
+LAYER_STATE_DICT_ORDER = {
+    "local": ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_proj.weight",
+              "self_attention.linear_proj.bias", "self_attention.linear_proj._extra_state",
+              "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+              "self_attention.linear_qkv._extra_state", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+              "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc1._extra_state",
+              "mlp.linear_fc2.weight", "mlp.linear_fc2.bias", "mlp.linear_fc2._extra_state"),
+    "transformer_engine": ("self_attention.core_attention._extra_state", "self_attention.linear_proj.weight",
+                           "self_attention.linear_proj.bias", "self_attention.linear_proj._extra_state",
+                           "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+                           "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                           "self_attention.linear_qkv._extra_state", "mlp.linear_fc1.layer_norm_weight",
+                           "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+                           "mlp.linear_fc1._extra_state", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+                           "mlp.linear_fc2._extra_state"),
+}
+"""megatron-core GPTModel.state_dict()'s keys of one layer, in order (module registration order, each module's
+weight, bias, then `_extra_state`), per --transformer-impl: the local spec's norms are modules of their own;
+Transformer Engine's sit inside linear_qkv / linear_fc1 before their weight, and its core_attention has an
+`_extra_state`. The legacy optimizer numbers the parameters in this order (megatron_read), the legacy export
+writes it (megatron_write)."""
+
+
+def state_dict_order(layers: int, transformer_impl: str) -> List[str]:
+    """megatron-core GPTModel.state_dict() keys in order: embeddings, LAYER_STATE_DICT_ORDER per layer, the final
+    norm, the output layer. Parameters and `_extra_state` entries a model does not have are the caller's to
+    leave out."""
+    return ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+            *[f"decoder.layers.{i}.{rest}" for i in range(layers) for rest in LAYER_STATE_DICT_ORDER[transformer_impl]],
+            "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
+            "output_layer._extra_state"]
 
 
 def _qkv_blocks(tensor: torch.Tensor, num_heads: int, num_groups: int):

@@ -48,9 +48,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import dcp_metadata, files, foreign_pickle, megatron_lm
+from .megatron_lm import LEGACY_FILENAME
 
-TRACKER = "latest_checkpointed_iteration.txt"
-LEGACY_FILE = os.path.join("mp_rank_00", "model_optim_rng.pt")
 FULLY_RESHARDABLE_REMEDY = ("re-save it in Megatron-LM with --ckpt-format torch_dist "
                             "--dist-ckpt-optim-fully-reshardable (load it and save again), or convert the weights "
                             "only (--weights-only) and train on with pretrain_gpt.py --finetune")
@@ -70,10 +69,10 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Tuple[int, st
         iteration = 0 if name == "release" else int(name[len("iter_"):])
     else:
         if iteration is None:
-            tracker = os.path.join(root, TRACKER)
+            tracker = os.path.join(root, files.TRACKER_FILENAME)
             if not os.path.isfile(tracker):
-                raise ValueError(f"--input {root} has no {TRACKER}: give a Megatron-LM --save directory, an "
-                                 f"iter_* directory in it, or --iteration N")
+                raise ValueError(f"--input {root} has no {files.TRACKER_FILENAME}: give a Megatron-LM --save "
+                                 f"directory, an iter_* directory in it, or --iteration N")
             with open(tracker) as f:
                 text = f.read().strip()
             if text != "release" and not text.isdigit():
@@ -97,9 +96,9 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Tuple[int, st
         raise ValueError(f"{directory} holds {parallel[:3]}: a tensor- or pipeline-parallel legacy checkpoint; only "
                          f"mp_rank_00 alone is read. Re-save it in Megatron-LM with --ckpt-format torch_dist "
                          f"(global tensors, any parallelism)")
-    if not os.path.isfile(os.path.join(directory, LEGACY_FILE)):
+    if not os.path.isfile(os.path.join(directory, LEGACY_FILENAME)):
         own = os.path.isfile(os.path.join(directory, files.MANIFEST_FILENAME))
-        raise ValueError(f"{directory} has neither metadata.json (torch_dist) nor {LEGACY_FILE} (torch): not a "
+        raise ValueError(f"{directory} has neither metadata.json (torch_dist) nor {LEGACY_FILENAME} (torch): not a "
                          f"Megatron-LM checkpoint; " + ("it is megatron-lite's own (manifest.json): give it to "
                          "pretrain_gpt.py --load as it is, or convert it without --from" if own else
                          "give --input a Megatron-LM --save directory"))
@@ -183,10 +182,10 @@ def read_megatron(root: str, iteration: Optional[int] = None,
         rng = next((v for k, v in objects.items() if k.startswith("rng_state/")), None)
         state = dict(common, rng_state=rng)
     else:
-        state = foreign_pickle.load(os.path.join(directory, LEGACY_FILE), os.path.join(directory, LEGACY_FILE))
+        state = foreign_pickle.load(os.path.join(directory, LEGACY_FILENAME), os.path.join(directory, LEGACY_FILENAME))
         if not isinstance(state, dict) or "model" not in state:
-            raise ValueError(f"{directory}/{LEGACY_FILE} holds no 'model': not a Megatron-LM checkpoint")
-        args = _namespace(state.get("args"), f"{directory}/{LEGACY_FILE}")
+            raise ValueError(f"{directory}/{LEGACY_FILENAME} holds no 'model': not a Megatron-LM checkpoint")
+        args = _namespace(state.get("args"), f"{directory}/{LEGACY_FILENAME}")
         model = {k: v for k, v in state["model"].items()
                  if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         tensors, objects = {}, {}
@@ -519,35 +518,25 @@ def _optimizer_legacy(saved, model: Dict[str, torch.Tensor], where: str) -> dict
     return {"groups": groups, "state": state}
 
 
-_LOCAL_LAYER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv", "pre_mlp_layernorm",
-                "mlp.linear_fc1", "mlp.linear_fc2")
-_TE_LAYER = ("self_attention.linear_proj", "self_attention.linear_qkv.layer_norm", "self_attention.linear_qkv",
-             "mlp.linear_fc1.layer_norm", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
 def legacy_registration_order(names: List[str]) -> List[str]:
     """megatron-core GPTModel.named_parameters() order of a legacy model state dict's parameter names (what the
-    optimizer's indices follow): embeddings; per layer the local spec's modules [input_layernorm, linear_proj,
-    linear_qkv, pre_mlp_layernorm, linear_fc1, linear_fc2] or Transformer Engine's [linear_proj, linear_qkv
-    with its norm first, linear_fc1 with its norm first, linear_fc2], weight before bias; the final norm; the
-    output layer. Megatron-LM's own files list them so; a name outside these keeps its place after them."""
-    layer = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.((?:layer_norm_)?(?:weight|bias))")
+    optimizer's indices follow): embeddings; per layer megatron_lm.LAYER_STATE_DICT_ORDER of the local spec or,
+    where the norms carry Transformer Engine's names, of Transformer Engine's; the final norm; the output layer.
+    Megatron-LM's own files list them so; a name outside these keeps its place after them."""
+    layer = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
     te = any(n.endswith("linear_qkv.layer_norm_weight") for n in names)
-    modules = _TE_LAYER if te else _LOCAL_LAYER
+    per_layer = megatron_lm.LAYER_STATE_DICT_ORDER["transformer_engine" if te else "local"]
 
     def rank(item):
         position, name = item
         found = layer.fullmatch(name)
         if name.startswith("embedding."):
-            return (0, 0, 0, 0, position)
+            return (0, 0, 0, position)
         if found is None:
-            return (2 if name.startswith(("decoder.final_layernorm", "output_layer")) else 3, 0, 0, 0, position)
-        module, field = found.group(2), found.group(3)
-        if field.startswith("layer_norm_"):
-            module, field = f"{module}.layer_norm", field[len("layer_norm_"):]
-        if module not in modules:
-            return (3, 0, 0, 0, position)
-        return (1, int(found.group(1)), modules.index(module), field == "bias", position)
+            return (2 if name.startswith(("decoder.final_layernorm", "output_layer")) else 3, 0, 0, position)
+        if found.group(2) not in per_layer:
+            return (3, 0, 0, position)
+        return (1, int(found.group(1)), per_layer.index(found.group(2)), position)
 
     return [name for _, name in sorted(enumerate(names), key=rank)]
 

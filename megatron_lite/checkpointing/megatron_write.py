@@ -43,10 +43,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from . import experts, files
-from .megatron_lm import TE_NORM_NAMES, is_qkv, name_to_megatron, qkv_to_megatron
+from .megatron_lm import LEGACY_FILENAME, TE_NORM_NAMES, is_qkv, name_to_megatron, qkv_to_megatron, state_dict_order
 
 MEGATRON_CHECKPOINT_VERSION = 3.0  # Megatron-LM's state_dict['checkpoint_version']
-LEGACY_FILENAME = os.path.join("mp_rank_00", "model_optim_rng.pt")
 FORMATS = ("torch_dist", "torch")
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 _LOCAL_NORMS = {local: te for te, local in TE_NORM_NAMES.items()}  # input_layernorm.weight -> linear_qkv.layer_...
@@ -355,7 +354,7 @@ def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_opt
     layers = int(payload["args"]["num_layers"])
     weights = model_state(payload, transformer_impl)
     # GPTModel.state_dict()'s order (readers take the parameters' order from it), `_extra_state` entries included.
-    model = {k: weights.get(k) for k in _state_dict_order(layers, transformer_impl) if k in weights or
+    model = {k: weights.get(k) for k in state_dict_order(layers, transformer_impl) if k in weights or
              k.endswith("._extra_state")}
     state = {"args": megatron_args(payload, "torch", with_optimizer),
              "checkpoint_version": MEGATRON_CHECKPOINT_VERSION, "iteration": int(payload["iteration"]),
@@ -380,35 +379,6 @@ def _write_legacy(directory: str, payload: dict, transformer_impl: str, with_opt
         state["opt_param_scheduler"] = scheduler_state(payload)
     os.makedirs(os.path.join(directory, "mp_rank_00"))
     torch.save(state, os.path.join(directory, LEGACY_FILENAME))
-
-
-_LOCAL_LAYER = ["input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_proj.weight",
-                "self_attention.linear_proj.bias", "self_attention.linear_proj._extra_state",
-                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                "self_attention.linear_qkv._extra_state", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc1._extra_state", "mlp.linear_fc2.weight",
-                "mlp.linear_fc2.bias", "mlp.linear_fc2._extra_state"]
-_TE_LAYER = ["self_attention.core_attention._extra_state", "self_attention.linear_proj.weight",
-             "self_attention.linear_proj.bias", "self_attention.linear_proj._extra_state",
-             "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-             "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-             "self_attention.linear_qkv._extra_state", "mlp.linear_fc1.layer_norm_weight",
-             "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-             "mlp.linear_fc1._extra_state", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-             "mlp.linear_fc2._extra_state"]
-
-
-def _state_dict_order(layers: int, transformer_impl: str) -> List[str]:
-    """megatron-core GPTModel.state_dict() keys in order (module registration order; a module's `_extra_state`
-    after its parameters): embeddings, per layer [norm, linear_proj, linear_qkv, norm, linear_fc1, linear_fc2]
-    (local: the norms are modules of their own; Transformer Engine: inside linear_qkv / linear_fc1 before their
-    weight, and core_attention has an `_extra_state` of its own), final norm, output layer. Parameters and
-    `_extra_state` entries the model does not have are left out by the caller."""
-    per_layer = _TE_LAYER if transformer_impl == "transformer_engine" else _LOCAL_LAYER
-    return ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-            *[f"decoder.layers.{i}.{rest}" for i in range(layers) for rest in per_layer],
-            "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
-            "output_layer._extra_state"]
 
 
 def export(output: str, payload: dict, ckpt_format: str = "torch_dist",

@@ -498,7 +498,7 @@ def test_a_megatron_lite_checkpoint_given_to_from_megatron_is_named(tmp_path):
     own = tmp_path / "lite" / "iter_0000006"
     own.mkdir(parents=True)
     (own / files.MANIFEST_FILENAME).write_text("{}")
-    (tmp_path / "lite" / megatron_read.TRACKER).write_text("6")
+    (tmp_path / "lite" / files.TRACKER_FILENAME).write_text("6")
     with pytest.raises(ValueError, match=r"megatron-lite's own \(manifest.json\).*pretrain_gpt.py --load"):
         megatron_read.find_checkpoint(str(tmp_path / "lite"))
     (tmp_path / "other" / "iter_0000001").mkdir(parents=True)
