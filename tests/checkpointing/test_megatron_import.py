@@ -99,6 +99,21 @@ def test_skipping_the_qkv_regrouping_is_caught(megatron, monkeypatch):
         assert (logits - reference[RUNS[name]]["logits"]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("legacy, by_key", [("gpt2_torch", "gpt2_dist"), ("llama_torch", "llama_dp")])
+def test_legacy_index_order_gives_the_state_torch_dist_keys_by_name(megatron, tmp_path, legacy, by_key):
+    """The legacy optimizer numbers its parameters (megatron-core's param-group and registration order,
+    megatron_lm.LAYER_STATE_DICT_ORDER); torch_dist names them. megatron-core saved the same state both ways, so
+    both convert to the same state, bit for bit. Catches an index order that maps moments to another parameter
+    of the same shape (a norm's weight and bias), which the short continuation's losses do not resolve."""
+    one = convert(os.path.join(megatron[0], legacy), str(tmp_path / "legacy"))["optimizer"]["state"]
+    other = convert(os.path.join(megatron[0], by_key), str(tmp_path / "by_key"))["optimizer"]["state"]
+    assert one.keys() == other.keys()
+    for name, fields in one.items():
+        assert fields.keys() == other[name].keys(), name
+        for field, value in fields.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other[name][field])), (name, field)
+
+
 @pytest.mark.parametrize("name", RESUMABLE)
 def test_continuation_repeats_megatron_core_losses(megatron, tmp_path, single_rank_group, name):
     """megatron-lite resumes from the converted checkpoint (optimizer state, step, schedule moved) and its 3 losses
