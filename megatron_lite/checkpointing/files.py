@@ -53,7 +53,7 @@ WEIGHTS_ONLY_KEY = "weights_only"
 ABSENT_ARGS = {"openai_gelu": False}
 LAST_WORDS_DIRNAME = "last_words"
 LOCK_FILENAME = "job.lock"
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
 # ------------------------------------------------------------------------------------------ naming
@@ -71,15 +71,15 @@ def last_words_dir(root: str, iteration: int) -> str:
     return os.path.join(root, LAST_WORDS_DIRNAME, _iteration_name(iteration))
 
 
-def _iteration_entries(base: str) -> Dict[int, str]:
+def iteration_entries(base: str) -> Dict[int, str]:
     """iteration -> path of every entry of `base` named like an iteration's directory (complete or not)."""
     names = os.listdir(base) if os.path.isdir(base) else []
-    return {int(m.group(1)): os.path.join(base, m.group(0)) for m in map(_ITER_DIR.match, names) if m}
+    return {int(m.group(1)): os.path.join(base, m.group(0)) for m in map(ITER_DIR.match, names) if m}
 
 
 def last_words_entries(root: str) -> Dict[int, str]:
     """iteration -> directory of every last-words set under the --save directory `root` (complete or not)."""
-    return _iteration_entries(os.path.join(root, LAST_WORDS_DIRNAME))
+    return iteration_entries(os.path.join(root, LAST_WORDS_DIRNAME))
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
@@ -273,7 +273,7 @@ def verify(directory: str) -> Dict[str, dict]:
 
 def complete_checkpoints(root: str) -> Dict[int, str]:
     """iteration -> directory of every checkpoint under `root` that has a manifest (a finished save)."""
-    return {iteration: path for iteration, path in _iteration_entries(root).items()
+    return {iteration: path for iteration, path in iteration_entries(root).items()
             if os.path.exists(os.path.join(path, MANIFEST_FILENAME))}
 
 
@@ -296,7 +296,7 @@ def find_latest(root: str) -> Tuple[Optional[int], Optional[str]]:
     else put it there, and resuming from an older checkpoint past it must be the user's decision."""
     complete = complete_checkpoints(root)
     newest = max(complete) if complete else None
-    partial = [iteration for iteration in _iteration_entries(root) if iteration not in complete]
+    partial = [iteration for iteration in iteration_entries(root) if iteration not in complete]
     if partial and (newest is None or max(partial) > newest):
         raise ValueError(f"{checkpoint_dir(root, max(partial))} has no {MANIFEST_FILENAME}: it is not a complete "
                          f"checkpoint of this megatron_lite version. Move it away to resume from "

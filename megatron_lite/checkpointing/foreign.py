@@ -25,7 +25,6 @@ from typing import Optional
 
 from . import files
 
-_ITER = re.compile(r"^iter_(\d{7,})$")
 _GLOBAL_STEP = re.compile(r"^global_step(\d+)$")
 _MP_RANK = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")  # mp_rank_TP[_PP][_EP]
 _DEEPSPEED_FILE = re.compile(r"^(mp_rank_\d+_model_states\.pt|.*zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"
@@ -43,14 +42,14 @@ def describe_foreign(directory: str) -> Optional[str]:
     if not os.path.isdir(directory):
         return None
     names = set(os.listdir(directory))
-    iterations = {int(m.group(1)): name for name in names if (m := _ITER.match(name))}
+    iterations = files.iteration_entries(directory)
     lite = max(files.complete_checkpoints(directory), default=None) if iterations else None
     # Newest first: Megatron-LM writes an iteration in place (metadata.json last), so the newest one may be
     # a save in progress, or a crashed one, beside complete older ones (its tracker names the newest complete).
     for iteration in sorted(iterations, reverse=True):
         if lite is not None and iteration <= lite:
             return None  # megatron-lite's, maybe with something else newer: the loader names it
-        kind = _megatron_kind(os.path.join(directory, iterations[iteration]))
+        kind = _megatron_kind(iterations[iteration])
         if kind:
             return _megatron_root(directory, kind, iteration, lite)
     kind = _megatron_kind(os.path.join(directory, "release"))  # Megatron-LM's tracker can say 'release'
@@ -112,7 +111,7 @@ def _megatron_root(directory: str, kind: str, newest, lite: Optional[int] = None
 
 def _megatron_one(directory: str, kind: str) -> str:
     parent = os.path.dirname(os.path.normpath(directory)) or "."
-    match = _ITER.match(os.path.basename(os.path.normpath(directory)))
+    match = files.ITER_DIR.match(os.path.basename(os.path.normpath(directory)))
     iteration = f" --iteration {int(match.group(1))}" if match else ""
     return (f"{directory} is one Megatron-LM checkpoint ({_format(kind)}), not a megatron-lite --load directory: "
             f"convert the directory that holds it with `{CONVERTER} --from megatron --input {parent}{iteration} "
