@@ -47,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..optimizer import no_weight_decay
 from . import dcp_metadata, files, foreign_pickle, megatron_lm
 from .megatron_lm import LEGACY_FILENAME
 
@@ -490,7 +491,7 @@ def _optimizer_legacy(saved, model: Dict[str, torch.Tensor], where: str) -> dict
                                        f"reader knows: convert the weights only (--weights-only)")
     groups = _param_groups(torch_state["param_groups"], where)
     names = legacy_registration_order(list(model))
-    no_decay = {n: n.endswith(".bias") or model[n].dim() == 1 for n in names}
+    no_decay = {n: no_weight_decay(n, model[n]) for n in names}
     state, index_to_name = {}, {}
     for g, group in enumerate(groups):
         members = [n for n in names if no_decay[n] == (group.get("wd_mult", 1.0) == 0.0)]

@@ -42,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from ..optimizer import no_weight_decay
 from . import experts, files
 from .megatron_lm import LEGACY_FILENAME, TE_NORM_NAMES, is_qkv, name_to_megatron, qkv_to_megatron, state_dict_order
 
@@ -133,11 +134,6 @@ def has_adam_state(payload: dict) -> bool:
             and all({"exp_avg", "exp_avg_sq"} <= set(entry) for entry in state.values()))
 
 
-def _no_decay(key: str, tensor: torch.Tensor) -> bool:
-    """megatron-core's (and megatron-lite's) rule: biases and 1-D parameters get wd_mult 0."""
-    return key.endswith(".bias") or tensor.dim() == 1
-
-
 def param_groups(payload: dict, order: List[str], params: Dict[str, torch.Tensor]) -> List[dict]:
     """megatron-core's param groups (get_megatron_optimizer's _get_param_groups: the default group first, then
     wd_mult 0), each {'params': [model keys in `order`], hyperparameters}, from megatron-lite's groups."""
@@ -152,7 +148,7 @@ def param_groups(payload: dict, order: List[str], params: Dict[str, torch.Tensor
                          f"trained without them")
     groups = []
     for wd_mult in (1.0, 0.0):
-        keys = [k for k in order if _no_decay(k, params[k]) == (wd_mult == 0.0)]
+        keys = [k for k in order if no_weight_decay(k, params[k]) == (wd_mult == 0.0)]
         if not keys:
             continue
         lite = by_mult.get(wd_mult, by_mult.get(1.0))

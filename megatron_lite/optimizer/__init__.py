@@ -16,8 +16,14 @@ from .optimizer_config import OptimizerConfig
 __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "check_optimizer_matches_ddp", "MegatronOptimizer", "FP32Optimizer",
     "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ConstantGradScaler", "DynamicGradScaler",
-    "OptimizerKind", "optimizer_kind",
+    "OptimizerKind", "optimizer_kind", "no_weight_decay",
 ]
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule (megatron-core's _get_param_groups): biases and other 1-D parameters take no weight decay
+    (wd_mult 0). Also what Megatron-LM checkpoints' param groups follow (checkpointing/megatron_read, _write)."""
+    return name.endswith(".bias") or param.dim() == 1
 
 
 def _get_param_groups(model_chunks, config: OptimizerConfig) -> List[dict]:
@@ -28,8 +34,7 @@ def _get_param_groups(model_chunks, config: OptimizerConfig) -> List[dict]:
     groups = {}
     for chunk in model_chunks:
         for param, name in chunk.param_to_name.items():
-            no_wd = name.endswith(".bias") or param.dim() == 1
-            wd_mult = 0.0 if no_wd else 1.0
+            wd_mult = 0.0 if no_weight_decay(name, param) else 1.0
             use_muon = None if on_muon is None else param in on_muon
             group = groups.setdefault((bool(use_muon), wd_mult), {
                 "params": [], "wd_mult": wd_mult, "lr_mult": 1.0, "weight_decay": config.weight_decay * wd_mult,
