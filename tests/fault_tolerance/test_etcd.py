@@ -1,0 +1,254 @@
+"""megatron_lite/fault_tolerance/etcd.py: the etcd client, EtcdStore (TCPStore's semantics) and LocalEtcd.
+
+Real etcd processes on free local ports (skipped without the etcd binary: `apt-get install etcd-server`); every
+wait is bounded by a deadline and every cluster is stopped by LocalEtcd's context manager, also on failure.
+"""
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch.distributed as dist
+
+from megatron_lite.fault_tolerance.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdStore,
+    EtcdUnavailable,
+    LocalEtcd,
+    compare_value,
+    etcd_available,
+    etcd_command,
+    put_op,
+    range_op,
+)
+
+AVAILABLE, WHY = etcd_available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"etcd is not available: {WHY}")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """One single-member cluster for the tests that need no failover (each uses a prefix of its own)."""
+    with LocalEtcd(["127.0.0.1"]) as cluster:
+        yield cluster
+
+
+def _prefix() -> str:
+    return f"/test_etcd/{uuid.uuid4().hex[:8]}/"
+
+
+def _wait_until(condition, timeout_s: float, what: str):
+    deadline, pause = time.monotonic() + timeout_s, 0.01
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def test_client_key_operations(etcd):
+    """put/get/get_prefix/delete/delete_prefix, str and bytes alike (values come back as bytes)."""
+    client, p = EtcdClient(etcd.endpoints), _prefix()
+    assert client.get(p + "a") is None and client.get_with_revision(p + "a") is None
+    before = client.revision()
+    client.put(p + "a", "1")
+    client.put((p + "b").encode(), b"\xff\x00")
+    client.put(p + "c/d", "")
+    value, revision = client.get_with_revision(p + "a")
+    assert value == b"1" and revision > before and client.revision() >= revision
+    assert client.get(p + "b") == b"\xff\x00" and client.get(p + "c/d") == b""
+    assert client.get_prefix(p) == {p + "a": b"1", p + "b": b"\xff\x00", p + "c/d": b""}
+    assert client.count_prefix(p + "c/") == 1
+    assert client.delete(p + "a") and not client.delete(p + "a")
+    assert client.delete_prefix(p) == 2 and client.get_prefix(p) == {}
+    with pytest.raises(TypeError, match="str or bytes"):
+        client.put(p + "x", 1)
+    with pytest.raises(ValueError, match="host:port"):
+        EtcdClient(["localhost"])
+
+
+def test_create_replace_txn(etcd):
+    """create only when absent, replace only on the expected value (None: absent), txn's branches."""
+    client, p = EtcdClient(etcd.endpoints), _prefix()
+    assert client.create(p + "k", "first") and not client.create(p + "k", "second")
+    assert client.get(p + "k") == b"first"
+    assert not client.replace(p + "k", "wrong", "x") and client.get(p + "k") == b"first"
+    assert client.replace(p + "k", b"first", "third") and client.get(p + "k") == b"third"
+    assert not client.replace(p + "k", None, "x") and client.replace(p + "new", None, "y")
+    ok, responses = client.txn([compare_value(p + "k", "nope")], [put_op(p + "k", "z")], [range_op(p + "k")])
+    assert not ok and responses[0]["response_range"]["kvs"][0]["mod_revision"]
+    ok, _ = client.txn([compare_value(p + "k", "third")], [put_op(p + "k", "z")])
+    assert ok and client.get(p + "k") == b"z"
+
+
+def test_lease_keepalive_expiry_revoke(etcd):
+    """A key bound to a lease lives while the lease is kept alive (past its TTL), goes when it expires, and at
+    once when it is revoked; keepalive of a gone lease answers 0 and a put with it is refused."""
+    client, p = EtcdClient(etcd.endpoints), _prefix()
+    lease = client.lease_grant(1)
+    client.put(p + "alive", "1", lease=lease)
+    kept_until = time.monotonic() + 2.5  # 2.5 TTLs
+    while time.monotonic() < kept_until:
+        assert client.lease_keepalive(lease) >= 1
+        assert client.get(p + "alive") == b"1"
+        time.sleep(0.25)
+    _wait_until(lambda: client.get(p + "alive") is None, 6.0, "the lease's expiry")
+    assert client.lease_keepalive(lease) == 0
+    with pytest.raises(EtcdError, match="lease not found"):
+        client.put(p + "late", "1", lease=lease)
+    lease = client.lease_grant(30)
+    assert client.create(p + "leader", "me", lease=lease)
+    client.lease_revoke(lease)
+    assert client.get(p + "leader") is None and client.lease_keepalive(lease) == 0
+    client.lease_revoke(lease)  # already gone: fine
+    with pytest.raises(ValueError, match="ttl_s"):
+        client.lease_grant(0)
+
+
+def _store_calls(store):
+    """The TCPStore calls membership.py and launch.py make, with their results."""
+    short = datetime.timedelta(seconds=0.3)
+    out = [store.add("n", 3), store.add("n", -1), store.get("n"), store.add("n", 0)]
+    store.set("s", "v")
+    store.set("b", b"\xff")
+    out += [store.get("s"), store.get("b"), store.check(["s"]), store.check(["s", "missing"]), store.num_keys()]
+    out += [store.compare_set("cs", "", "1"), store.compare_set("cs", "", "2"), store.compare_set("cs", "1", "3"),
+            store.compare_set("cs", "1", "4"), store.compare_set("absent", "x", "y"), store.check(["absent"])]
+    store.set("empty", "")
+    out += [store.compare_set("empty", "", "filled")]
+    out += [store.delete_key("s"), store.delete_key("s"), store.check(["s"]), store.num_keys()]
+    store.wait(["n", "b"])
+    store.wait(["n"], short)
+    store.append("ap", "x")
+    store.append("ap", "y")
+    out += [store.get("ap"), store.multi_get(["n", "ap"])]
+    for call in (lambda: store.wait(["never"], short), lambda: store.get("never")):
+        store.set_timeout(short)
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="timeout"):
+            call()
+        out.append(time.monotonic() - started < 5.0)
+    return out
+
+
+def test_store_matches_tcpstore(etcd):
+    """EtcdStore answers every call membership.py and launch.py make exactly as TCPStore does: add returns the
+    new value, compare_set the stored value ("" = absent; an absent key answers `expected`), get/wait raise
+    DistStoreError past the timeout."""
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    expected = _store_calls(tcp)
+    store = EtcdStore(etcd.endpoints, _prefix())
+    assert _store_calls(store) == expected
+    assert EtcdStore.from_url(store.url).get("n") == b"2"
+    assert store.raw_key("n") == store.prefix + "n" and store.client.get(store.raw_key("n")) == b"2"
+    with pytest.raises(ValueError, match="etcd://"):
+        EtcdStore.from_url("tcp://127.0.0.1:1/x")
+    with pytest.raises(ValueError, match="starting with '/'"):
+        EtcdStore(etcd.endpoints, "job/store/")
+
+
+def test_store_add_is_atomic(etcd):
+    """Concurrent adds from several threads (each its own connection) lose nothing and return distinct values."""
+    store, results = EtcdStore(etcd.endpoints, _prefix()), []
+
+    def adder():
+        results.extend(store.add("counter", 1) for _ in range(15))
+    threads = [threading.Thread(target=adder) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(results) == list(range(1, 61)) and store.get("counter") == b"60"
+
+
+_GLOO_RANK = """
+import datetime, sys, torch, torch.distributed as dist
+from megatron_lite.fault_tolerance.etcd import EtcdStore
+store = EtcdStore.from_url(sys.argv[1], timeout_s=60)
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", store=dist.PrefixStore("gen_0", store), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+group = dist.new_group([0, 1])
+u = torch.tensor([10.0 * (rank + 1)])
+dist.all_reduce(u, group=group)
+print("RESULT", t.item(), u.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_process_group_over_etcd_store(etcd):
+    """Two processes form a gloo WORLD on PrefixStore(EtcdStore) (membership.py's scheme), all_reduce on it and
+    on a dist.new_group."""
+    url = etcd.store_url(_prefix())
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ranks = [subprocess.Popen([sys.executable, "-c", _GLOO_RANK, url, str(rank)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    for rank, output in zip(ranks, outputs):
+        assert rank.returncode == 0 and "RESULT 3.0 30.0" in output, output
+
+
+def test_three_members_one_lost(tmp_path):
+    """A 3-member cluster with a member killed: the store keeps working through the others (sticky failover: the
+    dead endpoint costs no timeout per request), a lease kept alive across the loss still holds its key, the
+    member comes back; with two members gone the last one has no quorum and requests fail within the client's
+    timeout instead of hanging; a frozen member (SIGSTOP) is failed over within the timeout too."""
+    with LocalEtcd(["127.0.0.1"] * 3, data_dir=str(tmp_path)) as cluster:
+        assert len(cluster.endpoints) == 3 and etcd_command("a", "d", "http://h:1", "http://h:2", {"a": "http://h:2"})
+        store = EtcdStore(cluster.endpoints, _prefix(), timeout_s=30, request_timeout_s=2.0)
+        client = store.client
+        lease = client.lease_grant(2)
+        client.put(store.raw_key("node"), "A", lease=lease)
+        store.set("before", "1")
+        cluster.kill(0)  # the client's preferred (first) endpoint
+        started = time.monotonic()
+        for i in range(20):
+            assert store.add("count", 1) == i + 1
+            assert client.lease_keepalive(lease) >= 1
+        assert store.get("before") == b"1"
+        assert time.monotonic() - started < 15.0, "the dead endpoint cost a timeout on many requests"
+        fresh = EtcdClient(cluster.endpoints, timeout_s=2.0)  # refused at once, then sticky on a live member
+        started = time.monotonic()
+        for _ in range(10):
+            assert fresh.get(store.raw_key("before")) == b"1"
+        assert time.monotonic() - started < 5.0
+        survived_until = time.monotonic() + 3.0  # past the lease's 2 s TTL
+        while time.monotonic() < survived_until:
+            assert client.lease_keepalive(lease) >= 1 and client.get(store.raw_key("node")) == b"A"
+            time.sleep(0.3)
+        cluster.restart(0)
+        assert EtcdClient(cluster.endpoints[:1]).get(store.raw_key("before")) == b"1"
+
+        frozen = cluster.processes[1].pid
+        client._preferred = 1
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.get("before") == b"1"  # times out on the frozen member, then another answers
+            assert time.monotonic() - started < 2.5
+            assert store.add("count", 1) == 21
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+
+        cluster.kill(1)
+        cluster.kill(2)
+        alone = EtcdClient(cluster.endpoints[:1], timeout_s=1.5)
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailable):
+            alone.get(store.raw_key("before"))
+        assert time.monotonic() - started < 4.0
