@@ -300,6 +300,10 @@ class EtcdClient:
         """The cluster's current revision (a linearizable read)."""
         return int(self._post("/v3/kv/range", {"key": _b64(b"\0"), "count_only": True})["header"]["revision"])
 
+    def status(self) -> dict:
+        """The answering member's status (etcd's maintenance Status, raw: header.member_id, leader, version...)."""
+        return self._post("/v3/maintenance/status", {})
+
     # ---- leases ----
     def lease_grant(self, ttl_s: int) -> int:
         """A new lease of `ttl_s` seconds (an int >= 1: etcd's granularity); its id."""
@@ -636,6 +640,21 @@ class LocalEtcd:
                 return "".join(log.readlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def leader(self, timeout_s: float = 2.0) -> Optional[int]:
+        """The index of the raft leader (asked over this process's network: members in other namespaces must be
+        reachable from it), None when no live member names one."""
+        ids, leader = {}, None
+        for i in range(len(self.hosts)):
+            if self.processes[i] is None or self.processes[i].poll() is not None:
+                continue
+            try:
+                status = EtcdClient(self.endpoints[i:i + 1], timeout_s).status()
+            except EtcdError:
+                continue
+            ids[status["header"]["member_id"]] = i
+            leader = status.get("leader") or leader
+        return ids.get(leader)
 
     def kill(self, i: int):
         """SIGKILLs member i (its data stays: restart(i) brings it back)."""
