@@ -128,13 +128,17 @@ class EtcdClient:
     Args:
         endpoints: the members' client addresses, "host:port" (a list, or one comma-separated string).
         timeout_s: the bound on each call, whichever endpoints it tries (EtcdUnavailable past it).
+        attempt_timeout_s: how long one endpoint may take before the next is tried (default: half of timeout_s,
+            at most 2 s, with several endpoints): a frozen or cut-off member costs this once, then the client
+            sticks to a member that answers.
 
     Every read is linearizable (etcd's default): a member cut off from the quorum cannot answer it, so a client
     that reaches only such a member fails within timeout_s instead of reading stale data.
     Thread-safe: each thread has its own connections (and a forked child opens new ones).
     """
 
-    def __init__(self, endpoints: Union[str, Sequence[str]], timeout_s: float = 2.0):
+    def __init__(self, endpoints: Union[str, Sequence[str]], timeout_s: float = 2.0,
+                 attempt_timeout_s: Optional[float] = None):
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
         self.endpoints = [endpoint.strip() for endpoint in endpoints if endpoint.strip()]
@@ -144,6 +148,11 @@ class EtcdClient:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
+        if attempt_timeout_s is None:
+            attempt_timeout_s = min(self.timeout_s / 2, 2.0) if len(self.endpoints) > 1 else self.timeout_s
+        if not isinstance(attempt_timeout_s, (int, float)) or not attempt_timeout_s > 0:
+            raise ValueError(f"attempt_timeout_s must be a positive number of seconds, got {attempt_timeout_s!r}")
+        self.attempt_timeout_s = float(attempt_timeout_s)
         self._preferred = 0  # the endpoint that answered last (shared by the threads)
         self._local = threading.local()
 
@@ -178,8 +187,7 @@ class EtcdClient:
                 raise EtcdUnavailable(f"no etcd endpoint answered {path} within {self.timeout_s} s: "
                                       + "; ".join(f"{e}: {why}" for e, why in errors.items()))
             # Leave time for the other endpoints when this one hangs (frozen, or cut off from the network).
-            attempt = remaining / 2 if count > 1 and remaining > 0.2 else remaining
-            outcome = self._attempt(index, path, payload, attempt, repeatable)
+            outcome = self._attempt(index, path, payload, min(remaining, self.attempt_timeout_s), repeatable)
             if isinstance(outcome, dict):
                 self._preferred = index
                 return outcome
@@ -275,26 +283,40 @@ class EtcdClient:
                                            "failure": list(failure)}, repeatable=False)
         return bool(answer.get("succeeded", False)), answer.get("responses", [])
 
-    def _settled(self, key: Data, value: Data, lease: int) -> bool:
-        """After an unanswered transaction that would have put `value` (bound to `lease`): did it?"""
-        kv = self._range(key)
-        return kv is not None and _unb64(kv.get("value")) == _bytes(value) and int(kv.get("lease", 0)) == lease
+    def _put_if(self, key: Data, expected: Optional[Data], value: Data, lease: int) -> bool:
+        """txn(key holds `expected` (None: absent) -> put value), answered. After an unanswered copy, the key
+        is read back: holding our value (and lease) means it was applied; still holding `expected` means the
+        transaction is sent again (of the copies, the first to apply changes the key, so the others fail);
+        anything else, that it lost. A copy applied late (a frozen member thawed) is caught the same way."""
+        compare = compare_create_revision(key, 0) if expected is None else compare_value(key, expected)
+        deadline, unanswered = time.monotonic() + 3 * self.timeout_s, False
+        while True:
+            try:
+                if self.txn([compare], [put_op(key, value, lease)])[0]:
+                    return True
+            except EtcdIndeterminate:
+                if time.monotonic() > deadline:
+                    raise
+                unanswered = True
+                kv = self._range(key)
+                current = None if kv is None else _unb64(kv.get("value"))
+                if current is not None and current == _bytes(value) and int(kv.get("lease", 0)) == lease:
+                    return True
+                if current == (None if expected is None else _bytes(expected)):
+                    continue
+                return False
+            if not unanswered:
+                return False
+            kv = self._range(key)  # lost to an earlier copy of its own?
+            return kv is not None and _unb64(kv.get("value")) == _bytes(value) and int(kv.get("lease", 0)) == lease
 
     def create(self, key: Data, value: Data, lease: int = 0) -> bool:
         """Puts `value` only if `key` does not exist. Whether it did."""
-        try:
-            return self.txn([compare_create_revision(key, 0)], [put_op(key, value, lease)])[0]
-        except EtcdIndeterminate:
-            return self._settled(key, value, lease)
+        return self._put_if(key, None, value, lease)
 
     def replace(self, key: Data, expected: Optional[Data], value: Data, lease: int = 0) -> bool:
         """Compare-and-swap: puts `value` only if the key holds `expected` (None: only if it is absent)."""
-        if expected is None:
-            return self.create(key, value, lease)
-        try:
-            return self.txn([compare_value(key, expected)], [put_op(key, value, lease)])[0]
-        except EtcdIndeterminate:
-            return self._settled(key, value, lease)
+        return self._put_if(key, expected, value, lease)
 
     def revision(self) -> int:
         """The cluster's current revision (a linearizable read)."""
@@ -336,11 +358,13 @@ class EtcdStore(dist.Store):
         endpoints: the cluster's client addresses ("host:port" list or comma-separated), or an EtcdClient.
         prefix: the key space (e.g. "/megatron_lite/<job>/store/"); keys are prefix + name.
         timeout_s: the blocking waits' default timeout (set_timeout changes it).
-        request_timeout_s: the bound on each etcd request (the client's timeout_s).
+        request_timeout_s: the bound on each etcd request (the client's timeout_s): long enough to ride out an
+            etcd election on a loaded machine (a lost member costs no generation); a process cut off from the
+            quorum is stopped by its agent (the node's lease) well before.
     """
 
     def __init__(self, endpoints: Union[str, Sequence[str], EtcdClient], prefix: str, timeout_s: float = 300.0,
-                 request_timeout_s: float = 2.0):
+                 request_timeout_s: float = 10.0):
         super().__init__()
         if not isinstance(prefix, str) or not prefix.startswith("/"):
             raise ValueError(f"EtcdStore prefix must be a str starting with '/' (e.g. '/megatron_lite/job/store/'), "
@@ -350,7 +374,7 @@ class EtcdStore(dist.Store):
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float = 300.0, request_timeout_s: float = 2.0) -> "EtcdStore":
+    def from_url(cls, url: str, timeout_s: float = 300.0, request_timeout_s: float = 10.0) -> "EtcdStore":
         """From "etcd://h1:2379,h2:2379,h3:2379/megatron_lite/job/store/" (the prefix is the path, with its /)."""
         if not url.startswith("etcd://") or "/" not in url[len("etcd://"):]:
             raise ValueError(f"etcd store url {url!r} is not etcd://host:port[,host:port...]/prefix/")
@@ -404,11 +428,14 @@ class EtcdStore(dist.Store):
         stored afterwards (`expected` itself when the key is absent and `expected` is not "")."""
         raw, expected = self.raw_key(key), _bytes(expected)
         compare = compare_create_revision(raw, 0) if not expected else compare_value(raw, expected)
-        try:
-            succeeded, responses = self.client.txn([compare], [put_op(raw, desired)], [range_op(raw)])
-        except EtcdIndeterminate:
-            stored = self.client.get(raw)
-            return expected if stored is None else stored
+        while True:
+            try:
+                succeeded, responses = self.client.txn([compare], [put_op(raw, desired)], [range_op(raw)])
+                break
+            except EtcdIndeterminate:  # unanswered: still as expected -> send again, else the stored value
+                stored = self.client.get(raw)
+                if (stored is None and expected) or (stored is not None and (stored != expected or not expected)):
+                    return expected if stored is None else stored
         if succeeded:
             return _bytes(desired)
         kvs = responses[0].get("response_range", {}).get("kvs") if responses else None
@@ -431,14 +458,18 @@ class EtcdStore(dist.Store):
     def wait(self, keys: List[str], timeout: Optional[datetime.timedelta] = None):
         timeout_s = self._timeout_s if timeout is None else timeout.total_seconds()
         deadline, pause = time.monotonic() + timeout_s, 0.001
-        pending = list(keys)
+        pending, unavailable = list(keys), ""
         while True:
-            pending = [key for key in pending if self.client.get(self.raw_key(key)) is None]
+            try:
+                pending = [key for key in pending if self.client.get(self.raw_key(key)) is None]
+                unavailable = ""
+            except EtcdUnavailable as error:  # an election, a member lost: the wait's own deadline decides
+                unavailable = f"; etcd: {error}"
             if not pending:
                 return
             if time.monotonic() >= deadline:
                 raise dist.DistStoreError(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {pending} "
-                                          f"(etcd store {self.url})")
+                                          f"(etcd store {self.url}){unavailable}")
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.02)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_lite.fault_tolerance.etcd import (
     EtcdClient,
     EtcdError,
+    EtcdIndeterminate,
     EtcdStore,
     EtcdUnavailable,
     LocalEtcd,
@@ -111,6 +112,46 @@ def test_lease_keepalive_expiry_revoke(etcd):
     client.lease_revoke(lease)  # already gone: fine
     with pytest.raises(ValueError, match="ttl_s"):
         client.lease_grant(0)
+
+
+class _UnansweredOnce(EtcdClient):
+    """The first transaction goes unanswered: applied ("applied") or not ("lost"), as after a member froze."""
+
+    def __init__(self, endpoints, mode):
+        super().__init__(endpoints)
+        self.mode = mode
+
+    def txn(self, compare, success, failure=()):
+        mode, self.mode = self.mode, None
+        if mode == "applied":
+            super().txn(compare, success, failure)
+        if mode is not None:
+            raise EtcdIndeterminate("injected: sent, no answer")
+        return super().txn(compare, success, failure)
+
+
+@pytest.mark.parametrize("mode", ["applied", "lost"])
+def test_unanswered_transactions_resolved(etcd, mode):
+    """A transaction that got no answer is neither lost nor applied twice: create/replace/compare_set/add read the
+    key back and send it again only while it can still apply (an add counted twice, or a create that won but
+    answered False, would make two agents leaders or a generation never form)."""
+    p = _prefix()
+    client = _UnansweredOnce(etcd.endpoints, mode)
+    assert client.create(p + "leader", "me", lease=0) and client.get(p + "leader") == b"me"
+    client.mode = mode
+    assert client.replace(p + "leader", "me", "you") and client.get(p + "leader") == b"you"
+    client.mode = mode
+    assert not client.create(p + "leader", "other")
+    store = EtcdStore(_UnansweredOnce(etcd.endpoints, mode), p + "store/")
+    assert store.add("n", 5) == 5
+    store.client.mode = mode
+    assert store.add("n", 2) == 7 and store.get("n") == b"7"
+    store.client.mode = mode
+    assert store.compare_set("ready", "", "1") == b"1"
+    store.client.mode = mode
+    assert store.compare_set("ready", "", "closed") == b"1"
+    store.client.mode = mode
+    assert store.compare_set("ready", "1", "2") == b"2" and store.get("ready") == b"2"
 
 
 def _store_calls(store):
@@ -256,6 +297,9 @@ def test_three_members_one_lost(tmp_path):
         with pytest.raises(EtcdUnavailable):
             alone.get(store.raw_key("before"))
         assert time.monotonic() - started < 4.0
+        stranded = EtcdStore(cluster.endpoints[:1], store.prefix, request_timeout_s=0.5)
+        with pytest.raises(dist.DistStoreError, match="wait timeout.*etcd"):  # TCPStore's error, etcd's reason
+            stranded.wait(["never"], datetime.timedelta(seconds=1))
 
 
 def _netns_usable():
