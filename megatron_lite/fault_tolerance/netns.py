@@ -236,7 +236,10 @@ class SimulatedCluster:
         started = {process.pid for process in self._procs.get(node.index, []) if process.poll() is None}
         if node.namespace is None:
             return self._loopback_pids(node)
-        target = f"net:[{os.stat(f'/run/netns/{node.namespace}').st_ino}]"
+        try:
+            target = f"net:[{os.stat(f'/run/netns/{node.namespace}').st_ino}]"
+        except FileNotFoundError:  # removed by someone else: nothing can be in it any more
+            return sorted(started)
         for pid in _all_pids():
             try:
                 if os.readlink(f"/proc/{pid}/ns/net") == target and _proc_state(pid) not in (None, "Z"):
@@ -246,7 +249,9 @@ class SimulatedCluster:
         return sorted(started)
 
     def _loopback_pids(self, node: Node) -> List[int]:
-        roots = {process.pid for process in self._procs.get(node.index, [])}
+        processes = self._procs.get(node.index, [])
+        roots = {process.pid for process in processes if process.returncode is None}  # a reaped pid may be reused
+        sessions = {process.pid for process in processes}  # start_new_session: session id = the first pid
         parent, session = {}, {}
         for pid in _all_pids():
             try:
@@ -256,7 +261,7 @@ class SimulatedCluster:
                 continue
             if fields[0] != "Z":
                 parent[pid], session[pid] = int(fields[1]), int(fields[4])
-        found = {pid for pid in parent if pid in roots or session[pid] in roots}
+        found = {pid for pid in parent if pid in roots or session[pid] in sessions}
         grew = True
         while grew:  # descendants that left the session
             more = {pid for pid in parent if parent[pid] in found} - found
