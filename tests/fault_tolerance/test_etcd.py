@@ -4,12 +4,11 @@ Real etcd processes on free local ports (skipped without the etcd binary: `apt-g
 wait is bounded by a deadline and every cluster is stopped by LocalEtcd's context manager, also on failure.
 """
 
+import ctypes
 import datetime
 import multiprocessing
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -31,8 +30,10 @@ from megatron_lite.fault_tolerance.etcd import (
     put_op,
     range_op,
 )
+from megatron_lite.fault_tolerance.netns import SimulatedCluster, netns_available
 
 AVAILABLE, WHY = etcd_available()
+NETNS, NETNS_WHY = netns_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"etcd is not available: {WHY}")
 
 
@@ -302,30 +303,57 @@ def test_three_members_one_lost(tmp_path):
             stranded.wait(["never"], datetime.timedelta(seconds=1))
 
 
-def _netns_usable():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False, "needs root and iproute2's ip"
-    probe = f"mlite_etcd_probe_{uuid.uuid4().hex[:6]}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
-        return False, "ip netns add failed"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return True, ""
+def _in_namespace(namespace: str, fn):
+    """fn() on a thread of this process moved into the network namespace (setns: per thread), e.g. a client on
+    a simulated node; its sockets live there."""
+    outcome = {}
+
+    def run():
+        try:
+            with open(f"/run/netns/{namespace}") as handle:
+                if ctypes.CDLL(None, use_errno=True).setns(handle.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+                    raise OSError(ctypes.get_errno(), f"setns into {namespace}")
+            outcome["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            outcome["error"] = error
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), f"a call in namespace {namespace} did not return within 60 s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
-def test_member_in_network_namespace():
-    """LocalEtcd's prefix_argvs: a member started through `ip netns exec` runs inside the namespace (its health is
-    asked from there; this process's loopback does not reach it)."""
-    usable, why = _netns_usable()
-    if not usable:
-        pytest.skip(why)
-    namespace = f"mlite_etcd_{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
-    try:
-        prefix = ["ip", "netns", "exec", namespace]
-        subprocess.run(prefix + ["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
-        with LocalEtcd(["127.0.0.1"], prefix_argvs=[prefix]) as cluster:
-            assert cluster.healthy(0)
+@pytest.mark.skipif(not NETNS, reason=NETNS_WHY)
+def test_partitioned_member():
+    """3 members on simulated nodes (started through LocalEtcd's prefix_argvs = ip netns exec), one node's link
+    cut: a client outside fails over from the unreachable member within one attempt; a client on the cut node
+    reaches only its own member, which has no quorum, and fails within its timeout instead of hanging; after
+    the link is mended that client reads again."""
+    with SimulatedCluster(3) as nodes, LocalEtcd([node.address for node in nodes.nodes],
+                                                 prefix_argvs=[node.prefix_argv for node in nodes.nodes]) as cluster:
+        client, key = EtcdClient(cluster.endpoints, timeout_s=2.0), _prefix() + "k"
+        client.put(key, "v")
+        leader = cluster.leader()
+        cut = next(i for i in range(3) if i != leader)  # a follower: no election on top of the partition
+        nodes.cut(nodes.nodes[cut])
+        client._preferred = cut
+        started = time.monotonic()
+        assert client.get(key) == b"v" and time.monotonic() - started < 2.0
+        assert client.get(key) == b"v"  # sticky on a member that answers now
+
+        def stranded_read():
+            started = time.monotonic()
             with pytest.raises(EtcdUnavailable):
-                EtcdClient(cluster.endpoints, timeout_s=0.5).get("/x")
-    finally:
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+                EtcdClient(cluster.endpoints, timeout_s=1.5).get(key)
+            return time.monotonic() - started
+        assert _in_namespace(nodes.nodes[cut].namespace, stranded_read) < 3.0
+        nodes.mend(nodes.nodes[cut])
+
+        def reads_again():
+            try:
+                return EtcdClient(cluster.endpoints[cut:cut + 1], timeout_s=1.0).get(key) == b"v"
+            except EtcdUnavailable:
+                return False
+        _wait_until(lambda: _in_namespace(nodes.nodes[cut].namespace, reads_again), 20.0, "the mended member's read")
