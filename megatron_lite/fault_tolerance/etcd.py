@@ -26,6 +26,7 @@ import datetime
 import http.client
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -208,23 +209,20 @@ class EtcdClient:
             host, port = self._addresses[index]
             connection = connections[index] = http.client.HTTPConnection(host, port, timeout=timeout)
         connection.timeout = timeout
-        reused = connection.sock is not None
-        if reused:
-            connection.sock.settimeout(timeout)
+        if connection.sock is not None and select.select([connection.sock], [], [], 0)[0]:
+            connection.close()  # readable while idle: the member closed it (it died or restarted): a new one
         sent = False
         try:
-            if not reused:
+            if connection.sock is None:
                 connection.connect()
+            connection.sock.settimeout(timeout)
             connection.request("POST", path, payload, {"Content-Type": "application/json"})
-            sent = True
+            sent = True  # (a failed send delivered nothing: the request is one small write)
             response = connection.getresponse()
             data = response.read()
         except (OSError, http.client.HTTPException) as error:
             connection.close()
-            # Never processed: no connection, or a kept-alive one the member closed (it restarted) before reading.
-            stale = reused and isinstance(error, (ConnectionResetError, BrokenPipeError,
-                                                  http.client.RemoteDisconnected))
-            if not sent or stale or repeatable:
+            if not sent or repeatable:
                 return f"{type(error).__name__}: {error}"
             raise EtcdIndeterminate(f"etcd {self.endpoints[index]} did not answer {path} ({type(error).__name__}: "
                                     f"{error}): it may or may not have been applied") from error
