@@ -654,7 +654,10 @@ class LocalEtcd:
             return False
 
     def wait_healthy(self, members: Sequence[int], timeout_s: Optional[float] = None):
-        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
+        """Waits until each of `members` says it is healthy; EtcdError (with their logs' ends) when one exited or
+        past timeout_s (default: start_timeout_s)."""
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         pending, pause = list(members), 0.02
         while pending:
             for i in list(pending):
@@ -666,7 +669,7 @@ class LocalEtcd:
                     pending.remove(i)
             if pending and time.monotonic() > deadline:
                 raise EtcdError(f"etcd members {[self.names[i] for i in pending]} not healthy within "
-                                f"{self.start_timeout_s} s:\n" + "\n".join(self._log_tail(i) for i in pending))
+                                f"{timeout_s} s:\n" + "\n".join(self._log_tail(i) for i in pending))
             if pending:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.2)
