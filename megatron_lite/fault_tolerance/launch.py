@@ -73,6 +73,31 @@ FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 """What torchrun's agent forwards to its workers before it exits (TORCHELASTIC_SIGNALS_TO_HANDLE's default)."""
 
 
+DONE, USAGE, STARTUP_ERROR, FALLBACK, DEAD = "done", "usage", "startup_error", "fallback", "dead"
+EXIT_KINDS = {
+    USAGE: "(a usage error: the command line is wrong, see its message above)",
+    STARTUP_ERROR: "before the job logged an iteration (an error at start-up, see its message above)",
+}
+"""What the supervisor (and the cluster leader, cluster.py) says of an exit that ends the job."""
+
+
+def exit_kind(code: int, trained: bool) -> str:
+    """What a worker's exit `code` means to the supervisor (the module docstring's table), `trained` whether this
+    start of the job logged an iteration: DONE (0), USAGE (2: every process started with this command line
+    would fail alike), STARTUP_ERROR (an error of its own, not a signal nor a failed live recovery, before this
+    start trained at all: a refusal of the arguments, the data, the checkpoint, which every start would meet
+    again), FALLBACK (3, or 1 once trained: a whole-job restart), DEAD (a signal: replaced live)."""
+    if code == 0:
+        return DONE
+    if code == EXIT_USAGE:
+        return USAGE
+    if 0 < code < 128 and code != EXIT_FALLBACK and not trained:
+        return STARTUP_ERROR
+    if code in (EXIT_FALLBACK, 1):  # 1: this rank's own error (a Python exception), not a loss
+        return FALLBACK
+    return DEAD
+
+
 class SignalReceived(Exception):
     """The supervisor got one of FORWARDED_SIGNALS: stop the workers with it, then exit 1 (as torchrun)."""
 
@@ -319,26 +344,19 @@ class Supervisor:
                     self.stop_all()
                     return 0
             dead, failed = [], []
+            trained = self.logged_count() > self.logged_at_start
             for rank, proc in self.workers.items():
                 code = proc.poll()
                 if code is None or rank in self.done:
                     continue
-                if code == EXIT_USAGE:  # every process started with this command line would fail alike
-                    self.say(f"rank {rank} exited with code {code} (a usage error: the command line is wrong, see "
-                             "its message above): giving up")
+                kind = exit_kind(code, trained)
+                if kind in (USAGE, STARTUP_ERROR):  # every process started with this command line would fail alike
+                    self.say(f"rank {rank} exited with code {code} {EXIT_KINDS[kind]}: giving up")
                     self.stop_all()
                     return code
-                if 0 < code < 128 and code != EXIT_FALLBACK and self.logged_count() == self.logged_at_start:
-                    # An error of its own (not a signal, not a failed live recovery) before this start of the
-                    # job trained at all (a refusal of the arguments, the data, the checkpoint): every start
-                    # would meet it again, as every rank would.
-                    self.say(f"rank {rank} exited with code {code} before the job logged an iteration (an error at "
-                             "start-up, see its message above): giving up")
-                    self.stop_all()
-                    return code
-                if code == 0:
+                if kind == DONE:
                     self.done.add(rank)
-                elif code in (EXIT_FALLBACK, 1):  # 1: this rank's own error (a Python exception), not a loss
+                elif kind == FALLBACK:
                     failed.append(rank)
                 else:
                     dead.append(rank)
@@ -388,9 +406,9 @@ class Supervisor:
         return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks (one node)")
+def add_live_arguments(parser: argparse.ArgumentParser):
+    """The flags of live recovery that the single-node supervisor and the per-node agent (agent.py) share,
+    and the training command."""
     parser.add_argument("--collective-timeout", type=float, default=LiveConfig.collective_timeout_s,
                         help="seconds before a collective fails, and without a heartbeat before a rank that does "
                              "not answer (SIGSTOP, a hang) is replaced; above the longest wait at a collective of a "
@@ -400,9 +418,6 @@ def main(argv=None) -> int:
     parser.add_argument("--max-replacements", type=int, default=20, help="ranks replaced live, in all")
     parser.add_argument("--max-restarts", type=int, default=1,
                         help="whole-job restarts when live recovery is impossible")
-    parser.add_argument("--spares", type=int, default=1,
-                        help="warm spare processes (torch imported, waiting for a rank): a replacement then skips "
-                             "the start-up of a Python process; 0: start the replacement afresh")
     parser.add_argument("--trouble-grace", type=float, default=2.0,
                         help="seconds between a rank's failed collective and a re-forming without a death (or the "
                              "replacement of a member that does not answer)")
@@ -417,7 +432,10 @@ def main(argv=None) -> int:
                              "without its instance, unless the replacement is ready to join; shorter than "
                              "--join-timeout (torchft Lighthouse's join_timeout)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training script and its arguments")
-    args = parser.parse_args(argv)
+
+
+def live_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LiveConfig:
+    """add_live_arguments' flags checked together (parser.error, exit 2, naming the flags) as a LiveConfig."""
     if not args.command:
         parser.error("give the training script, e.g. pretrain_gpt.py ARGS")
     if not 0 < args.replacement_timeout < args.join_timeout:
@@ -430,16 +448,32 @@ def main(argv=None) -> int:
                      f"--trouble-grace ({args.collective_timeout:g} + {args.trouble_grace:g} s): the survivors wait "
                      "that long for a rank that does not answer to be replaced; raise --join-timeout")
     try:
-        config = LiveConfig(args.collective_timeout, args.join_timeout, args.min_instances)
+        return LiveConfig(args.collective_timeout, args.join_timeout, args.min_instances)
     except ValueError as e:  # its message names the field: say it with the flag's name
         parser.error(str(e).replace("min_instances", "--min-instances").replace("collective_timeout_s",
                      "--collective-timeout").replace("join_timeout_s", "--join-timeout"))
-    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node > 1:
+
+
+def default_worker_threads(nproc_per_node: int, who: str = "supervisor"):
+    """OMP_NUM_THREADS=1 for the workers when it is unset and there are several per node, said once."""
+    if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
         # torchrun's default: several ranks with a thread per core each would oversubscribe the cores (and the
         # thread count changes a run's bits: the same flags under torchrun and here must give the same losses).
         os.environ["OMP_NUM_THREADS"] = "1"
-        print(f"[supervisor] OMP_NUM_THREADS is not set: each of the {args.nproc_per_node} workers gets "
+        print(f"[{who}] OMP_NUM_THREADS is not set: each of the {nproc_per_node} workers gets "
               "OMP_NUM_THREADS=1, as under torchrun (set it yourself to tune the threads per worker)", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks (one node)")
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spare processes (torch imported, waiting for a rank): a replacement then skips "
+                             "the start-up of a Python process; 0: start the replacement afresh")
+    add_live_arguments(parser)
+    args = parser.parse_args(argv)
+    config = live_config(parser, args)
+    default_worker_threads(args.nproc_per_node)
     supervisor = Supervisor(args.command, args.nproc_per_node, config, args.max_replacements, args.max_restarts,
                             args.trouble_grace, args.spares, args.replacement_timeout)
     handled = {getattr(signal, name): signal.signal(getattr(signal, name), _raise_signal)

@@ -1,0 +1,407 @@
+"""The per-node agent of live recovery across nodes: starts and watches this node's ranks; one agent leads.
+
+    python -m megatron_lite.fault_tolerance.agent --etcd-endpoints h:p,h:p,h:p --job-id ID --nnodes N
+        --nproc-per-node K [--node-name NAME] [--node-ttl 3] [--heartbeat-timeout 5] [--collective-timeout 30]
+        [--join-timeout 60] [--max-restarts 1] [--max-replacements 20] [--trouble-grace 2]
+        [--min-instances M [--replacement-timeout 10]] pretrain_gpt.py ARGS...
+
+Run one on every node (torchrun's --nnodes / --nproc-per-node); the world size is N x K, and agents beyond the
+first N to register are hot spares. Everything the job shares lives in etcd under /megatron_lite/<job id>/
+(cluster.py lists the keys); the ranks use it as their store (membership.py on an EtcdStore). An agent:
+
+    registers        nodes/<incarnation> (incarnation = node name + a new random suffix at every start), bound
+                     to a lease of --node-ttl seconds that a thread keeps alive every --node-ttl / 4
+    leads            if it holds the `leader` key (created with its lease: one at a time): every decision of
+                     the single-node supervisor (launch.py), in cluster.Leader; when its node dies the lease
+                     expires and another agent takes over from the keys
+    reconciles       to gen_<g>/placement: exactly one process for each slot placed on it, started for the
+                     slot's since-generation; a process of a slot moved or replaced is killed (SIGKILL)
+    reports          exit/<slot>/<pid> when a current process ends (the leader decides what follows)
+    detects hangs    a rank whose heartbeat file (MEGATRON_LITE_LIVE_HEARTBEAT_FILE) is older than
+                     --heartbeat-timeout, after its first beat, is killed (SIGKILL): a death like any other
+    fences itself    when its lease has not been renewed for --node-ttl seconds (cut off, frozen), it kills
+                     every rank at once: the leader moves them to a spare meanwhile. Once etcd answers again it
+                     revokes the old lease and registers as a new incarnation (a spare, or a grow candidate)
+    ends             on job/outcome (training finished: 0; a usage error, an error at start-up, no restart
+                     left, a placement that breaks the rule (exit 2)): stops its ranks and exits with its code;
+                     SIGTERM / SIGINT / SIGHUP / SIGQUIT: forwarded to its ranks, exit 1 (as torchrun)
+
+The workers' environment is torchrun's (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK = the
+node's index, ROLE_*, TORCHELASTIC_RUN_ID = the job id, ...), this agent's own (GLOO_SOCKET_IFNAME reaches the
+ranks), and membership's: the store URL, the generation the process was started for, the timeouts,
+MEGATRON_LITE_LIVE_NODE (the incarnation: a fenced process exits) and its heartbeat file.
+"""
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Dict, Optional, Set, Tuple
+
+from . import membership
+from .cluster import LEADER_POLL_S, JobKeys, JobSpec, Leader, NotLeader, parse_placement
+from .etcd import EtcdClient, EtcdError
+from .launch import (
+    FORWARDED_SIGNALS,
+    STOP_TIMEOUT_S,
+    SignalReceived,
+    _raise_signal,
+    add_live_arguments,
+    default_worker_threads,
+    live_config,
+)
+
+ENV_NODE = "MEGATRON_LITE_LIVE_NODE"
+ENV_HEARTBEAT_FILE = "MEGATRON_LITE_LIVE_HEARTBEAT_FILE"
+POLL_S = 0.05
+"""How often the agent looks at its processes (waitpid, heartbeat files); etcd is read every LEADER_POLL_S."""
+NCCL_ERROR_HANDLING = "2"
+"""TORCH_NCCL_ASYNC_ERROR_HANDLING unless set: 2 (CleanUpOnly) aborts a failed communicator without killing the
+process, which then recovers live (torch's 1, TearDown, would end the process)."""
+
+
+def job_prefix(job_id: str) -> str:
+    return f"/megatron_lite/{job_id}/"
+
+
+def store_url(endpoints, job_id: str) -> str:
+    """The workers' EtcdStore (membership.connect_store): etcd://h:p,h:p/megatron_lite/<job>/store/."""
+    return f"etcd://{','.join(endpoints)}{job_prefix(job_id)}store/"
+
+
+def instances_of(command) -> int:
+    """R: the training command's --num-distributed-optimizer-instances (1 when absent)."""
+    flag = "--num-distributed-optimizer-instances"
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            return int(command[i + 1])
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+def local_address(endpoint: str) -> str:
+    """This node's address as seen by etcd (the route to the first endpoint), for the node's record."""
+    host, port = endpoint.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, int(port)))
+            return s.getsockname()[0]
+        except OSError:
+            return "?"
+
+
+@dataclass
+class Rank:
+    """One of this node's processes: its slot's process started for generation `since`."""
+
+    proc: subprocess.Popen
+    since: int
+    heartbeat_file: str
+
+
+class Agent:
+    """One node's agent (see the module docstring)."""
+
+    def __init__(self, args, spec: JobSpec, client: EtcdClient, keepalive_client: EtcdClient):
+        self.args, self.spec, self.client = args, spec, client
+        self.keepalive_client = keepalive_client  # its own connection: the main loop may be waiting on the other
+        self.keys = JobKeys(client, job_prefix(args.job_id) + "store/")
+        self.name = args.node_name
+        self.address = local_address(args.etcd_endpoints[0])
+        self.store_url = store_url(args.etcd_endpoints, args.job_id)
+        self.heartbeat_dir = tempfile.mkdtemp(prefix=f"megatron_lite_{args.job_id}_")
+        self.ranks: Dict[int, Rank] = {}
+        self.ended: Set[Tuple[int, int]] = set()  # (slot, since) whose process ended: not restarted by itself
+        self.unreported = []  # exit reports that etcd did not take yet
+        self.leader: Optional[Leader] = None
+        self.incarnation, self.lease = None, 0
+        self.lock = threading.Lock()
+        self.last_renewed = time.monotonic()
+        self.fenced = False
+        self.stopping = threading.Event()
+        self.etcd_down_said = False
+
+    def say(self, text: str):
+        print(f"[agent {self.incarnation or self.name}] {text}", flush=True)
+
+    # ------------------------------------------------------------------ liveness
+    def register(self):
+        """A new incarnation of this node: its record bound to a new lease."""
+        ttl = max(1, math.ceil(self.args.node_ttl))
+        lease = self.client.lease_grant(ttl)
+        incarnation = f"{self.name}.{uuid.uuid4().hex[:8]}"
+        while True:  # the registration order (job/node_seq): the first N nodes train, the others are spares
+            current = self.keys.get("job/node_seq")
+            seq = int(current or 0) + 1
+            if self.client.replace(self.keys.root + "job/node_seq", current, str(seq)):
+                break
+        record = {"name": self.name, "address": self.address, "nproc": self.spec.nproc_per_node, "pid": os.getpid(),
+                  "seq": seq}
+        self.keys.put(f"nodes/{incarnation}", json.dumps(record), lease=lease)
+        with self.lock:
+            self.incarnation, self.lease, self.fenced = incarnation, lease, False
+            self.last_renewed = time.monotonic()
+        self.say(f"registered (node {seq} of the job, lease {ttl} s)")
+
+    def keep_alive(self):
+        """Thread: renew the lease every --node-ttl / 4; a lease etcd says is gone fences at once."""
+        while not self.stopping.wait(self.args.node_ttl / 4):
+            lease = self.lease
+            try:
+                remaining = self.keepalive_client.lease_keepalive(lease)
+            except EtcdError:
+                continue
+            if remaining > 0:
+                with self.lock:
+                    if lease == self.lease:
+                        self.last_renewed = time.monotonic()
+            elif lease == self.lease:
+                self.fence(f"etcd says lease {lease:x} is gone")
+
+    def watch_lease(self):
+        """Thread: fence when the lease was not renewed for --node-ttl seconds (the keepalive thread may be
+        waiting on an etcd that does not answer)."""
+        while not self.stopping.wait(POLL_S):
+            if time.monotonic() - self.last_renewed > self.args.node_ttl:
+                self.fence(f"the lease was not renewed for {self.args.node_ttl:g} s (--node-ttl)")
+
+    def fence(self, why: str):
+        """Kill every rank at once: the rest of the job no longer counts this node in (or will not within
+        --node-ttl), and its processes must never train or write on."""
+        with self.lock:
+            if self.fenced:
+                return
+            self.fenced = True
+            for rank in self.ranks.values():
+                try:
+                    rank.proc.kill()
+                except ProcessLookupError:
+                    pass
+        self.say(f"fenced: {why}; killed rank(s) {sorted(self.ranks)}")
+
+    def rejoin(self):
+        """After fencing: the ranks reaped (no exit reports: they were the node's, not deaths to replace), the
+        old lease revoked (it may still be alive after a short outage) and a new incarnation registered, once
+        etcd answers."""
+        with self.lock:
+            ranks, self.ranks = self.ranks, {}
+        for rank in ranks.values():
+            rank.proc.wait()
+        self.leader = None
+        while not self.stopping.is_set():
+            try:
+                self.client.lease_revoke(self.lease)
+            except EtcdError:
+                pass
+            try:
+                self.register()
+                return
+            except EtcdError as e:
+                self.say(f"etcd does not answer ({e}): waiting to register again")
+                time.sleep(self.args.node_ttl / 4)
+
+    # ------------------------------------------------------------------ processes
+    def env(self, slot: int, since: int, local_rank: int, group_rank: int, heartbeat_file: str) -> dict:
+        spec, config = self.spec, self.spec.config
+        world = str(spec.world_size)
+        torchrun = {"RANK": str(slot), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": world,
+                    "LOCAL_WORLD_SIZE": str(spec.nproc_per_node), "GROUP_RANK": str(group_rank),
+                    "GROUP_WORLD_SIZE": str(spec.nnodes), "ROLE_RANK": str(slot), "ROLE_WORLD_SIZE": world,
+                    "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": self.args.job_id,
+                    "TORCHELASTIC_RESTART_COUNT": self.keys.get("job/restarts") or "0",
+                    "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                                      NCCL_ERROR_HANDLING)}
+        live = {membership.ENV_STORE: self.store_url, membership.ENV_GENERATION: str(since),
+                membership.ENV_COLLECTIVE_TIMEOUT: str(config.collective_timeout_s),
+                membership.ENV_JOIN_TIMEOUT: str(config.join_timeout_s), ENV_NODE: self.incarnation,
+                ENV_HEARTBEAT_FILE: heartbeat_file}
+        if config.elastic:
+            live[membership.ENV_MIN_INSTANCES] = str(config.min_instances)
+        return {**os.environ, **torchrun, **live}
+
+    def reconcile(self, placement):
+        """Exactly one process per slot placed here, started for the slot's since-generation; none other."""
+        mine = {slot: since for slot, (inc, since) in placement.items() if inc == self.incarnation}
+        for slot in [s for s, rank in self.ranks.items() if mine.get(s) != rank.since]:
+            rank = self.ranks.pop(slot)
+            rank.proc.kill()
+            rank.proc.wait()
+            self.say(f"rank {slot}: pid {rank.proc.pid} stopped (placement moved on)")
+        nodes = list(dict.fromkeys(placement[s][0] for s in sorted(placement)))
+        for local_rank, (slot, since) in enumerate(sorted(mine.items())):
+            if slot in self.ranks or (slot, since) in self.ended:
+                continue
+            heartbeat_file = os.path.join(self.heartbeat_dir, f"rank_{slot}.{since}.heartbeat")
+            env = self.env(slot, since, local_rank, nodes.index(self.incarnation), heartbeat_file)
+            with self.lock:
+                if self.fenced:
+                    return
+                proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
+                self.ranks[slot] = Rank(proc, since, heartbeat_file)
+            self.keys.put(f"proc/{slot}", json.dumps({"pid": proc.pid, "node": self.incarnation, "generation": since}))
+            self.say(f"rank {slot}: pid {proc.pid} (generation {since})")
+
+    def reap(self):
+        """Ended processes: reported (exit/<slot>/<pid>), never restarted by the agent itself."""
+        for slot, rank in list(self.ranks.items()):
+            code = rank.proc.poll()
+            if code is None:
+                continue
+            with self.lock:
+                if self.fenced:
+                    return
+                del self.ranks[slot]
+            self.ended.add((slot, rank.since))
+            self.say(f"rank {slot} (pid {rank.proc.pid}) exited with code {code}")
+            report = {"code": code, "node": self.incarnation, "generation": rank.since}
+            self.unreported.append((f"exit/{slot}/{rank.proc.pid}", json.dumps(report)))
+
+    def check_heartbeats(self):
+        """A rank whose heartbeat file is older than --heartbeat-timeout (after its first beat) is hung: killed."""
+        now = time.time()
+        for slot, rank in self.ranks.items():
+            try:
+                silent = now - os.path.getmtime(rank.heartbeat_file)
+            except FileNotFoundError:
+                continue
+            if silent > self.args.heartbeat_timeout and rank.proc.poll() is None:
+                self.say(f"rank {slot} (pid {rank.proc.pid}): no heartbeat for {silent:.1f} s (--heartbeat-timeout "
+                         f"{self.args.heartbeat_timeout:g}): killing it (SIGKILL)")
+                rank.proc.kill()
+
+    def stop_ranks(self, signum: int = signal.SIGTERM):
+        """`signum` to every rank (SIGCONT after it: a stopped one gets it at once), SIGKILL to those left
+        STOP_TIMEOUT_S later, as launch.py stops its workers."""
+        with self.lock:
+            ranks, self.ranks = list(self.ranks.values()), {}
+        for rank in ranks:
+            if rank.proc.poll() is None:
+                rank.proc.send_signal(signum)
+                rank.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for rank in ranks:
+            try:
+                rank.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rank.proc.kill()
+                rank.proc.wait()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        """Until job/outcome: returns its code."""
+        self.register()
+        for target in (self.keep_alive, self.watch_lease):
+            threading.Thread(target=target, name=f"megatron_lite_agent_{target.__name__}", daemon=True).start()
+        next_read = 0.0
+        while True:
+            if self.fenced:
+                self.rejoin()
+            self.reap()
+            self.check_heartbeats()
+            if time.monotonic() >= next_read:
+                next_read = time.monotonic() + LEADER_POLL_S
+                try:
+                    outcome = self.tick()
+                except NotLeader as e:
+                    self.say(f"no longer the leader: {e}")
+                    self.leader = None
+                    continue
+                except EtcdError as e:
+                    if not self.etcd_down_said:
+                        self.say(f"etcd does not answer ({e}); the ranks train on until --node-ttl fences them")
+                        self.etcd_down_said = True
+                    continue
+                self.etcd_down_said = False
+                if outcome is not None:
+                    return outcome
+            time.sleep(POLL_S)
+
+    def tick(self) -> Optional[int]:
+        """One read of etcd: the reports out, the outcome, the leadership, the placement."""
+        while self.unreported:
+            self.keys.put(*self.unreported[0])
+            self.unreported.pop(0)
+        outcome = self.keys.get_json("job/outcome")
+        if outcome is not None:
+            self.say(f"the job ended: exit code {outcome['code']} ({outcome['why']})")
+            return outcome["code"]
+        if self.leader is None and self.keys.get("leader") is None \
+                and self.client.create(self.keys.root + "leader", self.incarnation, lease=self.lease):
+            self.say("leading the job")
+            self.leader = Leader(self.keys, self.incarnation, self.spec, say=lambda t: print(f"[leader] {t}",
+                                                                                              flush=True))
+        if self.leader is not None:
+            self.leader.step()
+        generation = self.keys.get("generation")
+        if generation is not None:
+            self.reconcile(parse_placement(self.keys.get(f"gen_{generation}/placement")))
+        return None
+
+    def close(self, signum: int = signal.SIGTERM):
+        """Stop the ranks and leave: the lease revoked (the others see this node gone at once)."""
+        self.stopping.set()
+        self.stop_ranks(signum)
+        try:
+            self.client.lease_revoke(self.lease)
+        except EtcdError:
+            pass
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--etcd-endpoints", required=True, type=lambda s: [e for e in s.split(",") if e],
+                        help="host:port of the job's etcd members, comma-separated")
+    parser.add_argument("--job-id", required=True, help="the job's name in etcd (/megatron_lite/<job id>/): one job")
+    parser.add_argument("--nnodes", type=int, required=True, help="nodes that train (more that register: spares)")
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node")
+    parser.add_argument("--node-name", default=socket.gethostname(), help="this node's name (default: host name)")
+    parser.add_argument("--node-ttl", type=float, default=3.0,
+                        help="seconds of the node's lease: a node whose agent has not renewed it for this long is "
+                             "lost to the job (and its agent kills its ranks: fencing)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                        help="seconds without a rank's heartbeat (its file) before it is killed as hung")
+    add_live_arguments(parser)
+    args = parser.parse_args(argv)
+    config = live_config(parser, args)
+    for flag in ("nnodes", "nproc_per_node"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.node_ttl < 1:
+        parser.error(f"--node-ttl must be >= 1 s (etcd's shortest lease), got {args.node_ttl:g}")
+    try:
+        instances = instances_of(args.command)
+    except ValueError:
+        parser.error("the training command's --num-distributed-optimizer-instances is not an integer")
+    spec = JobSpec(args.nnodes, args.nproc_per_node, instances, config, args.max_restarts, args.max_replacements,
+                   args.trouble_grace, args.replacement_timeout)
+    default_worker_threads(args.nproc_per_node, "agent")
+    agent = Agent(args, spec, EtcdClient(args.etcd_endpoints),
+                  EtcdClient(args.etcd_endpoints, timeout_s=min(1.0, args.node_ttl / 4)))
+    handled = {getattr(signal, name): signal.signal(getattr(signal, name), _raise_signal)
+               for name in FORWARDED_SIGNALS if hasattr(signal, name)}
+    stop_with = signal.SIGTERM
+    try:
+        return agent.run()
+    except SignalReceived as e:
+        agent.say(f"{e}: forwarding it to the ranks (SIGKILL after {STOP_TIMEOUT_S:.0f} s), then exiting 1")
+        stop_with = e.signum
+        return 1
+    finally:
+        agent.close(stop_with)
+        for signum, previous in handled.items():
+            signal.signal(signum, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
