@@ -250,17 +250,20 @@ class SimulatedCluster:
 
     def _loopback_pids(self, node: Node) -> List[int]:
         processes = self._procs.get(node.index, [])
-        roots = {process.pid for process in processes if process.returncode is None}  # a reaped pid may be reused
-        sessions = {process.pid for process in processes}  # start_new_session: session id = the first pid
-        parent, session = {}, {}
+        parent, session, present = {}, {}, set()
         for pid in _all_pids():
             try:
                 with open(f"/proc/{pid}/stat") as file:
-                    fields = file.read().rsplit(")", 1)[1].split()
+                    fields = file.read().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
             except (OSError, IndexError):
                 continue
+            present.add(pid)
             if fields[0] != "Z":
-                parent[pid], session[pid] = int(fields[1]), int(fields[4])
+                parent[pid], session[pid] = int(fields[1]), int(fields[3])
+        roots = {process.pid for process in processes if process.returncode is None}  # a reaped pid may be reused
+        # start_new_session: session id = the first pid. A session's id is not given to a new process while any
+        # member of it lives, so a reaped process's pid found on a live process is a reuse: not our session.
+        sessions = {process.pid for process in processes if process.pid in roots or process.pid not in present}
         found = {pid for pid in parent if pid in roots or session[pid] in sessions}
         grew = True
         while grew:  # descendants that left the session

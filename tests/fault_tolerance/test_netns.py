@@ -241,3 +241,40 @@ def test_refusals():
         SimulatedCluster(0)
     with pytest.raises(ValueError, match="15 characters"):
         SimulatedCluster(101)
+
+
+def test_loopback_kill_spares_a_session_whose_id_was_reused():
+    """A reaped process's pid can be reused (pid_max is 32768 on small machines) by an unrelated session
+    leader; kill(node) must not take that session for the node's: simulated by pointing the reaped tracked
+    process at an unrelated session leader's pid."""
+    unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        with SimulatedCluster(1, loopback=True) as cluster:
+            node = cluster.nodes[0]
+            finished = cluster.popen(node, ["true"])
+            assert finished.wait(timeout=10) == 0
+            finished.pid = unrelated.pid  # its pid, now someone else's session
+            assert unrelated.pid not in cluster.pids(node)
+            cluster.kill(node)
+        assert unrelated.poll() is None
+    finally:
+        unrelated.kill()
+        unrelated.wait(timeout=10)
+
+
+def test_loopback_kill_ends_an_orphan_left_in_the_session():
+    """A process whose parent exited (re-parented, as a daemonizing child is) is still in the session popen
+    gave the node: kill(node) ends it too."""
+    with SimulatedCluster(1, loopback=True) as cluster:
+        node = cluster.nodes[0]
+        parent = cluster.popen(node, ["sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE)
+        orphan = int(_readline(parent))
+        assert parent.wait(timeout=10) == 0
+        try:
+            assert orphan in cluster.pids(node)
+            cluster.kill(node)
+            assert not os.path.exists(f"/proc/{orphan}") or "Z" in open(f"/proc/{orphan}/stat").read().split()[2]
+        finally:
+            if netns._proc_state(orphan) not in (None, "Z"):  # the test failed: not left running
+                if b"sleep" in open(f"/proc/{orphan}/cmdline", "rb").read():
+                    os.kill(orphan, signal.SIGKILL)
