@@ -17,7 +17,7 @@ a 3-member etcd cluster, which survives the loss of any one node. The client spe
 A request that may have reached etcd but got no answer (a timeout after sending it) is retried on another
 endpoint only when repeating it is harmless (reads, puts, deletes, lease keepalives). A transaction is not
 repeated blindly: the client raises EtcdIndeterminate, and the operations built on transactions (create,
-replace, EtcdStore.add / compare_set) read the key back to find out what happened.
+replace, EtcdStore.add / compare_set) find out what happened from a receipt written by the same transaction.
 """
 
 import base64
@@ -45,6 +45,9 @@ Data = Union[str, bytes]
 ETCD_FLAGS = ["--heartbeat-interval", "50", "--election-timeout", "500", "--pre-vote"]
 """Fast failover (a lost leader is replaced within ~1 s) and pre-vote (etcd 3.4 has it off: without it a member
 that comes back from a partition forces an election)."""
+
+RECEIPTS = "/megatron_lite/.receipts/"
+"""Where EtcdClient keeps one receipt key per client, process and thread (see EtcdClient._txn_resolved)."""
 
 _UNAVAILABLE = 14  # gRPC's code for "not served now" (no leader, leader changed, request timed out, stopping)
 _NOT_FOUND = 5  # e.g. "requested lease not found"
@@ -155,6 +158,7 @@ class EtcdClient:
             raise ValueError(f"attempt_timeout_s must be a positive number of seconds, got {attempt_timeout_s!r}")
         self.attempt_timeout_s = float(attempt_timeout_s)
         self._preferred = 0  # the endpoint that answered last (shared by the threads)
+        self._id = uuid.uuid4().hex[:12]  # names this client's receipt keys
         self._local = threading.local()
 
     def __repr__(self):
@@ -281,32 +285,38 @@ class EtcdClient:
                                            "failure": list(failure)}, repeatable=False)
         return bool(answer.get("succeeded", False)), answer.get("responses", [])
 
-    def _put_if(self, key: Data, expected: Optional[Data], value: Data, lease: int) -> bool:
-        """txn(key holds `expected` (None: absent) -> put value), answered. After an unanswered copy, the key
-        is read back: holding our value (and lease) means it was applied; still holding `expected` means the
-        transaction is sent again (of the copies, the first to apply changes the key, so the others fail);
-        anything else, that it lost. A copy applied late (a frozen member thawed) is caught the same way."""
-        compare = compare_create_revision(key, 0) if expected is None else compare_value(key, expected)
-        deadline, unanswered = time.monotonic() + 3 * self.timeout_s, False
+    def _receipt_key(self) -> str:
+        """This thread's receipt key (one per client, process and thread, overwritten by each resolved txn)."""
+        return f"{RECEIPTS}{self._id}.{os.getpid()}.{threading.get_ident()}"
+
+    def _txn_resolved(self, compare: list, success: list, failure: list = ()) -> Tuple[bool, list]:
+        """txn() whose outcome is known even when a copy goes unanswered: `success` also writes a token unique to
+        this call under the thread's receipt key, so an unanswered copy was applied iff the receipt holds the token
+        (the key's value cannot tell: another process's equal add or replace leaves the same value). Otherwise
+        the same transaction is sent again: of its copies at most one passes `compare` while the key moves on,
+        and a failed answer is checked against the receipt too (an earlier copy may have won). (succeeded,
+        responses: [] when only the receipt answered)."""
+        receipt, token = self._receipt_key(), uuid.uuid4().hex.encode()
+        ops, unanswered = list(success) + [put_op(receipt, token)], False
+        deadline = time.monotonic() + 3 * self.timeout_s
         while True:
             try:
-                if self.txn([compare], [put_op(key, value, lease)])[0]:
-                    return True
+                succeeded, responses = self.txn(compare, ops, failure)
             except EtcdIndeterminate:
+                if self.get(receipt) == token:
+                    return True, []
                 if time.monotonic() > deadline:
                     raise
                 unanswered = True
-                kv = self._range(key)
-                current = None if kv is None else _unb64(kv.get("value"))
-                if current is not None and current == _bytes(value) and int(kv.get("lease", 0)) == lease:
-                    return True
-                if current == (None if expected is None else _bytes(expected)):
-                    continue
-                return False
-            if not unanswered:
-                return False
-            kv = self._range(key)  # lost to an earlier copy of its own?
-            return kv is not None and _unb64(kv.get("value")) == _bytes(value) and int(kv.get("lease", 0)) == lease
+                continue
+            if succeeded or not unanswered:
+                return succeeded, responses
+            return self.get(receipt) == token, responses
+
+    def _put_if(self, key: Data, expected: Optional[Data], value: Data, lease: int) -> bool:
+        """txn(key holds `expected` (None: absent) -> put value), its outcome known (_txn_resolved)."""
+        compare = compare_create_revision(key, 0) if expected is None else compare_value(key, expected)
+        return self._txn_resolved([compare], [put_op(key, value, lease)])[0]
 
     def create(self, key: Data, value: Data, lease: int = 0) -> bool:
         """Puts `value` only if `key` does not exist. Whether it did."""
@@ -411,29 +421,15 @@ class EtcdStore(dist.Store):
                 new, compare = int(amount), compare_create_revision(raw, 0)
             else:
                 new, compare = int(current[0] or b"0") + int(amount), compare_mod_revision(raw, current[1])
-            try:
-                if self.client.txn([compare], [put_op(raw, str(new))])[0]:
-                    return new
-            except EtcdIndeterminate:
-                # Sent, unanswered: the key holding exactly our result means it was applied (an equal concurrent
-                # add from the same value is the one case this misreads).
-                after = self.client.get_with_revision(raw)
-                if after is not None and after[0] == str(new).encode() and (current is None or after[1] != current[1]):
-                    return new
+            if self.client._txn_resolved([compare], [put_op(raw, str(new))])[0]:
+                return new
 
     def compare_set(self, key: str, expected: Data, desired: Data) -> bytes:
         """TCPStore's compare_set: puts `desired` if the key holds `expected` ("" = absent); returns the value
         stored afterwards (`expected` itself when the key is absent and `expected` is not "")."""
         raw, expected = self.raw_key(key), _bytes(expected)
         compare = compare_create_revision(raw, 0) if not expected else compare_value(raw, expected)
-        while True:
-            try:
-                succeeded, responses = self.client.txn([compare], [put_op(raw, desired)], [range_op(raw)])
-                break
-            except EtcdIndeterminate:  # unanswered: still as expected -> send again, else the stored value
-                stored = self.client.get(raw)
-                if (stored is None and expected) or (stored is not None and (stored != expected or not expected)):
-                    return expected if stored is None else stored
+        succeeded, responses = self.client._txn_resolved([compare], [put_op(raw, desired)], [range_op(raw)])
         if succeeded:
             return _bytes(desired)
         kvs = responses[0].get("response_range", {}).get("kvs") if responses else None
@@ -485,7 +481,7 @@ class EtcdStore(dist.Store):
                 compare, new = compare_create_revision(raw, 0), _bytes(value)
             else:
                 compare, new = compare_mod_revision(raw, current[1]), current[0] + _bytes(value)
-            if self.client.txn([compare], [put_op(raw, new)])[0]:
+            if self.client._txn_resolved([compare], [put_op(raw, new)])[0]:
                 return
 
     def multi_get(self, keys: List[str]) -> List[bytes]:

@@ -155,6 +155,43 @@ def test_unanswered_transactions_resolved(etcd, mode):
     assert store.compare_set("ready", "1", "2") == b"2" and store.get("ready") == b"2"
 
 
+class _UnansweredWhileOthersWrite(EtcdClient):
+    """The first transaction goes unanswered (applied or not) while another process changes the same key with the
+    same operation, as the 6 ranks of a generation each add 1 to gen_<g>/arrived."""
+
+    def __init__(self, endpoints, mode, other):
+        super().__init__(endpoints)
+        self.mode, self.other = mode, other
+
+    def txn(self, compare, success, failure=()):
+        mode, self.mode = self.mode, None
+        if mode is None:
+            return super().txn(compare, success, failure)
+        if mode == "applied":
+            super().txn(compare, success, failure)
+        self.other()
+        raise EtcdIndeterminate("injected: sent, no answer")
+
+
+@pytest.mark.parametrize("mode", ["applied", "lost"])
+def test_unanswered_transaction_beside_an_equal_one(etcd, mode):
+    """An unanswered add / replace is resolved by what happened, not by the value the key holds: another rank's
+    add of the same amount from the same value (or another agent's equal replace) leaves the same value whether
+    ours applied or not (read back by value, a lost add counted as done left gen_<g>/arrived one short: the
+    generation never formed; an applied one sent again counted twice)."""
+    p = _prefix()
+    other = EtcdStore(etcd.endpoints, p + "store/")
+    other.add("arrived", 2)
+    store = EtcdStore(_UnansweredWhileOthersWrite(etcd.endpoints, mode, lambda: other.add("arrived", 1)),
+                      p + "store/")
+    store.add("arrived", 1)
+    assert store.get("arrived") == b"4"
+    rival = EtcdClient(etcd.endpoints)
+    rival.put(p + "seq", "3")
+    client = _UnansweredWhileOthersWrite(etcd.endpoints, mode, lambda: rival.replace(p + "seq", "3", "4"))
+    assert client.replace(p + "seq", "3", "4") is (mode == "applied")  # the rival's equal one won when ours was lost
+
+
 def _store_calls(store):
     """The TCPStore calls membership.py and launch.py make, with their results."""
     short = datetime.timedelta(seconds=0.3)
