@@ -234,7 +234,9 @@ class EtcdClient:
             answer = json.loads(data) if data else {}
         except ValueError:
             answer = {"message": data[:200].decode(errors="replace")}
-        if response.status == 200:
+        if isinstance(answer.get("error"), dict):  # a streamed call's error (lease keepalive): nested
+            answer = {**answer["error"], "code": answer["error"].get("grpc_code")}
+        elif response.status == 200:
             return answer
         code, message = answer.get("code"), answer.get("message") or answer.get("error") or str(response.status)
         if code == _UNAVAILABLE and (repeatable or "no leader" in message):

@@ -6,6 +6,8 @@ wait is bounded by a deadline and every cluster is stopped by LocalEtcd's contex
 
 import ctypes
 import datetime
+import http.server
+import json
 import multiprocessing
 import os
 import signal
@@ -113,6 +115,40 @@ def test_lease_keepalive_expiry_revoke(etcd):
     client.lease_revoke(lease)  # already gone: fine
     with pytest.raises(ValueError, match="ttl_s"):
         client.lease_grant(0)
+
+
+def test_streamed_errors_fail_over(etcd):
+    """A member without a leader answers a lease keepalive (a gRPC stream on the gateway) with its error nested
+    as {"error": {"grpc_code": 14, ...}} (unary calls: {"code": 14, ...}): the client tries the next member, as
+    for any unavailable member (it raised EtcdError at once and stayed sticky on that member: every keepalive
+    of an agent failed there until its node fenced itself, with a quorum a failover away)."""
+    body = json.dumps({"error": {"grpc_code": 14, "http_code": 503, "message": "etcdserver: no leader",
+                                 "http_status": "Service Unavailable"}}).encode()
+
+    class NoLeader(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoLeader)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = EtcdClient([f"127.0.0.1:{server.server_address[1]}"] + etcd.endpoints, timeout_s=5.0)
+        lease = client.lease_grant(5)
+        client._preferred = 0
+        assert client.lease_keepalive(lease) >= 1
+        client._preferred = 0
+        client.put(_prefix() + "k", "v")
+        with pytest.raises(EtcdUnavailable, match="no leader"):
+            EtcdClient([f"127.0.0.1:{server.server_address[1]}"], timeout_s=0.5).lease_keepalive(lease)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class _UnansweredOnce(EtcdClient):
