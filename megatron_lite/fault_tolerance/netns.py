@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-_LOCK_FILE = os.path.join(tempfile.gettempdir(), "megatron_lite_netns.lock")
+# One lock per machine, not per TMPDIR: namespaces, bridges and addresses are the machine's (and need root, who
+# can write /run, where `ip netns` keeps its names).
+_LOCK_FILE = os.path.join("/run" if os.access("/run", os.W_OK) else tempfile.gettempdir(), "megatron_lite_netns.lock")
 _OWNED = re.compile(r"^ml[tbv]([0-9a-f]+)x([0-9a-f]+)")
 _counter = itertools.count()
 _live_ids = set()  # ids of this process's open clusters (never swept)
@@ -132,7 +134,8 @@ class SimulatedCluster:
         num_nodes: how many nodes.
         name_prefix: node names are name_prefix + index (default "node").
         subnet: an IPv4 network such as "10.77.5.0/24" (host address = its first address, node k = the
-            (k+2)-th); default: the first 10.77.<k>.0/24 that no interface of the machine uses.
+            (k+2)-th); default: the first 10.77.<k>.0/24 that no interface of the machine uses. A subnet given
+            that an interface of the machine already has an address in is refused (ValueError).
         loopback: no namespaces: node k is 127.0.0.<k+2> (ifname "lo"); `cut` / `mend` raise NotImplementedError.
     """
 
@@ -180,6 +183,11 @@ class SimulatedCluster:
             fcntl.flock(lock, fcntl.LOCK_EX)  # sweep + subnet choice + bridge address: one instance at a time
             sweep_stale()
             network = ipaddress.IPv4Network(self._subnet or _free_subnet())
+            if self._subnet is not None:
+                used = [address for address in _addresses() if ipaddress.IPv4Address(address) in network]
+                if used:
+                    raise ValueError(f"subnet {network} is in use on this machine ({', '.join(used)}): give "
+                                     f"another one, or none to get a free 10.77.<k>.0/24")
             hosts = list(itertools.islice(network.hosts(), self.num_nodes + 1))
             if len(hosts) < self.num_nodes + 1:
                 raise ValueError(f"subnet {network} has too few addresses for {self.num_nodes} nodes and the host")
@@ -311,8 +319,13 @@ class SimulatedCluster:
         self._link(node, "up")
 
 
+def _addresses() -> List[str]:
+    """Every IPv4 address of the root namespace's interfaces."""
+    return re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)", _ip("-o", "-4", "addr", "show").stdout)
+
+
 def _free_subnet() -> str:
-    used = set(re.findall(r"\b10\.77\.(\d+)\.", _ip("-o", "addr", "show").stdout))
+    used = {address.split(".")[2] for address in _addresses() if address.startswith("10.77.")}
     for k in range(256):
         if str(k) not in used:
             return f"10.77.{k}.0/24"

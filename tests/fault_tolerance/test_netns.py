@@ -278,3 +278,30 @@ def test_loopback_kill_ends_an_orphan_left_in_the_session():
             if netns._proc_state(orphan) not in (None, "Z"):  # the test failed: not left running
                 if b"sleep" in open(f"/proc/{orphan}/cmdline", "rb").read():
                     os.kill(orphan, signal.SIGKILL)
+
+
+LOCK_OF = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("netns", sys.argv[1])
+netns = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(netns)
+print(netns._LOCK_FILE)
+"""
+
+
+@needs_netns
+def test_one_subnet_lock_per_machine_and_a_subnet_in_use_is_refused(tmp_path):
+    """Concurrent clusters choose their subnets under one lock whatever TMPDIR their processes have (a
+    process with another TMPDIR took another lock: two bridges with one address), and a subnet given
+    explicitly that a bridge already uses is refused instead of routed twice."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    lock = subprocess.run([sys.executable, "-c", LOCK_OF, netns.__file__], env=env, capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    assert lock == netns._LOCK_FILE
+    with SimulatedCluster(1) as cluster:
+        subnet = f"{cluster.host_address.rsplit('.', 1)[0]}.0/24"
+        clash = SimulatedCluster(1, subnet=subnet)
+        with pytest.raises(ValueError, match=f"subnet {subnet} is in use"):
+            with clash:
+                pass
+        assert _leftovers(clash.id) == []
