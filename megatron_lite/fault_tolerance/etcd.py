@@ -177,9 +177,10 @@ class EtcdClient:
             connection.close()
         self._connections().clear()
 
-    def _post(self, path: str, body: dict, repeatable: bool = True) -> dict:
+    def _post(self, path: str, body: dict, repeatable: bool = True, field: Optional[str] = None) -> dict:
         """POSTs `body` to `path` on the preferred endpoint, then on the others in turn until one answers or
-        timeout_s has passed. `repeatable`: sending the request twice is harmless (not a transaction)."""
+        timeout_s has passed. `repeatable`: sending the request twice is harmless (not a transaction). `field`:
+        an answer without it is no answer (a stream that ended without its response)."""
         payload = json.dumps(body).encode()
         deadline = time.monotonic() + self.timeout_s
         errors: Dict[str, str] = {}
@@ -192,7 +193,7 @@ class EtcdClient:
                 raise EtcdUnavailable(f"no etcd endpoint answered {path} within {self.timeout_s} s: "
                                       + "; ".join(f"{e}: {why}" for e, why in errors.items()))
             # Leave time for the other endpoints when this one hangs (frozen, or cut off from the network).
-            outcome = self._attempt(index, path, payload, min(remaining, self.attempt_timeout_s), repeatable)
+            outcome = self._attempt(index, path, payload, min(remaining, self.attempt_timeout_s), repeatable, field)
             if isinstance(outcome, dict):
                 self._preferred = index
                 return outcome
@@ -204,7 +205,8 @@ class EtcdClient:
                 time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
                 backoff, tried_in_round = min(backoff * 2, 0.2), 0
 
-    def _attempt(self, index: int, path: str, payload: bytes, timeout: float, repeatable: bool):
+    def _attempt(self, index: int, path: str, payload: bytes, timeout: float, repeatable: bool,
+                 field: Optional[str] = None):
         """One request to one endpoint: the response dict, or why it failed (str) when another endpoint may be
         tried. Raises EtcdError for etcd's own refusals, EtcdIndeterminate for an unanswered transaction."""
         connections = self._connections()
@@ -236,6 +238,8 @@ class EtcdClient:
             answer = {"message": data[:200].decode(errors="replace")}
         if isinstance(answer.get("error"), dict):  # a streamed call's error (lease keepalive): nested
             answer = {**answer["error"], "code": answer["error"].get("grpc_code")}
+        elif response.status == 200 and field is not None and field not in answer:
+            return f"an answer without {field!r}: {data[:200]!r}"
         elif response.status == 200:
             return answer
         code, message = answer.get("code"), answer.get("message") or answer.get("error") or str(response.status)
@@ -345,8 +349,8 @@ class EtcdClient:
 
     def lease_keepalive(self, lease: int) -> int:
         """Renews the lease: its remaining TTL in seconds, 0 when it is gone (expired or revoked)."""
-        answer = self._post("/v3/lease/keepalive", {"ID": str(lease)})
-        return int(answer.get("result", answer).get("TTL", 0))
+        answer = self._post("/v3/lease/keepalive", {"ID": str(lease)}, field="result")
+        return int(answer["result"].get("TTL", 0))
 
     def lease_revoke(self, lease: int):
         """Revokes the lease (its keys are deleted); a lease already gone is fine."""

@@ -117,35 +117,44 @@ def test_lease_keepalive_expiry_revoke(etcd):
         client.lease_grant(0)
 
 
-def test_streamed_errors_fail_over(etcd):
-    """A member without a leader answers a lease keepalive (a gRPC stream on the gateway) with its error nested
-    as {"error": {"grpc_code": 14, ...}} (unary calls: {"code": 14, ...}): the client tries the next member, as
-    for any unavailable member (it raised EtcdError at once and stayed sticky on that member: every keepalive
-    of an agent failed there until its node fenced itself, with a quorum a failover away)."""
-    body = json.dumps({"error": {"grpc_code": 14, "http_code": 503, "message": "etcdserver: no leader",
-                                 "http_status": "Service Unavailable"}}).encode()
-
-    class NoLeader(http.server.BaseHTTPRequestHandler):
+def _fake_member(status: int, body: bytes):
+    """An HTTP server answering every POST with `status` and `body` (a member in a bad state); its endpoint."""
+    class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(503)
+            self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
         def log_message(self, *args):
             pass
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoLeader)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.mark.parametrize("status, body", [
+    (503, json.dumps({"error": {"grpc_code": 14, "http_code": 503, "message": "etcdserver: no leader",
+                                "http_status": "Service Unavailable"}}).encode()),
+    (200, b""),  # a keepalive stream that ended without its response
+])
+def test_bad_keepalive_answers_fail_over(etcd, status, body):
+    """A member without a leader answers a lease keepalive (a gRPC stream on the gateway) with its error nested
+    as {"error": {"grpc_code": 14, ...}} (unary calls: {"code": 14, ...}); a stream may also end without its
+    {"result": ...}. Either way the client tries the next member, as for any unavailable member. (The nested
+    error raised EtcdError at once and the client stayed sticky on that member: every keepalive of an agent
+    failed there until its node fenced itself, with a quorum a failover away; the empty answer read as TTL 0,
+    'the lease is gone': the agent fenced its node at once.)"""
+    server, bad = _fake_member(status, body)
     try:
-        client = EtcdClient([f"127.0.0.1:{server.server_address[1]}"] + etcd.endpoints, timeout_s=5.0)
+        client = EtcdClient([bad] + etcd.endpoints, timeout_s=5.0)
+        client._preferred = 1
         lease = client.lease_grant(5)
         client._preferred = 0
         assert client.lease_keepalive(lease) >= 1
-        client._preferred = 0
-        client.put(_prefix() + "k", "v")
-        with pytest.raises(EtcdUnavailable, match="no leader"):
-            EtcdClient([f"127.0.0.1:{server.server_address[1]}"], timeout_s=0.5).lease_keepalive(lease)
+        with pytest.raises(EtcdUnavailable):
+            EtcdClient([bad], timeout_s=0.5).lease_keepalive(lease)
     finally:
         server.shutdown()
         server.server_close()
