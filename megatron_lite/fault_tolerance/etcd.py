@@ -699,10 +699,14 @@ class LocalEtcd:
         return ids.get(leader)
 
     def kill(self, i: int):
-        """SIGKILLs member i (its data stays: restart(i) brings it back)."""
+        """SIGKILLs member i with its process group (a prefix that forks, not execs, leaves etcd below the
+        process started: it goes too); its data stays: restart(i) brings it back."""
         process = self.processes[i]
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGKILL)
+        if process is not None and process.returncode is None:  # not reaped: its pid is still the group's id
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the group is the member's
+            except ProcessLookupError:
+                pass
             process.wait(timeout=30)
 
     def restart(self, i: int, wait: bool = True):

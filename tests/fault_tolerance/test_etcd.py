@@ -439,3 +439,28 @@ def test_partitioned_member():
             except EtcdUnavailable:
                 return False
         _wait_until(lambda: _in_namespace(nodes.nodes[cut].namespace, reads_again), 20.0, "the mended member's read")
+
+
+def _processes_mentioning(text: str):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if text.encode() in handle.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_members_behind_a_forking_prefix_are_stopped(tmp_path):
+    """A member started through a prefix that forks instead of exec'ing (a shell, sudo) is stopped with its
+    starter: LocalEtcd kills the member's whole process group (it SIGKILLed the starter only, and the etcd
+    below it ran on after stop(), holding its ports)."""
+    data_dir = str(tmp_path / f"forking_{uuid.uuid4().hex[:6]}")
+    os.makedirs(data_dir)
+    with LocalEtcd(["127.0.0.1"], prefix_argvs=[["sh", "-c", '"$@"; exit $?', "sh"]], data_dir=data_dir) as cluster:
+        assert EtcdClient(cluster.endpoints).revision() >= 1
+        assert len(_processes_mentioning(data_dir)) >= 2  # the shell and etcd
+    _wait_until(lambda: not _processes_mentioning(data_dir + "/m0"), 10.0, "the member's exit")
+
