@@ -119,6 +119,13 @@ def delete_op(key: Data) -> dict:
     return {"request_delete_range": {"key": _b64(key)}}
 
 
+def _readable(sock: socket.socket) -> bool:
+    """Whether `sock` has something to read now (poll: select() refuses descriptors above 1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def _parse_endpoint(endpoint: str) -> Tuple[str, int]:
     host, sep, port = endpoint.strip().rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -215,7 +222,7 @@ class EtcdClient:
             host, port = self._addresses[index]
             connection = connections[index] = http.client.HTTPConnection(host, port, timeout=timeout)
         connection.timeout = timeout
-        if connection.sock is not None and select.select([connection.sock], [], [], 0)[0]:
+        if connection.sock is not None and _readable(connection.sock):
             connection.close()  # readable while idle: the member closed it (it died or restarted): a new one
         sent = False
         try:

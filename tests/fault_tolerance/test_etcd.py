@@ -79,6 +79,23 @@ def test_client_key_operations(etcd):
         EtcdClient(["localhost"])
 
 
+def test_client_in_a_process_with_many_files(etcd):
+    """The client works when its sockets' descriptors are above 1024 (a trainer with many files, shared-memory
+    handles and sockets open): select() refused them ("filedescriptor out of range") on every request that
+    reused a kept-alive connection."""
+    import resource
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("the open-files limit is below 1200")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        client, key = EtcdClient(etcd.endpoints), _prefix() + "k"
+        client.put(key, "1")
+        assert client.get(key) == b"1" and client.get(key) == b"1"
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def test_create_replace_txn(etcd):
     """create only when absent, replace only on the expected value (None: absent), txn's branches."""
     client, p = EtcdClient(etcd.endpoints), _prefix()
