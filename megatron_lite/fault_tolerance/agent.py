@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Dict, Optional, Set, Tuple
@@ -64,6 +66,8 @@ ENV_NODE = "MEGATRON_LITE_LIVE_NODE"
 ENV_HEARTBEAT_FILE = "MEGATRON_LITE_LIVE_HEARTBEAT_FILE"
 POLL_S = 0.05
 """How often the agent looks at its processes (waitpid, heartbeat files); etcd is read every LEADER_POLL_S."""
+LEADER_ERRORS = 50
+"""Consecutive failed rounds (5 s) after which the leader gives up on the job (Agent.lead)."""
 NCCL_ERROR_HANDLING = "2"
 """TORCH_NCCL_ASYNC_ERROR_HANDLING unless set: 2 (CleanUpOnly) aborts a failed communicator without killing the
 process, which then recovers live (torch's 1, TearDown, would end the process)."""
@@ -130,6 +134,7 @@ class Agent:
         self.fenced = False
         self.stopping = threading.Event()
         self.etcd_down_said = False
+        self.leader_errors = 0
 
     def say(self, text: str):
         print(f"[agent {self.incarnation or self.name}] {text}", flush=True)
@@ -342,16 +347,33 @@ class Agent:
             self.leader = Leader(self.keys, self.incarnation, self.spec, say=lambda t: print(f"[leader] {t}",
                                                                                               flush=True))
         if self.leader is not None:
-            self.leader.step()
+            self.lead()
         generation = self.keys.get("generation")
         if generation is not None:
             self.reconcile(parse_placement(self.keys.get(f"gen_{generation}/placement")))
         return None
 
+    def lead(self):
+        """The leader's round. An error of its own (a bug, a key it cannot parse) is said and retried, not let
+        end this agent: its node would be lost with it, and the next leader would meet it too. Past
+        LEADER_ERRORS in a row the job ends (job/outcome 1) with it."""
+        try:
+            self.leader.step()
+            self.leader_errors = 0
+        except (EtcdError, NotLeader):
+            raise
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            self.leader_errors += 1
+            if self.leader_errors == 1:
+                traceback.print_exc()
+            if self.leader_errors >= LEADER_ERRORS:
+                self.leader.outcome(1, f"the leader failed {LEADER_ERRORS} times in a row: {type(e).__name__}: {e}")
+
     def close(self, signum: int = signal.SIGTERM):
         """Stop the ranks and leave: the lease revoked (the others see this node gone at once)."""
         self.stopping.set()
         self.stop_ranks(signum)
+        shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         try:
             self.client.lease_revoke(self.lease)
         except EtcdError:

@@ -83,8 +83,10 @@ class JobKeys:
         return default if value is None else json.loads(value)
 
     def get_prefix(self, name: str) -> Dict[str, str]:
+        """Every key under `name`; values decoded leniently: gen_<g>/ holds the gloo rendezvous' binary keys too."""
         n = len(self.root)
-        return {key[n:]: value.decode() for key, value in self.client.get_prefix(self.root + name).items()}
+        return {key[n:]: value.decode(errors="replace")
+                for key, value in self.client.get_prefix(self.root + name).items()}
 
     def put(self, name: str, value: str, lease: int = 0):
         self.client.put(self.root + name, value, lease=lease)

@@ -196,6 +196,7 @@ def test_a_dead_rank_is_restarted_on_its_node_and_the_others_keep_their_processe
     keeps since 0 (its process), generation 0 is aborted. Would catch the whole node or job restarted, or the
     survivors left blocked without the abort."""
     job = started()
+    job.etcd.put(ROOT + "gen_0/0", b"\x88\x00")  # gloo's rendezvous keys share gen_<g>/: binary
     job.exit(1, -9)
     job.step()
     assert job.generation == 1
