@@ -55,6 +55,25 @@ LAST_WORDS_DIRNAME = "last_words"
 LOCK_FILENAME = "job.lock"
 ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
+# ------------------------------------------------------------------------------------------ the commit guard
+_commit_guard: Optional[Callable[[str, str], None]] = None
+
+
+def set_commit_guard(guard: Optional[Callable[[str, str], None]]):
+    """Install `guard(kind, what)`, called right before a checkpoint is committed (kind "checkpoint": the rename
+    of its sealed directory into place, which the tracker follows) and before a rank's last words are written
+    (kind "last_words"); it raises to refuse. Live recovery installs its fencing (a process cut off from its job,
+    or of a generation that was abandoned, must not commit a stale state); None removes it. The commit then
+    fails like any failed save: the temporary directory is removed, the previous checkpoint stays the newest."""
+    global _commit_guard
+    _commit_guard = guard
+
+
+def check_commit(kind: str, what: str):
+    """Ask the commit guard (set_commit_guard), if one is installed, whether `what` may be committed."""
+    if _commit_guard is not None:
+        _commit_guard(kind, what)
+
 
 # ------------------------------------------------------------------------------------------ naming
 def _iteration_name(iteration: int) -> str:
@@ -155,9 +174,9 @@ def _remove_stale(path: str):
 
 
 def seal_directory(root: str, iteration: int, tmp_dir: str):
-    """Seal a written temporary directory: the manifest, the rename into place and, last, the tracker; then
-    remove the last-words sets this checkpoint supersedes. A failure before the tracker moves removes
-    tmp_dir and leaves the previous checkpoint the newest."""
+    """Seal a written temporary directory: the manifest, the commit guard's consent, the rename into place and,
+    last, the tracker; then remove the last-words sets this checkpoint supersedes. A failure before the
+    tracker moves removes tmp_dir and leaves the previous checkpoint the newest."""
     final = checkpoint_dir(root, iteration)
     try:
         files = {}
@@ -167,6 +186,7 @@ def seal_directory(root: str, iteration: int, tmp_dir: str):
                 files[os.path.relpath(path, tmp_dir)] = {"size": os.path.getsize(path), "sha256": digest(path)}
         manifest = json.dumps({"iteration": iteration, "files": dict(sorted(files.items()))}, indent=1).encode()
         write_atomically(os.path.join(tmp_dir, MANIFEST_FILENAME), lambda f: f.write(manifest))
+        check_commit("checkpoint", f"committing checkpoint {iteration} to {final}")
         os.rename(tmp_dir, final)
         _fsync_dir(root)
     except BaseException:

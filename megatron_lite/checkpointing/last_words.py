@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..distributed import collectives
 from ..distributed.layout import DataParallelTopology
 from . import experts
-from .files import ABSENT_ARGS, digest, last_words_dir, last_words_entries, write_atomically
+from .files import ABSENT_ARGS, check_commit, digest, last_words_dir, last_words_entries, write_atomically
 from .rng import get_rng_state, set_rng_state
 
 _RANK_FILE = re.compile(r"^rank_(\d{5,})\.pt$")
@@ -162,6 +162,7 @@ class LastWords:
                 self._say(f"not writing last words ({reason}): the optimizer state is not finite")
                 return None
             target = last_words_dir(self.root, record["iteration"])
+            check_commit("last_words", f"writing last words at iteration {record['iteration']} to {target}")
             os.makedirs(target, exist_ok=True)
             path = os.path.join(target, f"rank_{self.rank:05d}.pt")
             write_atomically(path, lambda f: torch.save(payload, f))

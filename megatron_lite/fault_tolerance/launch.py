@@ -152,7 +152,10 @@ class Supervisor:
                     "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
                     # The store at MASTER_ADDR/PORT is the supervisor's: an env:// rendezvous connects to it.
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+                    # torchrun's default (1) tears the survivors down on a peer's NCCL error: 2 aborts the
+                    # communicators only, and the survivor recovers live (membership.NCCL_ASYNC_ERROR_HANDLING).
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                                      membership.NCCL_ASYNC_ERROR_HANDLING)}
         return {**os.environ, **torchrun, membership.ENV_STORE: f"127.0.0.1:{self.store.port}",
                 membership.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
                 membership.ENV_JOIN_TIMEOUT: str(self.config.join_timeout_s), **elastic, **extra}
@@ -194,9 +197,13 @@ class Supervisor:
                 self.spare_after_logged = None
                 self.spawn_spare()
 
-    def open_generation(self, replaced, members=None, why=""):
+    def open_generation(self, replaced, members=None, why="", abort=True):
         """Generation += 1: its members (default: the current ones), the ranks started afresh
-        for it, their processes; the `generation` key last, since the new processes' environment says it."""
+        for it, their processes; the `generation` key last, since the new processes' environment says it.
+        `abort` (all but a grow): the old generation is abandoned, its members blocked in a collective (behind
+        a hung peer) are released at once (gen_<g>/abort, membership.Membership.watch_for_abort)."""
+        if abort and self.generation >= 0:
+            self.store.set(f"gen_{self.generation}/abort", "1")
         self.generation += 1
         self.members = sorted(self.members if members is None else members)
         self.store.set(f"gen_{self.generation}/members", json.dumps(self.members))
@@ -321,7 +328,8 @@ class Supervisor:
         collective and recovers exactly (docs/fault_tolerance.md, "Elastic mode")."""
         leave_at = membership.last_logged(self.store) + 2
         self.store.set(f"gen_{self.generation}/leave_at", str(leave_at))
-        self.open_generation([], members, f" (grow: instance(s) back; the members leave after iteration {leave_at})")
+        self.open_generation([], members, f" (grow: instance(s) back; the members leave after iteration {leave_at})",
+                             abort=False)
 
     def finished(self) -> bool:
         """Every rank exited 0: training ended (the ranks waiting to be admitted exit once it has)."""

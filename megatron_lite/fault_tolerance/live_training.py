@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpointing import lock_save_directory
-from ..checkpointing.files import unlock_save_directory
+from ..checkpointing.files import set_commit_guard, unlock_save_directory
 from ..checkpointing.rng import get_rng_state
 from ..distributed import collectives
 from ..training.initialize import initialize_megatron, shutdown
@@ -52,7 +52,16 @@ from ..training.metrics import print_rank_0
 from ..training.training import check_train_data, resume, setup_model_and_optimizer
 from .elastic import check_elastic, generation_args, instance_size
 from .healing import LiveRecoveryImpossible, Progress, Snapshot, heal, take_snapshot
-from .membership import EXIT_FALLBACK, GenerationEnded, GenerationSuperseded, JobFinished, Membership
+from .membership import (
+    EXIT_FALLBACK,
+    EXIT_FENCED,
+    Fenced,
+    GenerationEnded,
+    GenerationSuperseded,
+    JobFinished,
+    Membership,
+    process_group_backend,
+)
 
 
 @dataclass
@@ -71,10 +80,11 @@ class Timings:
 def _is_peer_failure(error: BaseException) -> bool:
     """A collective that failed because of another rank (gloo's errors, a timeout), not this rank's bug."""
     text = str(error).lower()  # gloo raises plain RuntimeErrors: "Connection reset/closed by peer", "Timed out
-    # waiting 3000ms for recv", "Application timeout caused pair closure" (a peer's timeout closed the pair)
-    return isinstance(error, (dist.DistError, GenerationSuperseded, GenerationEnded)) or (
+    # waiting 3000ms for recv", "Application timeout caused pair closure" (a peer's timeout closed the pair);
+    # a generation abandoned under a save: rank 0's commit guard raised Fenced, the others hear of it by name
+    return isinstance(error, (dist.DistError, GenerationSuperseded, GenerationEnded, Fenced)) or (
         isinstance(error, RuntimeError) and any(s in text for s in ("gloo", "connection", "timed out", "timeout",
-                                                                    "pair closure")))
+                                                                    "pair closure", "fenced")))
 
 
 def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -93,10 +103,15 @@ def pretrain_live(args, train_valid_test_datasets_provider: Callable, model_prov
         except (LiveRecoveryImpossible, TimeoutError) as e:
             _fall_back(f"live recovery is impossible: {e}")
         except BaseException as e:
+            if isinstance(e, Fenced) and e.slot_lost:  # another process owns this slot now
+                _exit_fenced(e)
             # Last words first, as pretrain() leaves them: with replicas the survivors' files of a single
             # failure form a complete set, which the whole-job restart (the fallback) resumes from.
             if run.loop is not None and not isinstance(e, GenerationEnded):
-                run.loop.write_last_words(e)
+                try:
+                    run.loop.write_last_words(e)
+                except Fenced as fenced:  # the commit guard: this slot is another process's now
+                    _exit_fenced(fenced)
             if not _is_peer_failure(e):
                 raise
             run.leave_generation(e)
@@ -124,6 +139,9 @@ class _LiveRun:
         self.model_provider, self.forward_step_func = model_provider, forward_step_func
         self.flops_per_iteration = flops_per_iteration
         self.membership = Membership.from_env()
+        # Checkpoints and last words are committed only while this process still owns its slot (and, for a
+        # checkpoint, trains in a generation nobody abandoned): a process cut off from the job writes nothing.
+        set_commit_guard(self.membership.guard_commit)
         if self.membership.config.elastic:
             check_elastic(args, self.membership.config.min_instances)
             # Before joining: the supervisor can then shrink a job whose rank is late from the start.
@@ -167,7 +185,7 @@ class _LiveRun:
     def _form_generation(self):
         """Join the generation's process group and build the model, optimizer and scheduler anew (the same
         construction collectives on every rank). Returns (device, training dataset, validation dataset)."""
-        self.membership.join()
+        self.membership.join(*process_group_backend(self.job_args.distributed_backend, self.job_args.device))
         if self.timings is not None:
             self.timings.mark("joined")
         self.args = args = generation_args(self.job_args, len(self.membership.members()))
@@ -291,8 +309,7 @@ class _LiveRun:
             self.loop.drop_last_words()  # its SIGTERM watcher holds the optimizer, and with it the groups
         self.loop = self.model = self.optimizer = self.scheduler = None
         collectives.forget_instance_groups()  # the instance groups every wrapper shared
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.membership.leave()  # gloo: destroyed; NCCL: the communicators aborted first
         gc.collect()
         membership = self.membership
         if isinstance(error, GenerationEnded):  # elastic grow: not a failure
@@ -345,6 +362,16 @@ def _write_line(text: str):
     data = (text + "\n").encode()
     while data:
         data = data[os.write(fd, data):]
+
+
+def _exit_fenced(error: Fenced):
+    """End this process at once (EXIT_FENCED) without writing anything: its slot belongs to another process
+    now (its node was replaced while it was cut off or frozen), whose state is the job's. Its agent ignores the
+    exit; the job goes on without it."""
+    print(f"[rank {os.environ.get('RANK', '?')}] > {error}: exiting with code {EXIT_FENCED}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_FENCED)
 
 
 def _fall_back(reason: str):

@@ -28,6 +28,12 @@ rank only. Every rank forms the process group of generation g on its own key spa
     last_evaluated                 rank 0            the last evaluation logged (an interrupted one is redone)
     finished                       rank 0            training ended at this iteration: ranks waiting to be
                                                      admitted (elastic) exit
+    gen_<g>/abort                  supervisor/leader generation g was abandoned after a failure (not on an elastic
+                                                     grow): its members still blocked in a collective are released
+                                                     at once (the heartbeat thread interrupts the generation)
+    gen_<g>/placement              the agents'       JSON {"<slot>": [node incarnation, generation its process was
+                                   leader            started for]} (multi-node, agent.py): a process whose node no
+                                                     longer holds its slot is fenced (EXIT_FENCED)
     gen_<g>/...                    torch             the gloo rendezvous of generation g (PrefixStore)
 
 A rank keeps its number (its slot) for the whole job; in a generation of fewer members (elastic: an
@@ -41,6 +47,17 @@ gloo WORLD is created on the new prefix. Every wait has a deadline (--join-timeo
 supervisor ends: a warm spare waiting for its rank, and (elastic) a rank waiting to be admitted, which exits
 when the store says training finished.
 
+A survivor blocked behind a hung or cut-off peer is not left to the collective timeout: once the supervisor
+(or the agents' leader) abandons the generation (gen_<g>/abort), this process's heartbeat thread interrupts it
+(interrupt_generation: gloo cannot abort an operation, but shutting down the process's connected TCP sockets,
+the store's excepted, makes a blocked gloo collective raise "Connection closed by peer" at once; NCCL: the
+communicators are aborted). A lock keeps it away from a generation being formed or left.
+
+Fencing by generation (check_fenced): a process that no longer owns its slot (its node was replaced: another
+incarnation holds the slot in gen_<g>/placement) or whose generation was abandoned must not rendezvous, commit a
+checkpoint or (slot lost) write last words with its stale state; join() and the checkpoint's commit guard
+(checkpointing.files.set_commit_guard) ask before acting.
+
 A generation forms when its last member arrives and sets gen_<g>/ready to "1"; the supervisor, to shrink a
 generation that has not formed, first sets it to "closed". Both use compare_set, so exactly one of them
 wins: a generation is either formed (every member trains in it) or closed (every member moves on).
@@ -50,12 +67,14 @@ import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Set, Tuple
 
+import torch
 import torch.distributed as dist
 
 ENV_STORE = "MEGATRON_LITE_LIVE_STORE"  # host:port of the supervisor's TCPStore: live recovery is on
@@ -64,8 +83,18 @@ ENV_COLLECTIVE_TIMEOUT = "MEGATRON_LITE_LIVE_COLLECTIVE_TIMEOUT"
 ENV_JOIN_TIMEOUT = "MEGATRON_LITE_LIVE_JOIN_TIMEOUT"
 ENV_SPARE = "MEGATRON_LITE_LIVE_SPARE"  # a warm spare's id: it waits for the rank it is to replace
 ENV_MIN_INSTANCES = "MEGATRON_LITE_LIVE_MIN_INSTANCES"  # elastic mode: the fewest instances to train with
+ENV_NODE = "MEGATRON_LITE_LIVE_NODE"  # multi-node: the incarnation of this process's node agent (fencing)
+ENV_HEARTBEAT_FILE = "MEGATRON_LITE_LIVE_HEARTBEAT_FILE"  # multi-node: a file this process touches every HEARTBEAT_S
 EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts the whole job (--load)
+EXIT_FENCED = 4  # a process whose slot belongs to another process now (its node was replaced): it just ends
 HEARTBEAT_S = 1.0  # every process writes heartbeat/<rank> this often, from a thread of its own
+ABORT_POLL_S = 0.2  # the heartbeat thread looks for gen_<g>/abort this often while in a formed generation g
+NCCL_ASYNC_ERROR_HANDLING = "2"
+"""TORCH_NCCL_ASYNC_ERROR_HANDLING for the workers of a live job on NCCL (the agent sets it): 2 is torch's
+CleanUpOnly (ProcessGroupNCCL.hpp's ErrorHandlingMode; docs: torch_nccl_environment_variables): on a collective's
+error or timeout the watchdog aborts the NCCL communicators but does not tear the process down, so the survivor
+raises, keeps its state and joins the next generation. 1 (TearDown, torch's default) would kill every survivor;
+0 (NoHandling) leaves a hung communicator to the collective timeout; 3 (SkipCleanUp) kills without aborting."""
 
 
 class GenerationSuperseded(RuntimeError):
@@ -79,6 +108,18 @@ class GenerationEnded(RuntimeError):
 
 class JobFinished(Exception):
     """Training ended while this process waited to be admitted (elastic): it has nothing left to do."""
+
+
+class Fenced(RuntimeError):
+    """This process must not act on the job's behalf any more (check_fenced).
+
+    slot_lost: its slot belongs to another process now (its node was replaced; or the store cannot be read, so
+    it cannot know it still owns it): it ends with EXIT_FENCED without writing anything. Otherwise only its
+    generation was abandoned or superseded: a peer's failure like any other (the next generation follows)."""
+
+    def __init__(self, message: str, slot_lost: bool):
+        super().__init__(message)
+        self.slot_lost = slot_lost
 
 
 @dataclass(frozen=True)
@@ -143,11 +184,95 @@ def members(store: dist.Store, generation: int, world_size: int) -> List[int]:
     return json.loads(store.get(key)) if store.check([key]) else list(range(world_size))
 
 
-def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the supervisor's TCPStore at `address` ("host:port")."""
+def connect_store(address: str, timeout_s: float) -> dist.Store:
+    """A client of the job's store: the supervisor's TCPStore at `address` ("host:port"), or the job's key space
+    in etcd ("etcd://host:port,host:port,.../megatron_lite/<job>/store/", etcd.EtcdStore: multi-node)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if address.startswith("etcd://"):
+        from .etcd import EtcdStore  # here: single-node jobs never load the etcd client
+
+        store = EtcdStore.from_url(address)
+        store.set_timeout(timeout)
+        return store
     host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def store_endpoints(address: str) -> Set[Tuple[str, int]]:
+    """The (ip, port) pairs of the store at `address` (connect_store's forms): the connections
+    interrupt_generation leaves alone. Host names are resolved as the store's client resolves them."""
+    hosts = address[len("etcd://"):].split("/", 1)[0].split(",") if address.startswith("etcd://") else [address]
+    endpoints = set()
+    for host_port in hosts:
+        host, port = host_port.rsplit(":", 1)
+        host = host.strip("[]")  # an IPv6 literal
+        try:
+            infos = socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)
+        except socket.gaierror:
+            infos = []
+        endpoints.add((host, int(port)))
+        endpoints.update((_plain_ip(info[4][0]), int(port)) for info in infos)
+    return endpoints
+
+
+def _plain_ip(ip: str) -> str:
+    """An IPv4 address seen through an IPv6 socket ("::ffff:10.0.0.1") as the IPv4 address."""
+    return ip[len("::ffff:"):] if ip.startswith("::ffff:") and "." in ip else ip
+
+
+def shutdown_connections(keep: Set[Tuple[str, int]]) -> int:
+    """Shut down (SHUT_RDWR) every connected TCP socket of this process whose peer or local address is not in
+    `keep`: a gloo collective blocked on one of them raises "Connection closed by peer" at once (gloo has no
+    abort; its pairs are plain TCP connections). The process's own descriptors are left open (each socket is
+    reached through a duplicate, which is closed). Returns how many were shut down."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile (listdir's own descriptor, a socket another thread closed)
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            peer, local = sock.getpeername(), sock.getsockname()  # a listening socket has no peer: OSError
+            if (_plain_ip(peer[0]), peer[1]) in keep or (_plain_ip(local[0]), local[1]) in keep:
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            continue
+        finally:
+            sock.close()  # the duplicate only
+    return count
+
+
+def interrupt_generation(keep: Set[Tuple[str, int]]) -> str:
+    """Release this process from the collectives of its process groups, from another thread than the one
+    blocked in them: NCCL: abort the communicators (the collective raises; TORCH_NCCL_ASYNC_ERROR_HANDLING=2
+    keeps the process alive); gloo: shut down its connections (shutdown_connections; the store's, `keep`,
+    excepted). Returns what was done, for the log."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return f"aborted the NCCL communicators of {_abort_nccl_groups()} process group(s)"
+    return f"shut down {shutdown_connections(keep)} connection(s)"
+
+
+def _abort_nccl_groups() -> int:
+    """Abort every process group's NCCL communicators, leaving torch's bookkeeping of the groups alone (the
+    thread that trains drops them: Membership.leave). The aborts go inside one NCCL group call, as
+    torch's _abort_process_group does them: separate aborts of communicators with work in flight can wait on
+    each other (pytorch/pytorch#119797). Returns how many groups."""
+    c10d = dist.distributed_c10d
+    groups = sorted(c10d._world.pg_names, key=lambda group: c10d._world.pg_names[group], reverse=True)
+    nccl = c10d._get_default_group()._get_backend(torch.device("cuda"))
+    nccl._group_start()
+    try:
+        for group in groups:
+            group.abort()
+    finally:
+        nccl._group_end()
+    return len(groups)
 
 
 class Membership:
@@ -159,12 +284,22 @@ class Membership:
             place; a generation may have fewer members, see members()).
         generation: the generation this process starts in (0, or the one it was started for).
         config: the timeouts.
+        node: multi-node: the incarnation of this process's node agent (ENV_NODE), which gen_<g>/placement
+            names as the holder of this slot while this process owns it; None: one node, fenced by generation
+            only.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, generation: int, config: LiveConfig):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, generation: int, config: LiveConfig,
+                 node: Optional[str] = None):
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.generation, self.config = generation, config
+        self.generation, self.config, self.node = generation, config, node
+        self.started_for = generation  # placement's since_gen while this process holds the slot
         self._leave_at: Optional[int] = None
+        # The generation whose process groups this process trains in (None: forming or leaving one). The lock
+        # orders it with the heartbeat thread's interrupt: never a generation being formed or torn down.
+        self._formed: Optional[int] = None
+        self._formed_lock = threading.Lock()
+        self.interrupted: Optional[int] = None  # the last generation the heartbeat thread interrupted
 
     @classmethod
     def from_env(cls) -> "Membership":
@@ -191,9 +326,10 @@ class Membership:
             rank = str(assignment["rank"])
             os.environ.update({"RANK": rank, "LOCAL_RANK": rank, "ROLE_RANK": rank,
                                ENV_GENERATION: str(assignment["generation"])})
-        rank = int(os.environ["RANK"])
-        _watch_supervisor(rank, config)
-        return cls(store, rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")), config)
+        membership = cls(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                         int(os.environ.get(ENV_GENERATION, "0")), config, os.environ.get(ENV_NODE))
+        _watch_supervisor(membership, os.environ[ENV_STORE])
+        return membership
 
     def current_generation(self) -> int:
         return _int_key(self.store, "generation")
@@ -207,19 +343,25 @@ class Membership:
         """The ranks that train in `generation` (default: this one)."""
         return members(self.store, self.generation if generation is None else generation, self.world_size)
 
-    def join(self):
-        """Form the default process group of this generation (gloo, WORLD = its members, ranked by slot):
+    def join(self, backend: str = "gloo", device_id: Optional[torch.device] = None):
+        """Form the default process group of this generation (`backend`, WORLD = its members, ranked by slot;
+        NCCL on `device_id`, this rank's GPU, see process_group_backend):
         wait until every member has arrived (the replacement may still be importing torch), then rendezvous
         on the generation's prefix. The previous generation's groups (every group: WORLD and the instances')
-        are destroyed first. A process that starts late joins the newest generation; one that is not a member
-        of it (elastic: its instance is left out) waits, without a deadline, until it is admitted, and raises
-        JobFinished if training ends first."""
+        are dropped first (leave). A process that starts late joins the newest generation; one that is not a
+        member of it (elastic: its instance is left out) waits, without a deadline, until it is admitted, and
+        raises JobFinished if training ends first. A process whose slot is no longer its own raises Fenced
+        before it arrives (check_fenced)."""
+        self.leave()
         self.store.set(f"standby/{self.rank}", str(os.getpid()))
         self.generation = max(self.generation, self.current_generation())
         while self.rank not in self.members():
             self._raise_if_finished("before it was admitted")
             time.sleep(0.01)
             self.generation = self.current_generation()
+        # Before arriving: a process whose node was replaced would count as a member (and hold the others'
+        # rendezvous) while the slot's new process arrives too.
+        self.check_fenced(f"joining generation {self.generation}", generation=False)
         prefix, members = f"gen_{self.generation}", self.members()
         if self.store.add(f"{prefix}/arrived", 1) == len(members):
             self.store.compare_set(f"{prefix}/ready", "", "1")
@@ -235,12 +377,94 @@ class Membership:
             self._raise_if_finished("while waiting for the others to arrive")  # a grow the end overtook
             return False
         self._wait(ready, what)
-        if dist.is_initialized():
-            dist.destroy_process_group()  # measured: milliseconds, also with an operation pending
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=members.index(self.rank),
-                                world_size=len(members),
+        if device_id is not None:
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store), rank=members.index(self.rank),
+                                world_size=len(members), device_id=device_id if backend == "nccl" else None,
                                 timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
         self._leave_at = None
+        with self._formed_lock:
+            self._formed = self.generation
+
+    def leave(self):
+        """Drop the process groups of the generation this process trains in (after its failure, or before
+        joining the next): gloo's are destroyed (measured: milliseconds, also with an operation pending, and
+        peers blocked on this process then fail at once), NCCL's communicators aborted first (a communicator
+        with a failed or pending operation can hang its destruction)."""
+        with self._formed_lock:
+            self._formed = None
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            try:
+                dist.distributed_c10d._abort_process_group()  # every group, in one NCCL group call; forgotten
+                return
+            except Exception as e:  # noqa: BLE001 - aborted already (the heartbeat thread): destroy what is left
+                print(f"[rank {self.rank}] > aborting the NCCL groups: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @property
+    def formed(self) -> Optional[int]:
+        """The generation whose process groups this process trains in; None while it forms or leaves one."""
+        return self._formed
+
+    def check_fenced(self, what: str, generation: bool = True):
+        """Raise Fenced unless this process may still act for its slot (`what`: what it is about to do, for the
+        message): the store answers, and (multi-node) gen_<current>/placement still gives this slot to this
+        process (its node's incarnation, and the generation it was started for); with `generation`, also the
+        generation it trains in was neither abandoned (gen_<g>/abort) nor superseded without a planned leave
+        (an elastic grow's gen_<g>/leave_at). Last words pass generation=False: they are written after the
+        generation failed, and only a process that lost its slot must not write them."""
+        formed = self._formed
+        try:
+            current = self.current_generation()
+            holder = self._placement(current) if self.node is not None else None
+            aborted = generation and formed is not None and self.store.check([f"gen_{formed}/abort"])
+            superseded = generation and formed is not None and current > formed \
+                and not self.store.check([f"gen_{formed}/leave_at"])
+        except Exception as e:  # noqa: BLE001 - whatever the store's client raises (a timeout, a refused connection)
+            raise Fenced(f"rank {self.rank} is fenced: {what} refused, the job's store cannot be read "
+                         f"({type(e).__name__}: {e}); this process cannot know it still owns its slot",
+                         slot_lost=True) from e
+        if holder is not None and holder != [self.node, self.started_for]:
+            raise Fenced(f"rank {self.rank} is fenced: {what} refused, generation {current} places its slot on "
+                         f"{holder[0]} (a process started for generation {holder[1]}), not on this process "
+                         f"({self.node}, started for generation {self.started_for}): its node was replaced",
+                         slot_lost=True)
+        if aborted or superseded:
+            raise Fenced(f"rank {self.rank} is fenced: {what} refused, generation {formed} was "
+                         f"{'abandoned after a failure' if aborted else f'superseded by generation {current}'}",
+                         slot_lost=False)
+
+    def _placement(self, generation: int) -> Optional[list]:
+        """[incarnation, since_gen] of this slot in gen_<generation>/placement, None when it is not placed
+        there (a generation without a placement: a job on one node)."""
+        key = f"gen_{generation}/placement"
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key)).get(str(self.rank))
+
+    def guard_commit(self, kind: str, what: str):
+        """The checkpoint's commit guard (checkpointing.files.set_commit_guard): a checkpoint belongs to the
+        generation that agreed on it, last words to the slot (check_fenced)."""
+        self.check_fenced(what, generation=kind != "last_words")
+
+    def watch_for_abort(self, store: dist.Store, keep: Set[Tuple[str, int]]) -> bool:
+        """Heartbeat thread: interrupt the generation this process trains in if it was abandoned
+        (gen_<g>/abort, read on `store`, the thread's own connection). Returns whether it did."""
+        generation = self._formed
+        if generation is None or generation == self.interrupted or not store.check([f"gen_{generation}/abort"]):
+            return False
+        with self._formed_lock:
+            if self._formed != generation:  # left it meanwhile (and maybe forming the next): nothing to interrupt
+                return False
+            self.interrupted = generation
+            done = interrupt_generation(keep)
+        print(f"[rank {self.rank}] > generation {generation} was abandoned (gen_{generation}/abort): {done}",
+              file=sys.stderr, flush=True)
+        return True
 
     def leave_due(self, iteration: int) -> bool:
         """Elastic: whether the supervisor asked this generation's members to leave after `iteration` (to admit
@@ -314,11 +538,27 @@ class Membership:
             time.sleep(0.01)
 
 
-def _watch_supervisor(rank: int, config: LiveConfig):
+def process_group_backend(backend: Optional[str] = None,
+                          device: Optional[str] = None) -> Tuple[str, Optional[torch.device]]:
+    """(backend, device) of a generation's process group, by training.initialize_distributed's rule (the
+    --distributed-backend and --device flags, None: their defaults): NCCL on this rank's GPU (LOCAL_RANK) when
+    training on CUDA, else gloo (device None)."""
+    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type != "cuda":
+        return backend or "gloo", None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return backend or "nccl", torch.device("cuda", local_rank)
+
+
+def _watch_supervisor(membership: Membership, address: str):
     """This worker's side of the supervisor's liveness checks (main thread only; once per process):
 
     - a heartbeat (heartbeat/<rank>, every HEARTBEAT_S, on a store connection of its own): a process that stops
-      beating (SIGSTOP, a wedged interpreter) while its peers report a failed collective is replaced;
+      beating (SIGSTOP, a wedged interpreter) while its peers report a failed collective is replaced; the
+      file ENV_HEARTBEAT_FILE names, if set, is touched as often (the node agent's check, without the store);
+    - gen_<g>/abort, every ABORT_POLL_S while the process trains in generation g: the generation is
+      interrupted (Membership.watch_for_abort), so a collective blocked on a hung or cut-off peer fails now,
+      not at the collective timeout;
     - the supervisor gone without stopping this process (killed with SIGKILL: it had no chance to): this
       process is reparented, says so and exits, instead of training on with no one to record it;
     - SIGTERM (the supervisor stopping the job, e.g. because it got SIGTERM itself, as torchrun forwards it):
@@ -326,7 +566,7 @@ def _watch_supervisor(rank: int, config: LiveConfig):
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    supervisor = os.getppid()
+    rank, supervisor = membership.rank, os.getppid()
 
     def on_sigterm(signum, frame):
         print(f"[rank {rank}] > SIGTERM: this rank stops (the supervisor, pid {supervisor}, sends it when it stops "
@@ -334,17 +574,33 @@ def _watch_supervisor(rank: int, config: LiveConfig):
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     signal.signal(signal.SIGTERM, on_sigterm)
-    store = connect_store(os.environ[ENV_STORE], config.join_timeout_s)
+    store = connect_store(address, membership.config.join_timeout_s)
+    keep, heartbeat_file = store_endpoints(address), os.environ.get(ENV_HEARTBEAT_FILE)
 
     def beat():
+        next_beat = 0.0
         while True:
             if os.getppid() != supervisor:
                 print(f"[rank {rank}] > the supervisor (pid {supervisor}) is gone: stopping this rank (nothing is "
                       "left to replace a rank or record the job's progress)", file=sys.stderr, flush=True)
                 os._exit(1)
             try:
-                store.set(f"heartbeat/{rank}", repr(time.time()))
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + HEARTBEAT_S
+                    if heartbeat_file:
+                        _touch(heartbeat_file)
+                    store.set(f"heartbeat/{rank}", repr(time.time()))
+                membership.watch_for_abort(store, keep)
             except Exception:  # noqa: BLE001 - a busy or vanished store: the parent check above decides
                 pass
-            time.sleep(HEARTBEAT_S)
+            time.sleep(ABORT_POLL_S)
     threading.Thread(target=beat, name="megatron_lite_heartbeat", daemon=True).start()
+
+
+def _touch(path: str):
+    """Set `path`'s modification time to now (the file made, with this process's pid, at the first beat)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()}\n")

@@ -1,0 +1,337 @@
+"""The worker side of multi-node live recovery (fault_tolerance/membership.py, live_training.py): fencing by
+generation and slot (check_fenced, the checkpoint's commit guard), the heartbeat file, and the gen_<g>/abort
+watcher that releases a collective blocked on a hung peer without waiting for the collective timeout.
+
+Everything runs on a TCPStore hosted by the test (no etcd needed); processes are real where the behaviour is
+about processes (a SIGSTOPped peer, a checkpoint saved by a rank that trains in a generation), and every wait
+is bounded by a deadline far below the timeouts it proves are not waited for.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch.distributed as dist
+from pretrain_testing import REPO
+
+from megatron_lite.fault_tolerance import membership
+from megatron_lite.fault_tolerance.membership import Fenced, LiveConfig, Membership
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COLLECTIVE_TIMEOUT_S = 120.0
+"""The children's collective timeout: a release that waited for it would fail the tests' deadlines."""
+RELEASE_BOUND_S = 10.0
+"""How soon after gen_<g>/abort a blocked collective must have failed (measured: ~0.2 s, one watcher period;
+generous for a loaded machine, still 12x below the collective timeout)."""
+
+
+def master_store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def client(store: dist.TCPStore) -> dist.TCPStore:
+    return membership.connect_store(f"127.0.0.1:{store.port}", 10.0)
+
+
+def formed_member(store, rank, generation, node=None, started_for=None) -> Membership:
+    """A Membership in `generation` as join() leaves it (formed), without a process group: check_fenced reads
+    the store only."""
+    member = Membership(client(store), rank, 2, started_for if started_for is not None else generation,
+                        LiveConfig(30.0, 60.0), node)
+    member.generation = member._formed = generation  # what join() sets once the groups are formed
+    return member
+
+
+# ---------------------------------------------------------------------------------------- check_fenced, in process
+def test_a_current_process_is_not_fenced():
+    """Would catch fencing that refuses the process that holds its slot (every rank exiting 4 at its join)."""
+    store = master_store()
+    store.set("generation", "2")
+    store.set("gen_2/placement", json.dumps({"0": ["nodeA.1", 0], "1": ["nodeB.2", 2]}))
+    formed_member(store, 1, 2, node="nodeB.2").check_fenced("saving")
+    formed_member(store, 0, 2, node="nodeA.1", started_for=0).check_fenced("saving")
+    formed_member(store, 1, 2, node=None).check_fenced("saving")  # one node: the generation only
+
+
+@pytest.mark.parametrize("case", ["other_node", "restarted_on_this_node"])
+def test_a_process_whose_slot_moved_is_fenced(case):
+    """The node was replaced (another incarnation holds the slot), or the agent restarted the slot on this node
+    for a later generation: the old process must stop. Would catch a cut-off node's rank rejoining or writing."""
+    store = master_store()
+    store.set("generation", "3")
+    holder = ["nodeD.9", 3] if case == "other_node" else ["nodeB.2", 3]
+    store.set("gen_3/placement", json.dumps({"1": holder}))
+    member = formed_member(store, 1, 3, node="nodeB.2", started_for=1)
+    for generation in (True, False):  # last words too: the slot is another process's
+        with pytest.raises(Fenced, match="its node was replaced") as raised:
+            member.check_fenced("saving", generation=generation)
+        assert raised.value.slot_lost
+
+
+def test_an_abandoned_or_superseded_generation_fences_checkpoints_not_last_words():
+    """gen_<g>/abort, or a newer generation without a planned leave (an elastic grow's leave_at): a checkpoint of
+    g must not be committed, but the survivor's last words (written after g failed) must. Would catch a rank 0
+    renaming a checkpoint into place after its job moved on, or survivors refusing their own last words."""
+    store = master_store()
+    store.set("generation", "1")
+    member = formed_member(store, 0, 1)
+    member.check_fenced("saving")
+    store.set("gen_1/abort", "1")
+    with pytest.raises(Fenced, match="abandoned") as raised:
+        member.check_fenced("saving")
+    assert not raised.value.slot_lost
+    member.check_fenced("last words", generation=False)
+    member.guard_commit("last_words", "last words")
+
+    store.set("generation", "2")
+    superseded = formed_member(store, 0, 1)
+    store.delete_key("gen_1/abort")
+    with pytest.raises(Fenced, match="superseded by generation 2"):
+        superseded.guard_commit("checkpoint", "saving")
+    store.set("gen_1/leave_at", "7")  # an elastic grow: g trains on until iteration 7
+    superseded.guard_commit("checkpoint", "saving")
+
+
+def test_an_unreadable_store_fences():
+    """A process cut off from the store cannot know it still owns its slot: it must not write. Would catch a
+    partitioned node's rank 0 committing a checkpoint (or last words) while the job went on without it."""
+    store = master_store()
+    store.set("generation", "0")
+    member = formed_member(store, 0, 0)
+    member.store.set_timeout(__import__("datetime").timedelta(seconds=1))
+    del store  # the server goes: every request of the client fails
+    with pytest.raises(Fenced, match="cannot be read") as raised:
+        member.check_fenced("writing last words", generation=False)
+    assert raised.value.slot_lost
+
+
+def test_a_fenced_process_never_arrives_at_the_rendezvous():
+    """join() of a process whose node was replaced raises Fenced before it counts as arrived. Would catch the
+    stale process taking the arrival of the slot's new process (the generation then forms with it, or never)."""
+    store = master_store()
+    store.set("generation", "1")
+    store.set("gen_1/members", "[0, 1]")
+    store.set("gen_1/placement", json.dumps({"0": ["nodeA.1", 0], "1": ["nodeC.3", 1]}))
+    member = Membership(client(store), 1, 2, 0, LiveConfig(30.0, 60.0), node="nodeB.2")
+    with pytest.raises(Fenced) as raised:
+        member.join()
+    assert raised.value.slot_lost and not store.check(["gen_1/arrived"])
+
+
+# ---------------------------------------------------------------------------------------- real processes
+@pytest.fixture(params=["tcp", "etcd"])
+def job_store(request):
+    """(the test's client of the job's store, its address for the workers): the single-node supervisor's TCPStore
+    (hosted here), or a one-member etcd cluster's EtcdStore (multi-node; skipped without etcd)."""
+    if request.param == "tcp":
+        store = master_store()
+        yield store, f"127.0.0.1:{store.port}"
+        return
+    etcd = pytest.importorskip("megatron_lite.fault_tolerance.etcd", reason="etcd.py is not in this tree yet")
+    available, why = etcd.etcd_available()
+    if not available:
+        pytest.skip(why)
+    with etcd.LocalEtcd(["127.0.0.1"]) as cluster:
+        url = cluster.store_url(f"megatron_lite/test_{uuid.uuid4().hex[:8]}/store/")
+        yield membership.connect_store(url, 30.0), url
+
+
+def _env(address, rank, world_size, tmp_path, **extra):
+    support = os.path.join(REPO, "tests", "support")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return {**env, "PYTHONPATH": os.pathsep.join([REPO, support, HERE]), "OMP_NUM_THREADS": "1",
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            membership.ENV_STORE: address,
+            membership.ENV_COLLECTIVE_TIMEOUT: str(COLLECTIVE_TIMEOUT_S),
+            membership.ENV_JOIN_TIMEOUT: str(COLLECTIVE_TIMEOUT_S + 10),
+            membership.ENV_HEARTBEAT_FILE: str(tmp_path / f"heartbeat_{rank}"), **extra}
+
+
+def _start(function, env, log):
+    """python -c 'test_worker_fencing.<function>()' in its own session, output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-c", f"import test_worker_fencing as t; t.{function}()"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(condition, deadline_s, what, procs=(), logs=()):
+    """Wait until condition() is true; fail after deadline_s seconds or when a watched process exits early."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            tails = "\n".join(f"--- {log}\n{open(log).read()[-3000:]}" for log in logs if os.path.exists(log))
+            why = f"process {dead[0].pid} exited with {dead[0].returncode}" if dead else f"{deadline_s:.0f} s passed"
+            pytest.fail(f"waiting for {what}: {why}\n{tails}")
+        time.sleep(0.02)
+
+
+def _stop(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def _blocked_rank():
+    """A rank of the abort test: join generation 0, one all_reduce; rank 1 then stops itself (SIGSTOP: a hung
+    peer), rank 0 blocks in the next all_reduce, records when it was released and by what, then re-forms in
+    generation 1 and checks an all_reduce there."""
+    import torch
+
+    member = Membership.from_env()
+    member.join()
+    rank, store = member.rank, member.store
+    if member.generation == 0:
+        dist.all_reduce(torch.ones(4))
+    if rank == 1 and member.generation == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if rank == 0:
+        store.set("blocked_at", repr(time.time()))
+        try:
+            dist.all_reduce(torch.ones(1000))
+            store.set("released", json.dumps({"at": time.time(), "error": None}))
+        except Exception as e:  # noqa: BLE001 - what released it, for the test to judge
+            store.set("released", json.dumps({"at": time.time(), "error": f"{type(e).__name__}: {e}"}))
+        member.leave()
+        member.wait_for_next_generation()
+    if member.generation == 1:
+        if member.formed != 1:  # rank 0; its replacement joined generation 1 at its start
+            member.join()
+        total = torch.full((3,), float(rank + 1))
+        dist.all_reduce(total)
+        store.set(f"gen1_sum/{rank}", json.dumps(total.tolist()))
+        store.wait(["gen1_done"])
+    os._exit(0)
+
+
+def _mtime(path):
+    return os.stat(path).st_mtime if os.path.exists(path) else None
+
+
+def test_abort_releases_a_collective_blocked_on_a_stopped_peer(tmp_path, job_store):
+    """Rank 1 SIGSTOPped (a hung peer); rank 0 blocked in an all_reduce with it. gen_0/abort must release rank 0
+    within RELEASE_BOUND_S (gloo would wait COLLECTIVE_TIMEOUT_S), its store connections intact (it reports
+    through them, its heartbeat goes on), and the next generation must form and reduce correctly over the new
+    connections. The heartbeat files are touched while a rank lives, not while it is stopped. Would catch: the
+    watcher missing (120 s), shutting down the store's connection too (no report, no heartbeat), interrupting
+    a generation being formed, or sockets left broken for the next generation. On etcd too: its client keeps
+    HTTP connections to the endpoints open, which must survive the interrupt."""
+    store, address = job_store
+    store.set("generation", "0")
+    logs = [str(tmp_path / f"rank{r}.log") for r in (0, 1, 2)]
+    procs = [_start("_blocked_rank", _env(address, r, 2, tmp_path), logs[r]) for r in (0, 1)]
+    try:
+        _wait_for(lambda: store.check(["blocked_at"]), 120, "rank 0 to enter its blocking all_reduce", procs, logs)
+        stopped = lambda: open(f"/proc/{procs[1].pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"  # noqa: E731
+        _wait_for(stopped, 60, "rank 1 to stop itself", procs[:1], logs)
+        files = [tmp_path / f"heartbeat_{r}" for r in (0, 1)]
+        _wait_for(lambda: all(f.exists() for f in files), 10, "the heartbeat files", procs[:1], logs)
+        beats = [_mtime(f) for f in files]
+        time.sleep(2.5 * membership.HEARTBEAT_S)  # a live rank touches its file in this time, a stopped one not
+        assert _mtime(files[0]) > beats[0] and _mtime(files[1]) == beats[1]
+        assert not store.check(["released"]), "rank 0's all_reduce returned with its peer stopped"
+
+        beat_before = float(store.get("heartbeat/0"))
+        aborted_at = time.time()
+        store.set("gen_0/abort", "1")
+        _wait_for(lambda: store.check(["released"]), RELEASE_BOUND_S * 3, "rank 0 to be released", procs[:1], logs)
+        released = json.loads(store.get("released"))
+        assert released["error"] is not None and "closed" in released["error"].lower(), released
+        assert released["at"] - aborted_at < RELEASE_BOUND_S, (released["at"] - aborted_at, logs)
+        _wait_for(lambda: float(store.get("heartbeat/0")) > beat_before + membership.HEARTBEAT_S / 2, 10,
+                  "rank 0's heartbeat after the release", procs[:1], logs)
+
+        # The supervisor's part: rank 1 replaced, generation 1 opened; the generations's all_reduce is right.
+        _stop(procs[1:])
+        store.set("gen_1/members", "[0, 1]")
+        store.set("generation", "1")
+        procs.append(_start("_blocked_rank", _env(address, 1, 2, tmp_path, **{membership.ENV_GENERATION: "1"}),
+                            logs[2]))
+        _wait_for(lambda: store.check(["gen1_sum/0", "gen1_sum/1"]), 120, "generation 1's all_reduce",
+                  [procs[0], procs[2]], logs)
+        assert [json.loads(store.get(f"gen1_sum/{r}")) for r in (0, 1)] == [[3.0] * 3] * 2
+        store.set("gen1_done", "1")
+        for proc in (procs[0], procs[2]):
+            proc.wait(timeout=60)
+            assert proc.returncode == 0, open(logs[0]).read()[-3000:]
+    finally:
+        _stop(procs)
+    print(f"released {released['at'] - aborted_at:.2f} s after gen_0/abort (collective timeout "
+          f"{COLLECTIVE_TIMEOUT_S:.0f} s)")
+
+
+def _fenced_saver():
+    """One rank (world size 1) trains and saves through pretrain's checkpoint code with live training's commit
+    guard installed: a save while current, one after its generation was abandoned, last words then, and last
+    words once its slot moved. Reports what each did."""
+    from ddp_testing import make_batches, train_step
+    from optim_testing import build
+
+    from megatron_lite import checkpointing
+    from megatron_lite.checkpointing import LastWords, files
+    from megatron_lite.training.scheduler import OptimizerParamScheduler
+
+    member = Membership.from_env()
+    member.join()
+    files.set_commit_guard(member.guard_commit)  # what live_training installs
+    root, store = os.environ["SAVE_DIR"], member.store
+    _, ddp, opt = build(dict(use_distributed_optimizer=True), dict(lr=1e-3, use_distributed_optimizer=True))
+    sched = OptimizerParamScheduler(opt, 1e-3, 1e-4, 1, 10, "cosine")
+    words = LastWords(root, opt, sched, 0, 0)
+    train_step(ddp, make_batches(1, 2), 0)
+    words.stage(1, 8)
+    opt.step()
+    words.commit()
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "ok"
+        except Fenced as e:
+            out[name] = f"fenced (slot_lost={e.slot_lost})"
+
+    attempt("save_current", lambda: checkpointing.save_checkpoint(root, 1, ddp, opt, sched, 8))
+    store.set(f"gen_{member.generation}/abort", "1")
+    attempt("save_abandoned", lambda: checkpointing.save_checkpoint(root, 2, ddp, opt, sched, 16))
+    attempt("last_words_abandoned", lambda: words.write("a peer was lost"))
+    words.written = None  # write once more, now as a process whose slot moved
+    store.set(f"gen_{member.generation}/placement", json.dumps({"0": ["elsewhere.1", member.generation]}))
+    attempt("last_words_slot_lost", lambda: words.write("cut off"))
+    store.set("saver_done", json.dumps(out))
+    os._exit(0)
+
+
+def test_commit_guard_keeps_a_fenced_rank_from_committing(tmp_path):
+    """A rank 0 whose generation was abandoned saves: nothing is committed (no iteration directory, the tracker
+    at the previous checkpoint, no temporary directory left); its last words are still written; once its slot
+    moved to another node, its last words are not. Would catch a fenced rank 0 renaming a checkpoint (or moving
+    the tracker) with the state of a generation the job has left, or writing last words for a slot it lost."""
+    store = master_store()
+    store.set("generation", "0")
+    save = tmp_path / "save"
+    env = _env(f"127.0.0.1:{store.port}", 0, 1, tmp_path, SAVE_DIR=str(save), **{membership.ENV_NODE: "here.1"})
+    store.set("gen_0/placement", json.dumps({"0": ["here.1", 0]}))
+    log = str(tmp_path / "saver.log")
+    proc = _start("_fenced_saver", env, log)
+    try:
+        _wait_for(lambda: store.check(["saver_done"]), 180, "the saver", [proc], [log])
+    finally:
+        _stop([proc])
+    out = json.loads(store.get("saver_done"))
+    assert out == {"save_current": "ok", "save_abandoned": "fenced (slot_lost=False)",
+                   "last_words_abandoned": "ok", "last_words_slot_lost": "fenced (slot_lost=True)"}, \
+        open(log).read()[-3000:]
+    entries = sorted(os.listdir(save))
+    assert entries == ["iter_0000001", "last_words", "latest_checkpointed_iteration.txt"], entries
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert sorted(os.listdir(save / "last_words" / "iter_0000001")) == ["rank_00000.json", "rank_00000.pt"]
