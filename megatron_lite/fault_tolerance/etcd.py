@@ -50,7 +50,6 @@ RECEIPTS = "/megatron_lite/.receipts/"
 """Where EtcdClient keeps one receipt key per client, process and thread (see EtcdClient._txn_resolved)."""
 
 _UNAVAILABLE = 14  # gRPC's code for "not served now" (no leader, leader changed, request timed out, stopping)
-_NOT_FOUND = 5  # e.g. "requested lease not found"
 
 
 class EtcdError(RuntimeError):
@@ -419,11 +418,11 @@ class EtcdStore(dist.Store):
         self.client.put(self.raw_key(key), value)
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        value = self.client.get(self.raw_key(key))
-        if value is None:  # deleted in between: wait again (TCPStore's get waits for the key too)
-            return self.get(key)
-        return value
+        while True:
+            self.wait([key])
+            value = self.client.get(self.raw_key(key))
+            if value is not None:  # else deleted in between: wait again (TCPStore's get waits for the key too)
+                return value
 
     def add(self, key: str, amount: int) -> int:
         """Adds `amount` to the integer under `key` (absent: 0) atomically; returns the new value."""
