@@ -62,15 +62,10 @@ from .launch import (
     live_config,
 )
 
-ENV_NODE = "MEGATRON_LITE_LIVE_NODE"
-ENV_HEARTBEAT_FILE = "MEGATRON_LITE_LIVE_HEARTBEAT_FILE"
 POLL_S = 0.05
 """How often the agent looks at its processes (waitpid, heartbeat files); etcd is read every LEADER_POLL_S."""
 LEADER_ERRORS = 50
 """Consecutive failed rounds (5 s) after which the leader gives up on the job (Agent.lead)."""
-NCCL_ERROR_HANDLING = "2"
-"""TORCH_NCCL_ASYNC_ERROR_HANDLING unless set: 2 (CleanUpOnly) aborts a failed communicator without killing the
-process, which then recovers live (torch's 1, TearDown, would end the process)."""
 
 
 def job_prefix(job_id: str) -> str:
@@ -226,11 +221,11 @@ class Agent:
                     "TORCHELASTIC_RESTART_COUNT": self.keys.get("job/restarts") or "0",
                     "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                                      NCCL_ERROR_HANDLING)}
+                                                                      membership.NCCL_ASYNC_ERROR_HANDLING)}
         live = {membership.ENV_STORE: self.store_url, membership.ENV_GENERATION: str(since),
                 membership.ENV_COLLECTIVE_TIMEOUT: str(config.collective_timeout_s),
-                membership.ENV_JOIN_TIMEOUT: str(config.join_timeout_s), ENV_NODE: self.incarnation,
-                ENV_HEARTBEAT_FILE: heartbeat_file}
+                membership.ENV_JOIN_TIMEOUT: str(config.join_timeout_s), membership.ENV_NODE: self.incarnation,
+                membership.ENV_HEARTBEAT_FILE: heartbeat_file}
         if config.elastic:
             live[membership.ENV_MIN_INSTANCES] = str(config.min_instances)
         return {**os.environ, **torchrun, **live}

@@ -47,11 +47,8 @@ from typing import Dict, List, Optional, Tuple
 
 from ..distributed.layout import DataParallelTopology
 from .launch import DEAD, DONE, EXIT_KINDS, FALLBACK, STARTUP_ERROR, USAGE, exit_kind
-from .membership import LiveConfig
+from .membership import EXIT_FENCED, LiveConfig
 from .placement import check_placement, place
-
-EXIT_FENCED = 4
-"""membership.EXIT_FENCED: a process whose node no longer owns its slot; still a death when its slot is current."""
 
 LEADER_POLL_S = 0.1
 """How often the leader reads the job's keys."""
@@ -242,6 +239,7 @@ class Leader:
         view = self.read()
         if view.generation is None:
             return self.start(view, now)
+        # EXIT_FENCED from a process whose slot is still its own (it could not read the store): a death.
         kinds = {slot: exit_kind(code, view.trained) if code != EXIT_FENCED else DEAD
                  for slot, code in view.ends.items()}
         for slot, kind in sorted(kinds.items()):

@@ -9,13 +9,14 @@ import base64
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from live_testing import STALL_S
+from live_testing import FLAGS, PROGRESS_BOUNDED, STALL_S, check_exact, logged_losses, uninterrupted
 from pretrain_testing import REPO
 
 from megatron_lite.fault_tolerance.cluster import JobKeys, JobSpec, Leader, NotLeader, parse_placement
@@ -602,3 +603,39 @@ def test_a_usage_error_or_an_impossible_placement_ends_every_agent_with_2(agents
             assert "a node of 2 ranks would hold two replicas of one shard: R=4 instances of 1 rank(s)" in log, log
     assert (case == "placement") == (job.generation() == -1)
 
+
+@PROGRESS_BOUNDED
+def test_a_node_lost_while_training_is_recovered_live_and_exactly(agents, tmp_path):
+    """pretrain_gpt.py (the tiny GPT, dp=4, R=2: one instance per node) on agents a and b with c a spare; after
+    iteration 2 the node holding slots 2 and 3 is killed with its agent. Its slots move to c, whose new ranks
+    heal from the replicas on the other node, and the job ends with every loss, the validation losses and the
+    final checkpoint bitwise those of an uninterrupted torchrun run; the surviving node's ranks keep their
+    processes. Would catch the workers not following the agents (their store, placement, generation), a
+    survivor left blocked behind the lost node, or state lost with it."""
+    reference_dir, live = tmp_path / "reference", tmp_path / "live"
+    reference_dir.mkdir()
+    live.mkdir()
+    reference = uninterrupted(str(reference_dir))
+    command = [os.path.join(REPO, "pretrain_gpt.py"), *FLAGS, "--save", str(live), "--load", str(live)]
+    job = agents(2, 2, directory=live, command=command,
+                 flags=["--heartbeat-timeout", "20", "--collective-timeout", "10", "--join-timeout", "60",
+                        "--trouble-grace", "5"])
+    metrics = os.path.join(job.directory, "metrics.jsonl")
+    job.start("a", wait=False)
+    job.start("b")
+    job.wait(lambda: "registered" in job.log("a"), "agent a did not register")
+    job.start("c")
+    job.wait_making_progress(lambda: os.path.exists(metrics) and 2 in logged_losses(job.directory),
+                             "iteration 2 was not logged", [metrics])
+    victim = job.placement()[2][0].split(".")[0]
+    survivor = "ab".replace(victim, "")
+    job.kill(victim)
+    job.wait_making_progress(lambda: all(p.poll() is not None for n, p in job.agents.items() if n != victim),
+                             "the job did not end", [metrics])
+    output = job.logs()
+    assert {name: p.returncode for name, p in job.agents.items()} == {victim: -signal.SIGKILL, survivor: 0,
+                                                                      "c": 0}, output
+    survivor_pids = re.findall(r"rank (\d+): pid (\d+) \(generation", job.log(survivor))
+    assert sorted(slot for slot, _ in survivor_pids) == ["0", "1"], output  # started once each: never replaced
+    assert sorted(re.findall(r"rank (\d+): pid \d+ \(generation", job.log("c"))) == ["2", "3"], output
+    check_exact(job.directory, reference, logged_losses(job.directory), output)
