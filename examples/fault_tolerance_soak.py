@@ -3,6 +3,8 @@
     python examples/fault_tolerance_soak.py [--kills 10] [--seed 0] [--iters 120] [--out runs/soak]
     python examples/fault_tolerance_soak.py --live [--kills 10] [--iters 120] [--elastic-kills 3]
                                                             # live recovery and elastic mode: live_soak.py
+    python examples/fault_tolerance_soak.py --live --nodes 3 [--kills 10]
+                                                            # nodes lost, hung, cut off: cluster_soak.py
 
 For each trial a `torchrun --nproc-per-node 4 --max-restarts 1` job (dp=4, a small GPT on CPU/gloo,
 periodic checkpoints every --save-interval iterations) is started; when its metrics file reaches a random
@@ -38,10 +40,11 @@ MODEL = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-atten
 
 def launch(save_dir: str, iters: int, instances: int, save_interval: int, log_path: str,
            script: str = os.path.join(REPO, "pretrain_gpt.py"), env: dict = None,
-           nproc: int = WORLD) -> subprocess.Popen:
-    """Start the job (its own process group, so that a timeout can stop all of it)."""
+           nproc: int = WORLD, model: list = MODEL) -> subprocess.Popen:
+    """Start the job (its own process group, so that a timeout can stop all of it); `model`: the flags before
+    the run's own (MODEL; cluster_soak.py's at dp=6)."""
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1", "--monitor-interval=0.2",
-           script, *MODEL, "--train-iters", str(iters),
+           script, *model, "--train-iters", str(iters),
            "--num-distributed-optimizer-instances", str(instances), "--save", save_dir, "--load", save_dir,
            "--save-interval", str(save_interval)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})}
@@ -119,31 +122,31 @@ def outputs(directory: str) -> list:
     return [os.path.join(directory, "log.txt"), os.path.join(directory, "metrics.jsonl")]
 
 
-def reference_losses(out: str, iters: int, instances: int, nproc: int = WORLD) -> dict:
+def reference_losses(out: str, iters: int, instances: int, nproc: int = WORLD, model: list = MODEL) -> dict:
     """The uninterrupted run's {iteration: loss}, written to OUT/reference_r<instances>[_dp<nproc>]."""
     directory = os.path.join(out, f"reference_r{instances}" + ("" if nproc == WORLD else f"_dp{nproc}"))
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    job = launch(directory, iters, instances, iters, os.path.join(directory, "log.txt"), nproc=nproc)
+    job = launch(directory, iters, instances, iters, os.path.join(directory, "log.txt"), nproc=nproc, model=model)
     if wait_for(None, job, outputs(directory), "the reference run") != 0:
         raise RuntimeError(f"the reference run failed: see {directory}/log.txt")
     return {r["iteration"]: r["lm_loss"] for r in records(os.path.join(directory, "metrics.jsonl"))}
 
 
 def trial(out: str, name: str, iters: int, instances: int, save_interval: int, kill_at: int, ranks: list,
-          reference: dict) -> dict:
+          reference: dict, nproc: int = WORLD, model: list = MODEL) -> dict:
     """One job killed once; returns the row of the table."""
     directory = os.path.join(out, name)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     log_path = os.path.join(directory, "log.txt")
     metrics = os.path.join(directory, "metrics.jsonl")
-    job = launch(directory, iters, instances, save_interval, log_path)
+    job = launch(directory, iters, instances, save_interval, log_path, nproc=nproc, model=model)
     try:
         watched = outputs(directory)
         wait_for(lambda: (records(metrics) or [{"iteration": 0}])[-1]["iteration"] >= kill_at, job, watched,
                  f"iteration {kill_at}")
-        pids = wait_for(lambda: (lambda p: p if len(p) == WORLD else None)(worker_pids(job)), job, watched,
+        pids = wait_for(lambda: (lambda p: p if len(p) == nproc else None)(worker_pids(job)), job, watched,
                         "the workers")
         for rank in ranks:
             os.kill(pids[rank], signal.SIGKILL)
@@ -180,7 +183,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=10, help="random single-rank kills (each run with R=2 and R=1)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--iters", type=int, default=120, help="iterations per job")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="iterations per job (default 120; with --nodes the job's --train-iters, default 3000: "
+                             "the job is stopped a few iterations after its last fault)")
     parser.add_argument("--save-interval", type=int, default=25, help="iterations between periodic checkpoints")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "soak"))
     parser.add_argument("--live", action="store_true",
@@ -191,9 +196,25 @@ def main():
     parser.add_argument("--elastic-kills", type=int, default=3,
                         help="--live: kills in the elastic job (shrink, then grow back); 0: no elastic job")
     parser.add_argument("--restart-kills", type=int, default=None,
-                        help="--live: how many of the kills to rerun on the restart-everything path (default all)")
+                        help="--live: how many of the kills to rerun on the restart-everything path (default all; "
+                             "with --nodes, 1: the restart path timed once on the same model)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="--live: the multi-node soak (examples/cluster_soak.py): this many simulated nodes of 2 "
+                             "ranks (network namespaces, root) + 1 hot spare, etcd, an agent per node; its --kills "
+                             "cycle over node killed, node hung, partition, rank hung, etcd member killed")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    if args.nodes is not None:
+        if not args.live:
+            parser.error("--nodes needs --live (the multi-node soak is a live-recovery soak)")
+        if args.nodes < 3:
+            parser.error(f"--nodes must be >= 3 (the etcd cluster has 3 members, one per node), got {args.nodes}")
+        import cluster_soak
+
+        args.iters = 3000 if args.iters is None else args.iters
+        args.restart_kills = 1 if args.restart_kills is None else args.restart_kills
+        sys.exit(0 if cluster_soak.main(args, rng) else 1)
+    args.iters = 120 if args.iters is None else args.iters
     if args.live:
         import live_soak
 
