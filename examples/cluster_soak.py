@@ -58,7 +58,8 @@ RANKS_PER_NODE = 2
 INSTANCES = 3
 """R: one instance per node at 2 ranks per node and 3 nodes (see the module docstring)."""
 ETCD_MEMBERS = 3
-KINDS = ("node killed", "node hung", "partition", "rank hung", "etcd member killed")
+KINDS = ("node killed", "rank hung", "node hung", "etcd member killed", "partition")
+"""The soak's cycle: a node fault, then one that needs no spare while the node comes back."""
 NODE_FAULTS = ("node killed", "node hung", "partition")
 SETTLE_ITERATIONS = 5
 """Iterations trained between a fault's repair and the next fault (and, for an etcd member, while it is down)."""
@@ -68,6 +69,8 @@ CHECKPOINT_LINES = ("wrote last words", "saved checkpoint")
 """What a rank prints when it has committed a checkpoint or its last words (a fenced node must print neither)."""
 GENERATION_LINE = re.compile(r"\[leader\] generation (\d+): replaced")
 """The leading agent's line opening a generation (cluster.Leader.open_generation)."""
+REGISTERED_LINE = re.compile(r"\[agent [^\]]+\] registered")
+"""An agent's line: it registered its node (a new incarnation) in etcd."""
 
 
 def model_flags(dp: int) -> list:
@@ -119,9 +122,14 @@ def recovered_at(records_of_generation: list) -> float:
     return max(r.get("redone") or max(v for k, v in r.items() if isinstance(v, float)) for r in records_of_generation)
 
 
-def committed_after(lines: list, t: float) -> list:
-    """The lines after `t` in which a rank says it committed a checkpoint or last words."""
-    return [text for when, text in lines if when > t and any(what in text for what in CHECKPOINT_LINES)]
+def committed_between(lines: list, start: float, end: float) -> list:
+    """The lines from `start` to `end` in which a rank says it committed a checkpoint or last words."""
+    return [text for when, text in lines if start < when <= end and any(what in text for what in CHECKPOINT_LINES)]
+
+
+def registered_at(lines: list, after: float):
+    """When an agent's line first said it registered after `after` (a node's log), or None."""
+    return next((when for when, text in lines if when > after and REGISTERED_LINE.search(text)), None)
 
 
 # ------------------------------------------------------------------------------------ the job's processes
@@ -244,7 +252,7 @@ class ClusterJob:
 
     def close(self):
         """Stop everything: every process of every node, the etcd members, the namespaces."""
-        for closing in (getattr(self, "etcd", None), self.cluster):
+        for closing in (self.cluster, getattr(self, "etcd", None)):  # the ranks and agents first, etcd last
             if closing is not None:
                 try:
                     closing.__exit__(None, None, None)
@@ -285,12 +293,13 @@ class ClusterJob:
     def ranks(self):
         return running(self.job_id, self.world)
 
-    def wait_steady(self, what: str) -> dict:
-        """Wait until every slot has one running process, every node is registered and every etcd member is
-        healthy; returns the ranks."""
-        ranks = wait_for(lambda: len(self.registered()) == len(self.order) and self.ranks(), self, self.watched(),
-                         what)
-        self.etcd.wait_healthy(range(ETCD_MEMBERS))
+    def wait_steady(self, what: str, every_node: bool = True, etcd: bool = True) -> dict:
+        """Wait until every slot has one running process, with `every_node` every node is registered (the spare
+        back), with `etcd` every etcd member healthy; returns the ranks."""
+        ranks = wait_for(lambda: (not every_node or len(self.registered()) == len(self.order)) and self.ranks(),
+                         self, self.watched(), what)
+        if etcd:
+            self.etcd.wait_healthy(range(ETCD_MEMBERS))
         return ranks
 
 
@@ -314,12 +323,16 @@ def records_tolerant(path: str) -> list:
 def inject(job: ClusterJob, kind: str, target: str, rng: random.Random) -> dict:
     """Cause one fault; `target` a node name, "rank0" (the node holding rank 0) or None (at random). Returns the
     fault's record (what was hit and when)."""
-    ranks = job.wait_steady(f"the job to be steady before a {kind}")
+    trained = len(job.metrics()) + SETTLE_ITERATIONS  # the job trains between faults (and before the first)
+    wait_for(lambda: len(job.metrics()) >= trained, job, job.watched(), f"{SETTLE_ITERATIONS} iterations")
+    # A node fault needs the spare back (the previous node fault's node); an etcd member's, every member up.
+    ranks = job.wait_steady(f"the job to be steady before a {kind}", every_node=kind in NODE_FAULTS,
+                            etcd=kind != "rank hung")
     training = sorted({node for _, node in ranks.values()})
+    metrics = job.metrics()
     fault = {"kind": kind, "resumed": None, "lost": None, "new_generations": [], "kept": None,
-             "pids_before": {slot: pid for slot, (pid, _) in ranks.items()},
-             "generation_before": job.generation(), "completed": (job.metrics() or [{"iteration": 0}])[-1]["iteration"],
-             "metrics_before": len(job.metrics())}
+             "pids_before": {slot: pid for slot, (pid, _) in ranks.items()}, "generation_before": job.generation(),
+             "completed": (metrics or [{"iteration": 0}])[-1]["iteration"], "metrics_before": len(metrics)}
     if kind == "rank hung":
         slot = rng.randrange(job.world)
         fault.update(node=ranks[slot][1], hit=[slot], what=f"rank {slot}")
@@ -338,8 +351,8 @@ def inject(job: ClusterJob, kind: str, target: str, rng: random.Random) -> dict:
 
 
 def recover(job: ClusterJob, fault: dict):
-    """Wait for the job to recover from `fault`, repair its node and wait for it back as the spare; fills in
-    the fault's measurements."""
+    """Wait for the job to recover from `fault` and repair its node (not waiting for it to be back: see
+    came_back); fills in the fault's measurements."""
     kind, t0, before, node = fault["kind"], fault["at"], fault["metrics_before"], fault["node"]
     if kind == "etcd member killed":
         wait_for(lambda: len(job.metrics()) > before, job, job.watched(), "an iteration with an etcd member down")
@@ -361,15 +374,22 @@ def recover(job: ClusterJob, fault: dict):
             job.start_agent(node)
         else:
             (job.cluster.thaw if kind == "node hung" else job.cluster.mend)(job.nodes[node])
-        job.wait_steady(f"{node} back as the spare after the {kind}")
-        fault["fenced"] = not any(alive(fault["pids_before"][slot]) for slot in fault["hit"])
-        fault["committed_after"] = committed_after(job.lines(node), t0)
     settled = len(job.metrics()) + SETTLE_ITERATIONS
     wait_for(lambda: len(job.metrics()) >= settled, job, job.watched(), f"{SETTLE_ITERATIONS} iterations more")
     opened = {g: t for g, t in generations_opened(job.lines()).items() if g > fault["generation_before"]}
     fault["detection_s"] = min(opened.values()) - t0 if opened else None
     fault["new_generations"] = sorted(set(opened) | {g for g in recoveries(job.text())
                                                       if g > fault["generation_before"]})
+
+
+def came_back(job: ClusterJob, fault: dict):
+    """A node fault, once every node is registered again: when its node came back (its agent's registration),
+    whether every process it trained with is gone (fenced), and what it committed from the fault until it
+    came back (it must be nothing: its old processes are the only ones that could)."""
+    back = registered_at(job.lines(fault["node"]), fault["at"])
+    fault["back_s"] = None if back is None else back - fault["at"]
+    fault["fenced"] = back is not None and not any(alive(fault["pids_before"][slot]) for slot in fault["hit"])
+    fault["committed_after"] = committed_between(job.lines(fault["node"]), fault["at"], back or time.time())
 
 
 def kept(fault: dict, pids_after: dict) -> bool:
@@ -389,8 +409,11 @@ def verdict(fault: dict) -> list:
             wrong.append(f"new generation(s) {fault['new_generations']}")
     elif not fault["new_generations"] and "error" not in fault:
         wrong.append("no new generation")
-    if fault["kind"] in NODE_FAULTS and not fault.get("fenced"):
-        wrong.append("a process of the faulted node outlived the fault")
+    if fault["kind"] in NODE_FAULTS and "error" not in fault:
+        if fault.get("back_s") is None:
+            wrong.append("the node did not come back as the spare")
+        elif not fault.get("fenced"):
+            wrong.append("a process of the faulted node outlived the fault")
     if fault.get("committed_after"):
         wrong.append(f"the faulted node committed after the fault: {fault['committed_after'][0]!r}")
     return wrong
@@ -417,6 +440,7 @@ def run(out: str, nodes: int, faults: list, iters: int, save_interval: int, rng:
             fault = inject(job, kind, target, rng)
             if done:
                 done[-1]["kept"] = kept(done[-1], fault["pids_before"])
+            back_again(job, done, every_node=kind in NODE_FAULTS)
             done.append(fault)
             try:
                 recover(job, fault)
@@ -428,6 +452,7 @@ def run(out: str, nodes: int, faults: list, iters: int, save_interval: int, rng:
         code = job.poll()
         if done and code is None and "error" not in done[-1]:
             done[-1]["kept"] = kept(done[-1], {slot: pid for slot, (pid, _) in job.wait_steady("the end").items()})
+            back_again(job, done, every_node=True)
     finally:
         job.close()
     seen = {}
@@ -435,6 +460,14 @@ def run(out: str, nodes: int, faults: list, iters: int, save_interval: int, rng:
         seen.setdefault(r["iteration"], set()).add(r["lm_loss"])
     last = max(i for i in seen if all(j in seen for j in range(1, i + 1))) if 1 in seen else 0
     return done, seen, last, code, directory
+
+
+def back_again(job: ClusterJob, faults: list, every_node: bool):
+    """came_back() for the node faults not yet checked, once the job was steady with every node registered."""
+    if every_node:
+        for fault in faults:
+            if fault["kind"] in NODE_FAULTS and "back_s" not in fault and "error" not in fault:
+                came_back(job, fault)
 
 
 def reference(out: str, nodes: int, iters: int, last: int) -> dict:
@@ -461,21 +494,24 @@ def summary(fault: dict) -> str:
         return "-" if value is None else f"{value:.2f}"
     return (f"{fault['kind']} ({fault['what']}): completed {fault['completed']}, resumed from {fault['resumed']}, "
             f"detection {s(fault.get('detection_s'))} s, next iteration on every rank "
-            f"{s(fault.get('next_iteration_s'))} s, generations {fault['new_generations']}")
+            f"{s(fault.get('next_iteration_s'))} s, generations {fault['new_generations']}"
+            + (f", back as the spare {s(fault['back_s'])} s after the fault" if "back_s" in fault else ""))
 
 
 def table(faults: list, restart: dict = None) -> str:
     """The report: one row per fault, then per kind the mean and max beside the restart-everything path."""
     def s(value):
         return "-" if value is None else f"{value:.2f}"
+
+    def fenced(f):
+        return f"{'yes' if f.get('fenced') else 'NO'}; {s(f.get('back_s'))}" if f["kind"] in NODE_FAULTS else "-"
     rows = ["| # | fault | hit | completed | resumed from | lost | detection (s) | fault -> next iteration, every "
-            "rank (s) | healthy PIDs kept | new generations | fenced, back as spare | checkpoint after the fault "
-            "| verdict |", "|" + "---|" * 13]
+            "rank (s) | healthy PIDs kept | new generations | fenced; back as the spare after (s) | checkpoint "
+            "after the fault | verdict |", "|" + "---|" * 13]
     for k, f in enumerate(faults):
         rows.append(f"| {k} | {f['kind']} | {f['what']} (ranks {f['hit']}) | {f['completed']} | {f['resumed']} | "
                     f"{f['lost']} | {s(f.get('detection_s'))} | {s(f.get('next_iteration_s'))} | "
-                    f"{'yes' if f.get('kept') else 'NO'} | {f['new_generations'] or 'none'} | "
-                    f"{('yes' if f.get('fenced') else 'NO') if f['kind'] in NODE_FAULTS else '-'} | "
+                    f"{'yes' if f.get('kept') else 'NO'} | {f['new_generations'] or 'none'} | {fenced(f)} | "
                     f"{'YES' if f.get('committed_after') else 'none'} | {'; '.join(verdict(f)) or 'ok'} |")
     rows += ["", "| fault | n | lost | detection mean / max (s) | fault -> next iteration mean / max (s) |",
              "|---|---|---|---|---|"]
