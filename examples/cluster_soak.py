@@ -71,6 +71,8 @@ GENERATION_LINE = re.compile(r"\[leader\] generation (\d+): replaced")
 """The leading agent's line opening a generation (cluster.Leader.open_generation)."""
 REGISTERED_LINE = re.compile(r"\[agent [^\]]+\] registered")
 """An agent's line: it registered its node (a new incarnation) in etcd."""
+LAST_WORDS_LINE = re.compile(r"\] > wrote last words at iteration (\d+)")
+"""A rank's line: the iteration it had completed when its generation failed (its snapshot's)."""
 
 
 def model_flags(dp: int) -> list:
@@ -120,6 +122,15 @@ def recovered_at(records_of_generation: list) -> float:
     """When the interrupted iteration had completed again on every rank ('redone'; a rank's record without it,
     the last mark it has)."""
     return max(r.get("redone") or max(v for k, v in r.items() if isinstance(v, float)) for r in records_of_generation)
+
+
+def resumed_from(first: int, target) -> int:
+    """The iteration the job went on from after a fault: `first`, the first iteration logged after it, less one,
+    or `target`, the newest iteration a survivor had completed (its last words), when the first record is of
+    that iteration or later: a record of the target itself is rank 0's catch-up (a new rank 0 logs the
+    iteration its predecessor completed but did not log, or logged but did not note in the store: then it
+    appears twice, with the same values), not a redone iteration."""
+    return target if target is not None and first >= target else first - 1
 
 
 def committed_between(lines: list, start: float, end: float) -> list:
@@ -363,9 +374,12 @@ def recover(job: ClusterJob, fault: dict):
     else:
         generation = wait_for(lambda: healed_generation(job.text(), fault["generation_before"], job.world), job,
                               job.watched(), f"the recovery from the {kind} of {fault['what']}")
-        fault["next_iteration_s"] = recovered_at(recoveries(job.text())[generation]) - t0
+        recovered = recovered_at(recoveries(job.text())[generation])
+        fault["next_iteration_s"] = recovered - t0
         wait_for(lambda: len(job.metrics()) > before, job, job.watched(), "an iteration after the recovery")
-    fault["resumed"] = job.metrics()[before]["iteration"] - 1
+        fault["target"] = max((int(m.group(1)) for when, text in job.lines() if t0 < when <= recovered
+                               for m in LAST_WORDS_LINE.finditer(text)), default=None)
+    fault["resumed"] = resumed_from(job.metrics()[before]["iteration"], fault.get("target"))
     fault["lost"] = max(0, fault["completed"] - fault["resumed"])
     if kind in NODE_FAULTS:
         if kind == "node killed":  # the node reboots: its etcd member from its data directory, a fresh agent
@@ -424,8 +438,8 @@ def run(out: str, nodes: int, faults: list, iters: int, save_interval: int, rng:
         agent_flags=AGENT_FLAGS) -> tuple:
     """One job on `nodes` nodes + the spare, `faults` = [(kind, target)] (target: see inject) one after the
     other; the job is stopped SETTLE_ITERATIONS after the last one (unless it ended first), and its losses
-    compared with an uninterrupted run's. Returns (faults' records, {iteration: [losses]}, the last iteration,
-    the job's exit code or None when stopped, the job's directory)."""
+    compared with an uninterrupted run's. Returns (faults' records, {iteration: [its logged losses]}, the last
+    iteration logged with all before it, the job's exit code or None when stopped, the job's directory)."""
     directory = os.path.join(out, "cluster")
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
@@ -457,7 +471,7 @@ def run(out: str, nodes: int, faults: list, iters: int, save_interval: int, rng:
         job.close()
     seen = {}
     for r in job.metrics():
-        seen.setdefault(r["iteration"], set()).add(r["lm_loss"])
+        seen.setdefault(r["iteration"], []).append(r["lm_loss"])
     last = max(i for i in seen if all(j in seen for j in range(1, i + 1))) if 1 in seen else 0
     return done, seen, last, code, directory
 
@@ -486,7 +500,7 @@ def reference(out: str, nodes: int, iters: int, last: int) -> dict:
 
 def identical(seen: dict, expected: dict, last: int) -> bool:
     """Every iteration 1..last logged, each only with the uninterrupted run's loss."""
-    return last > 0 and all(seen.get(i) == {expected.get(i)} for i in range(1, last + 1))
+    return last > 0 and all(set(seen.get(i, ())) == {expected.get(i)} for i in range(1, last + 1))
 
 
 def summary(fault: dict) -> str:
@@ -565,8 +579,10 @@ def main(args, rng: random.Random) -> bool:
     missing = args.kills - len(faults)
     ok = not missing and exact and all(not verdict(f) for f in faults) and code in (None, 0)
     ok = ok and (restart is None or restart["identical"])
-    print(f"\n{len(faults)} faults, iterations 1-{last} logged, every loss bit-identical to the uninterrupted run: "
-          f"{'yes' if exact else 'NO'}" + (f"; {missing} fault(s) not injected (raise --iters)" if missing else "")
+    twice = sorted(i for i, losses in seen.items() if len(losses) > 1)
+    print(f"\n{len(faults)} faults, iterations 1-{last} logged (logged more than once, a new rank 0 catching up: "
+          f"{twice or 'none'}), every loss bit-identical to the uninterrupted run: {'yes' if exact else 'NO'}"
+          + (f"; {missing} fault(s) not injected (raise --iters)" if missing else "")
           + ("" if code in (None, 0) else f"; the job ended with code {code}"))
     print(f"logs: {directory}/<node>.log")
     print("cluster soak:", "PASSED" if ok else "FAILED")

@@ -82,7 +82,8 @@ def test_losses_are_bit_identical_to_the_uninterrupted_run(cluster_run):
     Would catch a healed replica taking another shard or iteration, a survivor redoing an iteration twice."""
     _, seen, last, _, expected, report = cluster_run
     assert last > 20, report
-    differing = {i: (seen.get(i), expected.get(i)) for i in range(1, last + 1) if seen.get(i) != {expected.get(i)}}
+    differing = {i: (seen.get(i), expected.get(i)) for i in range(1, last + 1)
+                 if set(seen.get(i, ())) != {expected.get(i)}}
     assert not differing, f"{differing}\n{report}"
 
 
@@ -133,6 +134,18 @@ def test_report_parser_reads_interleaved_node_logs(tmp_path):
         "[rank 5] > wrote last words at iteration 7 to /x (failure)"]
     assert cluster_soak.committed_between(lines, 100.5, 200) == []
     assert cluster_soak.registered_at(lines, 98) == 99.0 and cluster_soak.registered_at(lines, 99) is None
+
+
+def test_resumed_from_tells_a_catch_up_record_from_a_redone_iteration():
+    """The iteration a job went on from after a fault, from its first record after it and the newest iteration a
+    survivor completed (last words). Would catch: a new rank 0's catch-up record of iteration 15 (its
+    predecessor logged 15 and died before noting it in the store: 15 appears twice, same values) counted as an
+    iteration lost (it was: `completed 15, resumed from 14` in a soak), and hiding a real loss (a fallback to
+    an older checkpoint) behind the survivors' last words."""
+    assert cluster_soak.resumed_from(15, 15) == 15  # 15 logged again by the new rank 0: nothing redone
+    assert cluster_soak.resumed_from(16, 15) == 15  # the usual case
+    assert cluster_soak.resumed_from(15, None) == 14  # no last words (an etcd member's fault): the record says
+    assert cluster_soak.resumed_from(1, 15) == 0  # the job went back (whole-job restart from scratch): 15 lost
 
 
 def test_report_survives_a_fault_that_was_not_recovered():
