@@ -13,7 +13,8 @@ agent per node (`python -m megatron_lite.fault_tolerance.agent`), the soak's GPT
 (instances of 2 ranks: each node is one instance, every shard has a replica on each node, so a node lost
 leaves 2 of each; R=2 would satisfy the placement rule too, with instances of 3 ranks across 2 nodes and 1
 copy left). Faults, one at a time, cycled over --kills (a node picked at random among those training), each
-once the previous one has been recovered from and its node is back as the spare:
+once the job has recovered from the previous one and trained a few iterations; a node fault also waits for
+the previous node fault's node to be back as the spare (a rank hung or an etcd member killed comes meanwhile):
 
     node killed          SIGKILL to everything in the node's namespace (agent, ranks, etcd member); then the
                          node "reboots": its etcd member restarts from its data directory, a fresh agent
