@@ -560,6 +560,8 @@ def main(args, rng: random.Random) -> bool:
         if not ok:
             print(f"cluster soak: cannot run: {reason}")
             return False
+    # SIGTERM (timeout, a scheduler) ends the soak through its clean-up: every process, member and namespace
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     iters = args.iters
     faults, seen, last, code, directory = run(args.out, args.nodes, schedule(args.kills), iters,
                                               args.save_interval, rng)
