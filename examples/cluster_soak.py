@@ -9,12 +9,13 @@ simulated cluster whose nodes are killed, hung and cut off one at a time, and wh
 
 megatron_lite/fault_tolerance/netns.py's SimulatedCluster (one network namespace per node on a bridge, the
 ranks' GLOO_SOCKET_IFNAME its interface) with --nodes + 1 nodes, a LocalEtcd of 3 members on the first 3, one
-agent per node (`python -m megatron_lite.fault_tolerance.agent`), the soak's GPT at dp = 2 x --nodes and R=3
-(instances of 2 ranks: each node is one instance, every shard has a replica on each node, so a node lost
-leaves 2 of each; R=2 would satisfy the placement rule too, with instances of 3 ranks across 2 nodes and 1
-copy left). Faults, one at a time, cycled over --kills (a node picked at random among those training), each
-once the job has recovered from the previous one and trained a few iterations; a node fault also waits for
-the previous node fault's node to be back as the spare (a rank hung or an etcd member killed comes meanwhile):
+agent per node (`python -m megatron_lite.fault_tolerance.agent`), the soak's GPT at dp = 2 x --nodes and R =
+--nodes (instances of 2 ranks: each node is one instance, MindIO's layout, so every shard has a replica on each
+node and a node lost leaves R - 1 of each; at 3 nodes R=2 would satisfy the placement rule too, with instances
+of 3 ranks across 2 nodes and a single copy left of the lost node's shards). Faults, one at a time, cycled
+over --kills (a node picked at random among those training), each once the job has recovered from the
+previous one and trained a few iterations; a node fault also waits for the previous node fault's node to be
+back as the spare (a rank hung or an etcd member killed comes meanwhile):
 
     node killed          SIGKILL to everything in the node's namespace (agent, ranks, etcd member); then the
                          node "reboots": its etcd member restarts from its data directory, a fresh agent
@@ -56,8 +57,12 @@ from fault_tolerance_soak import MODEL, REPO, launch, records, reference_losses,
 from live_soak import recoveries
 
 RANKS_PER_NODE = 2
-INSTANCES = 3
-"""R: one instance per node at 2 ranks per node and 3 nodes (see the module docstring)."""
+
+
+def instances(nodes: int) -> int:
+    """R = the number of nodes that train: instances of RANKS_PER_NODE ranks, one per node (see the module
+    docstring), which the placement rule allows at any number of nodes (R <= nodes)."""
+    return nodes
 ETCD_MEMBERS = 3
 KINDS = ("node killed", "rank hung", "node hung", "etcd member killed", "partition")
 """The soak's cycle: a node fault, then one that needs no spare while the node comes back."""
@@ -219,7 +224,7 @@ class ClusterJob:
         self.world = nodes * RANKS_PER_NODE
         self.job_id = f"soak{uuid.uuid4().hex[:8]}"
         self.command = [os.path.join(REPO, "pretrain_gpt.py"), *model_flags(self.world), "--train-iters", str(iters),
-                        "--num-distributed-optimizer-instances", str(INSTANCES), "--save", directory,
+                        "--num-distributed-optimizer-instances", str(instances(nodes)), "--save", directory,
                         "--load", directory, "--save-interval", str(save_interval)]
         self.agent_flags = list(agent_flags)
         self.agents = {}  # node name -> Popen of its latest agent
@@ -491,7 +496,7 @@ def reference(out: str, nodes: int, iters: int, last: int) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     world = nodes * RANKS_PER_NODE
-    job = launch(directory, iters, INSTANCES, iters, os.path.join(directory, "log.txt"), nproc=world,
+    job = launch(directory, iters, instances(nodes), iters, os.path.join(directory, "log.txt"), nproc=world,
                  model=model_flags(world) + ["--exit-interval", str(last)])
     if wait_for(None, job, [os.path.join(directory, f) for f in ("log.txt", "metrics.jsonl")],
                 "the reference run") != 0:
@@ -568,16 +573,15 @@ def main(args, rng: random.Random) -> bool:
     expected = reference(args.out, args.nodes, iters, last)
     exact = identical(seen, expected, last)
     restart = None
+    world, R = args.nodes * RANKS_PER_NODE, instances(args.nodes)
     if args.restart_kills:
-        world = args.nodes * RANKS_PER_NODE
         restart_iters = 60
-        restart_reference = reference_losses(args.out, restart_iters, INSTANCES, nproc=world,
-                                             model=model_flags(world))
-        restart = trial(args.out, "restart_everything", restart_iters, INSTANCES, args.save_interval, 30,
+        restart_reference = reference_losses(args.out, restart_iters, R, nproc=world, model=model_flags(world))
+        restart = trial(args.out, "restart_everything", restart_iters, R, args.save_interval, 30,
                         [rng.randrange(world)], restart_reference, nproc=world, model=model_flags(world))
         print(json.dumps(restart), flush=True)
-    print(f"\n### live recovery across nodes ({args.nodes} nodes x {RANKS_PER_NODE} ranks + 1 spare, dp="
-          f"{args.nodes * RANKS_PER_NODE}, R={INSTANCES}, etcd x {ETCD_MEMBERS}, agents {' '.join(AGENT_FLAGS)})\n")
+    print(f"\n### live recovery across nodes ({args.nodes} nodes x {RANKS_PER_NODE} ranks + 1 spare, dp={world}, "
+          f"R={R}, etcd x {ETCD_MEMBERS}, agents {' '.join(AGENT_FLAGS)})\n")
     print(table(faults, restart))
     missing = args.kills - len(faults)
     ok = not missing and exact and all(not verdict(f) for f in faults) and code in (None, 0)
