@@ -197,7 +197,8 @@ class Agent:
             ranks, self.ranks = self.ranks, {}
         for rank in ranks.values():
             rank.proc.wait()
-        self.leader = None
+        self.leader, self.unreported = None, []  # the old incarnation's reports: its slots are moved anyway
+        said = False
         while not self.stopping.is_set():
             try:
                 self.client.lease_revoke(self.lease)
@@ -207,7 +208,9 @@ class Agent:
                 self.register()
                 return
             except EtcdError as e:
-                self.say(f"etcd does not answer ({e}): waiting to register again")
+                if not said:
+                    self.say(f"etcd does not answer ({e}): waiting to register again")
+                    said = True
                 time.sleep(self.args.node_ttl / 4)
 
     # ------------------------------------------------------------------ processes

@@ -363,6 +363,24 @@ def test_elastic_shrinks_without_a_spare_and_grows_when_a_node_registers():
     assert job.get("gen_1/leave_at") == "7" and job.get("gen_1/abort") is None
 
 
+
+@pytest.mark.parametrize("flags, message", [
+    (["--node-ttl", "0.5"], "--node-ttl must be >= 1 s"),
+    (["--nnodes", "0"], "--nnodes must be >= 1"),
+    (["--join-timeout", "31"], "--collective-timeout + --trouble-grace"),
+    (["x.py", "--num-distributed-optimizer-instances", "two"], "--num-distributed-optimizer-instances is not"),
+])
+def test_the_agents_command_line_is_checked_before_it_starts(flags, message, capsys):
+    """Refused at parse time (exit 2, naming the flag), before any etcd is contacted: launch.py's checks of the
+    shared flags, and the agent's own."""
+    from megatron_lite.fault_tolerance import agent
+
+    base = ["--etcd-endpoints", "127.0.0.1:1", "--job-id", "j", "--nnodes", "2", "--nproc-per-node", "2"]
+    with pytest.raises(SystemExit) as e:
+        agent.main(base + flags + ([] if "x.py" in flags else ["x.py"]))
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
 # ---------------------------------------------------------------------------------------- agents on loopback
 FAKE_WORKER = """import json, os, sys, time
 out, mode = sys.argv[1], sys.argv[2]
