@@ -216,10 +216,16 @@ _NO_LOCK_SUPPORT = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 _locked: Dict[str, int] = {}  # realpath of a --save directory -> the descriptor holding this process's lock on it
 
 
-def lock_save_directory(root: str):
+def lock_save_directory(root: str, job: Optional[str] = None):
     """Lock the --save directory `root` for this process (see the module docstring), until
     unlock_save_directory(root) or the end of the process. Locking a directory this process holds already
-    is a no-op. Raises ValueError naming `root` and the holder when another process holds it."""
+    is a no-op. Raises ValueError naming `root` and the holder when another process holds it.
+
+    `job` (live recovery: the job's id, the same in every process of it, replacements included) is written
+    with the holder. A holder of the same job is a rank 0 of an earlier generation that cannot release the
+    lock (its node hung or cut off: stopped, not dead, it keeps its locks): this process then goes on without
+    the lock, with a warning, instead of refusing the job its own directory; that process is fenced (it
+    commits nothing: set_commit_guard)."""
     os.makedirs(root, exist_ok=True)
     key = os.path.realpath(root)
     if key in _locked:  # a POSIX lock is the process's: a second descriptor's close() would drop it
@@ -242,6 +248,11 @@ def lock_save_directory(root: str):
                 return
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 raise OSError(e.errno, f"cannot lock {path}: {e.strerror}") from e
+            if job is not None and holder.split(" for job ", 1)[1:] == [job]:
+                warnings.warn(f"--save {root}: {holder} holds {path}, a process of this job that has not released "
+                              f"it (a rank 0 of an earlier generation, stopped or cut off; fenced, it commits "
+                              f"nothing): going on without the lock", stacklevel=2)
+                return
             raise ValueError(f"--save {root} is in use by another job ({holder} holds {path}): two jobs saving into "
                              f"one directory overwrite and shadow each other's checkpoints. Wait for that job to "
                              f"end, or save into another directory") from None
@@ -253,7 +264,8 @@ def lock_save_directory(root: str):
             pass
         os.close(fd)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    owner = f"pid {os.getpid()} on {socket.gethostname()}" + (f" for job {job}" if job is not None else "")
+    os.pwrite(fd, f"{owner}\n".encode(), 0)
     _locked[key] = fd
 
 

@@ -161,12 +161,13 @@ def _refuse_nonfinite(iteration: int, states: dict):
 
 
 # ------------------------------------------------------------------------------------------ before saving
-def lock_save_directory(save_dir: str, group=None):
+def lock_save_directory(save_dir: str, group=None, job: Optional[str] = None):
     """Every rank, before a job reads or writes `save_dir`: the directory becomes this job's alone while it
     trains. The group's rank 0 locks it (files.lock_save_directory; the caller unlocks it at the end, or the
     process's end does), once every other rank dropped a lock it may hold (under live recovery the rank 0 of
     each generation holds it: a survivor may have been the rank 0 of a smaller generation). A directory
-    another job holds raises on every rank, naming it and the holder (pid and host)."""
+    another job holds raises on every rank, naming it and the holder (pid and host); one that a process of
+    the same `job` holds does not (live recovery: files.lock_save_directory's `job`)."""
     rank = dist.get_rank(group)
 
     def release_unless_rank_0():
@@ -175,7 +176,7 @@ def lock_save_directory(save_dir: str, group=None):
 
     def lock_save_directory_on_rank_0():
         if rank == 0:
-            files.lock_save_directory(save_dir)
+            files.lock_save_directory(save_dir, job)
     collectives.run_collectively(release_unless_rank_0, group=group)  # released before rank 0 tries
     collectives.run_collectively(lock_save_directory_on_rank_0, group=group)
 

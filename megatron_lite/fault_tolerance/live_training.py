@@ -165,8 +165,9 @@ class _LiveRun:
         whatever interrupted the generation."""
         device, train_ds, valid_ds = self._form_generation()
         args = self.args
-        if args.save:  # the generation's rank 0 holds it: a replaced rank 0 takes it once the dead one is gone
-            lock_save_directory(args.save)
+        if args.save:  # the generation's rank 0 holds it: a replaced rank 0 takes it once the dead one is gone,
+            # or goes on without it while a rank 0 of this job's earlier generation (hung, cut off) still holds it
+            lock_save_directory(args.save, job=os.environ.get("TORCHELASTIC_RUN_ID"))
         progress = self._resume(train_ds)
         self.loop = TrainingLoop(args, self.forward_step_func, self.model, self.optimizer, self.scheduler, train_ds,
                                  valid_ds, device, self.flops_per_iteration, progress.iteration, progress.consumed,

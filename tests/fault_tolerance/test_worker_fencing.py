@@ -335,3 +335,38 @@ def test_commit_guard_keeps_a_fenced_rank_from_committing(tmp_path):
     assert entries == ["iter_0000001", "last_words", "latest_checkpointed_iteration.txt"], entries
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert sorted(os.listdir(save / "last_words" / "iter_0000001")) == ["rank_00000.json", "rank_00000.pt"]
+
+
+HOLD_LOCK = """
+import sys
+from megatron_lite.checkpointing import files
+files.lock_save_directory(sys.argv[1], job=sys.argv[2])
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_hung_rank_0_of_the_same_job_does_not_lock_its_replacement_out(tmp_path):
+    """The rank 0 of generation g holds the --save lock; its node hangs (SIGSTOP: alive, its POSIX lock kept) or
+    is cut off, and the leader places slot 0 on a spare. The new rank 0 locking the directory must not be
+    refused as 'another job' (ValueError on every rank: not a peer failure, so the job fell back and then
+    ended as a start-up error while the old process stayed stopped); a holder of another job still is. Would
+    catch a node-hung fault on rank 0's node ending the whole job."""
+    from megatron_lite.checkpointing import files
+
+    save = str(tmp_path / "save")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, save, "job-a"], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        os.kill(holder.pid, signal.SIGSTOP)  # the old rank 0's node hangs
+        with pytest.warns(UserWarning, match="a process of this job that has not released it"):
+            files.lock_save_directory(save, job="job-a")
+        assert os.path.realpath(save) not in files._locked  # not held: nothing to release
+        for job in ("job-b", None):
+            with pytest.raises(ValueError, match="in use by another job"):
+                files.lock_save_directory(save, job=job)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdin.close()
