@@ -38,11 +38,13 @@ then exit code 1; and it adds the generation keys of membership.py:
                                 which resumes with --load from those last words, up to --max-restarts times
                                 (torchrun's behaviour)
     a worker exits 1 (or any    a deterministic refusal at start-up (a ValueError in the set-up: every
-    code < 128 but 3) before    start would meet it again): the supervisor stops the others and exits
-    this start of the job       with that code
-    logged an iteration
+    code < 128 but 3 and 4)     start would meet it again): the supervisor stops the others and exits
+    before this start of the    with that code
+    job logged an iteration
     a worker exits 2            a usage error (argparse: the command line is wrong): every process started
     (EXIT_USAGE)                with it would fail alike, so the supervisor stops the others and exits 2
+    a worker exits 4            it could not read the store (its fencing, membership.check_fenced): replaced
+    (EXIT_FENCED)               like a dead one
 """
 
 import argparse
@@ -58,7 +60,7 @@ import torch.distributed as dist
 
 from ..distributed.layout import DataParallelTopology
 from . import membership
-from .membership import EXIT_FALLBACK, LiveConfig
+from .membership import EXIT_FALLBACK, EXIT_FENCED, LiveConfig
 
 EXIT_USAGE = 2
 """argparse's exit code for a bad command line (also Python's for a script it cannot open): not replaced."""
@@ -86,9 +88,14 @@ def exit_kind(code: int, trained: bool) -> str:
     start of the job logged an iteration: DONE (0), USAGE (2: every process started with this command line
     would fail alike), STARTUP_ERROR (an error of its own, not a signal nor a failed live recovery, before this
     start trained at all: a refusal of the arguments, the data, the checkpoint, which every start would meet
-    again), FALLBACK (3, or 1 once trained: a whole-job restart), DEAD (a signal: replaced live)."""
+    again), FALLBACK (3, or 1 once trained: a whole-job restart), DEAD (a signal, or EXIT_FENCED: replaced live).
+    A fenced process (4) could not read the store or lost its slot: nothing every start would meet again, so
+    never a start-up error; one whose slot is still its own is a death (the cluster leader reports only the
+    exits of its slots' current processes)."""
     if code == 0:
         return DONE
+    if code == EXIT_FENCED:
+        return DEAD
     if code == EXIT_USAGE:
         return USAGE
     if 0 < code < 128 and code != EXIT_FALLBACK and not trained:

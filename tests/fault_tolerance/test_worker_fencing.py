@@ -370,3 +370,14 @@ def test_a_hung_rank_0_of_the_same_job_does_not_lock_its_replacement_out(tmp_pat
         holder.kill()
         holder.wait()
         holder.stdin.close()
+
+
+def test_a_fenced_exit_is_replaced_never_a_start_up_error():
+    """EXIT_FENCED (the store could not be read at a join or a commit) says nothing about the command line: the
+    supervisor (and the cluster leader, which shares exit_kind) replaces the process. Would catch a single-node
+    job given up as 'an error at start-up' because one rank lost its store connection before the first
+    iteration was logged."""
+    from megatron_lite.fault_tolerance.launch import DEAD, exit_kind
+
+    assert exit_kind(membership.EXIT_FENCED, trained=False) == DEAD
+    assert exit_kind(membership.EXIT_FENCED, trained=True) == DEAD
