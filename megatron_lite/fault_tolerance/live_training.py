@@ -243,7 +243,9 @@ class _LiveRun:
     # ------------------------------------------------------------------ the loop's hooks (LoopHooks)
     def _stage(self, losses: Dict[str, float]):
         """Just before optimizer.step(): the record of the iteration about to complete (as LastWords.stage's:
-        the RNG after backward, the scheduler as it will be after its step; and the log interval's sums)."""
+        the RNG after backward, the scheduler as it will be after its step; and the log interval's sums).
+        NCCL: first, no update from reductions an abort may have cut short (Membership.check_reductions)."""
+        self.membership.check_reductions()
         loop, scheduler = self.loop, self.scheduler
         scheduled = {**scheduler.state_dict(), "num_steps": scheduler.num_steps + 1}
         self.staged = Progress(loop.iteration + 1, loop.consumed + self.args.global_batch_size, get_rng_state(),

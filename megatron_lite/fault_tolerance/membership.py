@@ -275,6 +275,14 @@ def _abort_nccl_groups() -> int:
     return len(groups)
 
 
+def _backends(group) -> list:
+    """The NCCL backend of a process group (the one whose error state matters), [] when it has none."""
+    try:
+        return [group._get_backend(torch.device("cuda"))]
+    except (RuntimeError, AttributeError):  # a gloo-only group, a CPU build
+        return []
+
+
 class Membership:
     """This rank's view of the generations: joins the process group of the current one, waits for the next.
 
@@ -300,6 +308,9 @@ class Membership:
         self._formed: Optional[int] = None
         self._formed_lock = threading.Lock()
         self.interrupted: Optional[int] = None  # the last generation the heartbeat thread interrupted
+        # The last generation the heartbeat thread began to interrupt (set before it acts, never undone): a
+        # reduction of that generation may have ended with partial sums (NCCL: check_reductions).
+        self._interrupting: Optional[int] = None
 
     @classmethod
     def from_env(cls) -> "Membership":
@@ -460,11 +471,46 @@ class Membership:
         with self._formed_lock:
             if self._formed != generation:  # left it meanwhile (and maybe forming the next): nothing to interrupt
                 return False
-            self.interrupted = generation
+            self._interrupting = generation
             done = interrupt_generation(keep)
+            self.interrupted = generation  # only now: an interrupt that raised is tried again at the next poll
         print(f"[rank {self.rank}] > generation {generation} was abandoned (gen_{generation}/abort): {done}",
               file=sys.stderr, flush=True)
         return True
+
+    def check_reductions(self):
+        """Before this rank's optimizer update (live_training's before_update hook: the gradients and the losses
+        are reduced): raise Fenced (the generation, not the slot) if a collective of this generation may have
+        been cut short without an error in this thread. An aborted NCCL communicator ends the reduction in
+        flight early, leaving partial sums, and the update would apply them (wrong weights, healed from as a
+        completed iteration). Communicators are aborted by the heartbeat thread (gen_<g>/abort; it notes it
+        before it acts) and by torch's watchdog (a collective's error or timeout: the group's backend reports
+        it). The current CUDA stream is synchronized first, so every reduction queued before it has ended,
+        completed or cut short; one aborted after this check had completed. gloo: nothing to do (a gloo
+        collective completes or raises)."""
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return
+        torch.cuda.current_stream().synchronize()
+        why = self.cut_short()
+        if why is not None:
+            raise Fenced(f"rank {self.rank} is fenced: no update from generation {self._formed}'s reductions, "
+                         f"{why}", slot_lost=False)
+
+    def cut_short(self, groups=None) -> Optional[str]:
+        """Why a collective of the generation this process trains in may have ended early (check_reductions),
+        None if none can have: the heartbeat thread began to interrupt it, or a group's backend (`groups`,
+        default: every process group) reports an error (torch's ErrorType: a timeout, a communicator error)."""
+        if self._formed is not None and self._interrupting == self._formed:
+            return f"it was interrupted (gen_{self._formed}/abort: its communicators aborted)"
+        for group in list(dist.distributed_c10d._world.pg_map) if groups is None else groups:
+            for backend in _backends(group):
+                try:
+                    state = backend.get_error().name
+                except (AttributeError, RuntimeError):  # a torch or backend without error states: not known
+                    continue
+                if state != "SUCCESS":
+                    return f"a process group's backend reports {state} (torch's watchdog aborted it)"
+        return None
 
     def leave_due(self, iteration: int) -> bool:
         """Elastic: whether the supervisor asked this generation's members to leave after `iteration` (to admit

@@ -38,11 +38,17 @@ def _generations_on_one_gpu():
     total = torch.full((4,), 2.0, device=where)
     dist.all_reduce(total)
     out["gen0_sum"] = total.tolist()
+    member.check_reductions()  # nothing was cut short: the update may go ahead
     started = time.monotonic()
     member.store.set("gen_0/abort", "1")  # the leader abandons generation 0
     while member.interrupted != 0 and time.monotonic() - started < 10:
         time.sleep(0.01)
     out["interrupted"], out["interrupt_s"] = member.interrupted, time.monotonic() - started
+    try:  # NCCL: no update from this generation's reductions now (partial sums); gloo: nothing to check
+        member.check_reductions()
+        out["update_refused"] = False
+    except membership.Fenced as e:
+        out["update_refused"] = not e.slot_lost
     member.leave()
     out["left"] = not dist.is_initialized()
     member.store.set("gen_1/members", "[0]")
@@ -62,7 +68,8 @@ def test_nccl_generation_interrupted_and_formed_again(tmp_path):
     """Would catch: join() forming gloo groups for a CUDA run (NCCL's speed lost, or CUDA tensors through host
     memory), the abort watcher not reaching NCCL (its communicators left to the collective timeout), the
     watchdog tearing the survivor down (TORCH_NCCL_ASYNC_ERROR_HANDLING=1), leave() hanging on an aborted
-    communicator, or the next generation's groups failing on the same device."""
+    communicator, the next generation's groups failing on the same device, or an optimizer update allowed
+    after the abort (check_reductions: partial sums) or refused without one."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set("generation", "0")
     support = os.path.join(REPO, "tests", "support")
@@ -87,6 +94,7 @@ def test_nccl_generation_interrupted_and_formed_again(tmp_path):
     assert result["gen0_sum"] == [2.0] * 4 and result["gen1_sum"] == [3.0] * 4, result
     assert result["interrupted"] == 0 and result["interrupt_s"] < 5, result  # one watcher period: ~0.2 s
     assert result["left"], result
+    assert result["update_refused"] == (not ON_CPU), result  # Membership.check_reductions
     assert result["gen1_device"] == ("cpu" if ON_CPU else "cuda:0"), result
     if not ON_CPU:
         assert "NCCL communicators" in log.read_text(), log.read_text()[-4000:]

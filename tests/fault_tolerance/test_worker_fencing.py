@@ -381,3 +381,62 @@ def test_a_fenced_exit_is_replaced_never_a_start_up_error():
 
     assert exit_kind(membership.EXIT_FENCED, trained=False) == DEAD
     assert exit_kind(membership.EXIT_FENCED, trained=True) == DEAD
+
+
+def test_an_interrupt_that_raised_is_tried_again(monkeypatch):
+    """The heartbeat thread's interrupt can raise (a descriptor closed under it, NCCL groups created meanwhile);
+    the thread swallows it, and the next poll must try again. Would catch the generation marked interrupted
+    before anything was done: the blocked collective then waits for the collective timeout."""
+    store = master_store()
+    store.set("generation", "0")
+    member = formed_member(store, 0, 0)
+    store.set("gen_0/abort", "1")
+    calls = []
+
+    def interrupt(keep):
+        calls.append(keep)
+        if len(calls) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return "done"
+    monkeypatch.setattr(membership, "interrupt_generation", interrupt)
+    with pytest.raises(RuntimeError):
+        member.watch_for_abort(member.store, set())
+    assert member.watch_for_abort(member.store, set()) and member.interrupted == 0 and len(calls) == 2
+    assert not member.watch_for_abort(member.store, set()) and len(calls) == 2  # once done, never again
+
+
+class _Backend:
+    def __init__(self, state):
+        self.state = state
+
+    def get_error(self):
+        return type("ErrorType", (), {"name": self.state})()
+
+
+class _Group:
+    def __init__(self, state):
+        self.backend = _Backend(state)
+
+    def _get_backend(self, device):
+        return self.backend
+
+
+def test_no_update_from_reductions_an_abort_may_have_cut_short(monkeypatch):
+    """NCCL: an aborted communicator ends the reduction in flight with partial sums and no error in the training
+    thread; check_reductions (before the optimizer update) must see it: the heartbeat thread began to
+    interrupt the generation (noted before it acts, so an abort racing the check is seen or came after the
+    reductions completed), or torch's watchdog left a group in an error state. Would catch an update applied
+    to partial gradients (the weights silently wrong, then healed from as a completed iteration). The logic
+    here; tests/cuda/test_cuda_live.py runs it on NCCL."""
+    store = master_store()
+    store.set("generation", "1")
+    member = formed_member(store, 0, 1)
+    assert member.cut_short([_Group("SUCCESS")]) is None
+    assert "TIMEOUT" in member.cut_short([_Group("SUCCESS"), _Group("TIMEOUT")])
+    member._interrupting = 0  # an earlier generation's interrupt says nothing about this one
+    assert member.cut_short([]) is None
+    store.set("gen_1/abort", "1")
+    seen = []
+    monkeypatch.setattr(membership, "interrupt_generation", lambda keep: seen.append(member.cut_short([])) or "")
+    member.watch_for_abort(member.store, set())
+    assert seen == [member.cut_short([])] and "interrupted" in seen[0]  # seen already while the abort acts
