@@ -13,7 +13,8 @@ first N to register are hot spares. Everything the job shares lives in etcd unde
                      to a lease of --node-ttl seconds that a thread keeps alive every --node-ttl / 4
     leads            if it holds the `leader` key (created with its lease: one at a time): every decision of
                      the single-node supervisor (launch.py), in cluster.Leader; when its node dies the lease
-                     expires and another agent takes over from the keys
+                     expires and another agent takes over from the keys. The start waits --join-timeout for
+                     the first N nodes (then exit 1 naming how many came)
     reconciles       to gen_<g>/placement: exactly one process for each slot placed on it, started for the
                      slot's since-generation; a process of a slot moved or replaced is killed (SIGKILL)
     reports          exit/<slot>/<pid> when a current process ends (the leader decides what follows)
