@@ -30,8 +30,17 @@ RELEASE_BOUND_S = 10.0
 generous for a loaded machine, still 12x below the collective timeout)."""
 
 
+class _MasterStore(dist.TCPStore):
+    """The test's TCPStore server, whose set() returns once the server applied it. TCPStore's set() does not wait
+    for an answer, and another connection's request (a member's check right after) may be served first."""
+
+    def set(self, key, value):
+        super().set(key, value)
+        super().get(key)  # answered after the set: the same connection's requests are served in order
+
+
 def master_store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return _MasterStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def client(store: dist.TCPStore) -> dist.TCPStore:
