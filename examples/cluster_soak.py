@@ -130,6 +130,24 @@ def recovered_at(records_of_generation: list) -> float:
     return max(r.get("redone") or max(v for k, v in r.items() if isinstance(v, float)) for r in records_of_generation)
 
 
+def phases(at: float, detected, records_of_generation: list) -> dict:
+    """Where a recovery's time went, in seconds: detection (the fault -> the leader's new generation), start
+    (-> the last replacement process ready: torch imported, arguments parsed), join (-> every rank arrived and
+    the groups formed), heal (-> state rebuilt and shards sent), redo (-> the interrupted iteration completed
+    on every rank). A phase is None when a mark is missing (no replacement: no start)."""
+    def last(key, records):
+        values = [r.get(key) for r in records]
+        return max(values) if values and None not in values else None
+    replacements = [r for r in records_of_generation if r.get("role") == "replacement"]
+    ends = [at, detected, last("failed", replacements) if replacements else None,
+            *(last(key, records_of_generation) for key in ("joined", "healed", "redone"))]
+    out, start = {}, at
+    for name, end in zip(("detection", "start", "join", "heal", "redo"), ends[1:]):
+        out[name] = None if start is None or end is None else round(end - start, 2)
+        start = end if end is not None else start
+    return out
+
+
 def resumed_from(first: int, target) -> int:
     """The iteration the job went on from after a fault: `first`, the first iteration logged after it, less one,
     or `target`, the newest iteration a survivor had completed (its last words), when the first record is of
@@ -380,6 +398,7 @@ def recover(job: ClusterJob, fault: dict):
     else:
         generation = wait_for(lambda: healed_generation(job.text(), fault["generation_before"], job.world), job,
                               job.watched(), f"the recovery from the {kind} of {fault['what']}")
+        fault["generation"] = generation
         recovered = recovered_at(recoveries(job.text())[generation])
         fault["next_iteration_s"] = recovered - t0
         wait_for(lambda: len(job.metrics()) > before, job, job.watched(), "an iteration after the recovery")
@@ -398,6 +417,9 @@ def recover(job: ClusterJob, fault: dict):
     wait_for(lambda: len(job.metrics()) >= settled, job, job.watched(), f"{SETTLE_ITERATIONS} iterations more")
     opened = {g: t for g, t in generations_opened(job.lines()).items() if g > fault["generation_before"]}
     fault["detection_s"] = min(opened.values()) - t0 if opened else None
+    if fault.get("generation") is not None:
+        fault["phases"] = phases(t0, min(opened.values(), default=None),
+                                 recoveries(job.text())[fault["generation"]])
     fault["new_generations"] = sorted(set(opened) | {g for g in recoveries(job.text())
                                                       if g > fault["generation_before"]})
 
@@ -525,12 +547,14 @@ def table(faults: list, restart: dict = None) -> str:
 
     def fenced(f):
         return f"{'yes' if f.get('fenced') else 'NO'}; {s(f.get('back_s'))}" if f["kind"] in NODE_FAULTS else "-"
+    def split(f):
+        return " / ".join(s(v) for v in f["phases"].values()) if f.get("phases") else "-"
     rows = ["| # | fault | hit | completed | resumed from | lost | detection (s) | fault -> next iteration, every "
-            "rank (s) | healthy PIDs kept | new generations | fenced; back as the spare after (s) | checkpoint "
-            "after the fault | verdict |", "|" + "---|" * 13]
+            "rank (s) | detection / start / join / heal / redo (s) | healthy PIDs kept | new generations | fenced; "
+            "back as the spare after (s) | checkpoint after the fault | verdict |", "|" + "---|" * 14]
     for k, f in enumerate(faults):
         rows.append(f"| {k} | {f['kind']} | {f['what']} (ranks {f['hit']}) | {f['completed']} | {f['resumed']} | "
-                    f"{f['lost']} | {s(f.get('detection_s'))} | {s(f.get('next_iteration_s'))} | "
+                    f"{f['lost']} | {s(f.get('detection_s'))} | {s(f.get('next_iteration_s'))} | {split(f)} | "
                     f"{'yes' if f.get('kept') else 'NO'} | {f['new_generations'] or 'none'} | {fenced(f)} | "
                     f"{'YES' if f.get('committed_after') else 'none'} | {'; '.join(verdict(f)) or 'ok'} |")
     rows += ["", "| fault | n | lost | detection mean / max (s) | fault -> next iteration mean / max (s) |",

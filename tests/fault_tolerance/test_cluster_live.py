@@ -148,6 +148,18 @@ def test_resumed_from_tells_a_catch_up_record_from_a_redone_iteration():
     assert cluster_soak.resumed_from(1, 15) == 0  # the job went back (whole-job restart from scratch): 15 lost
 
 
+def test_phases_of_a_recovery_line_up_across_ranks():
+    """The split of a recovery: from the fault to the leader's generation, the replacements' start, every rank
+    joined, healed, redone (the last rank each time); without a replacement (none started) the start is None
+    and the join counts from the detection."""
+    survivor = {"role": "survivor", "failed": 100.0, "joined": 104.0, "healed": 105.0, "redone": 105.5}
+    replacement = {"role": "replacement", "failed": 103.0, "joined": 104.2, "healed": 105.1, "redone": 105.4}
+    assert cluster_soak.phases(99.0, 100.5, [survivor, replacement]) == {
+        "detection": 1.5, "start": 2.5, "join": 1.2, "heal": 0.9, "redo": 0.4}
+    assert cluster_soak.phases(99.0, 100.5, [survivor]) == {
+        "detection": 1.5, "start": None, "join": 3.5, "heal": 1.0, "redo": 0.5}
+
+
 def test_report_survives_a_fault_that_was_not_recovered():
     """A fault whose recovery timed out has no measurements: the table and the verdict say so instead of raising
     (KeyError), and the verdict fails it."""
