@@ -601,7 +601,11 @@ def _watch_supervisor(membership: Membership, address: str):
 
     - a heartbeat (heartbeat/<rank>, every HEARTBEAT_S, on a store connection of its own): a process that stops
       beating (SIGSTOP, a wedged interpreter) while its peers report a failed collective is replaced; the
-      file ENV_HEARTBEAT_FILE names, if set, is touched as often (the node agent's check, without the store);
+      file ENV_HEARTBEAT_FILE names, if set, is touched as often (the node agent's check, without the store)
+      from a thread of its own, which no store request can delay (an etcd member lost or an election stalls
+      a request for seconds: the agent would kill a healthy rank as hung). What the file says is only that
+      the process runs and its interpreter is not wedged holding the GIL: a main thread blocked in a
+      collective or looping forever in Python still beats (the abort and the collective timeout see those);
     - gen_<g>/abort, every ABORT_POLL_S while the process trains in generation g: the generation is
       interrupted (Membership.watch_for_abort), so a collective blocked on a hung or cut-off peer fails now,
       not at the collective timeout;
@@ -623,6 +627,14 @@ def _watch_supervisor(membership: Membership, address: str):
     store = connect_store(address, membership.config.join_timeout_s)
     keep, heartbeat_file = store_endpoints(address), os.environ.get(ENV_HEARTBEAT_FILE)
 
+    def touch():
+        while True:
+            try:
+                _touch(heartbeat_file)
+            except OSError:  # the agent's directory gone (it is stopping): nothing to tell it
+                pass
+            time.sleep(HEARTBEAT_S)
+
     def beat():
         next_beat = 0.0
         while True:
@@ -633,14 +645,14 @@ def _watch_supervisor(membership: Membership, address: str):
             try:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + HEARTBEAT_S
-                    if heartbeat_file:
-                        _touch(heartbeat_file)
                     store.set(f"heartbeat/{rank}", repr(time.time()))
                 membership.watch_for_abort(store, keep)
             except Exception:  # noqa: BLE001 - a busy or vanished store: the parent check above decides
                 pass
             time.sleep(ABORT_POLL_S)
     threading.Thread(target=beat, name="megatron_lite_heartbeat", daemon=True).start()
+    if heartbeat_file:
+        threading.Thread(target=touch, name="megatron_lite_heartbeat_file", daemon=True).start()
 
 
 def _touch(path: str):

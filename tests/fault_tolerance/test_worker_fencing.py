@@ -449,3 +449,56 @@ def test_no_update_from_reductions_an_abort_may_have_cut_short(monkeypatch):
     monkeypatch.setattr(membership, "interrupt_generation", lambda keep: seen.append(member.cut_short([])) or "")
     member.watch_for_abort(member.store, set())
     assert seen == [member.cut_short([])] and "interrupted" in seen[0]  # seen already while the abort acts
+
+
+SLOW_STORE_S = 4.0 * membership.HEARTBEAT_S
+"""How long each heartbeat request to the store takes in _slow_store_rank (an etcd member lost, an election)."""
+
+
+class _SlowHeartbeats:
+    """The heartbeat thread's store connection, whose writes take SLOW_STORE_S."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def set(self, key, value):
+        time.sleep(SLOW_STORE_S)
+        self.store.set(key, value)
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+
+def _slow_store_rank():
+    """A rank whose heartbeat thread's store requests are slow: it only beats until the test stops it."""
+    real, made = membership.connect_store, []
+
+    def connect(address, timeout_s):
+        made.append(real(address, timeout_s))
+        return _SlowHeartbeats(made[-1]) if len(made) == 2 else made[-1]  # the second: the heartbeat thread's
+    membership.connect_store = connect
+    member = Membership.from_env()
+    member.store.set("slow_started", "1")
+    time.sleep(120)  # the test kills it long before
+    os._exit(0)
+
+
+def test_the_heartbeat_file_is_not_held_up_by_a_slow_store(tmp_path):
+    """The agent kills a rank whose heartbeat file is older than --heartbeat-timeout (5 s). A store request that
+    takes seconds (an etcd member lost or cut off: its attempt timeout, then an election) must not delay the
+    file: it is touched every HEARTBEAT_S whatever the store does. Would catch healthy ranks killed as hung
+    when an etcd member is lost (the file was touched by the thread that then waited for the store)."""
+    store = master_store()
+    store.set("generation", "0")
+    log = str(tmp_path / "slow.log")
+    proc = _start("_slow_store_rank", _env(f"127.0.0.1:{store.port}", 0, 1, tmp_path), log)
+    path = tmp_path / "heartbeat_0"
+    try:
+        _wait_for(lambda: store.check(["slow_started"]) and path.exists(), 120, "the rank to start", [proc], [log])
+        touches, start = {_mtime(path)}, time.monotonic()
+        while time.monotonic() - start < 2 * SLOW_STORE_S:  # a file touched once per slow request: 2 touches
+            touches.add(_mtime(path))
+            time.sleep(0.05)
+    finally:
+        _stop([proc])
+    assert len(touches) >= 2 * SLOW_STORE_S / membership.HEARTBEAT_S - 2, sorted(touches)
