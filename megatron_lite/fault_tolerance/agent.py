@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Set, Tuple
 
 from . import membership
-from .cluster import LEADER_POLL_S, JobKeys, JobSpec, Leader, NotLeader, parse_placement
+from .cluster import LEADER_POLL_S, JobKeys, JobSpec, Leader, NotLeader, StaleView, parse_placement
 from .etcd import EtcdClient, EtcdError
 from .launch import (
     FORWARDED_SIGNALS,
@@ -366,7 +366,11 @@ class Agent:
             if self.leader_errors == 1:
                 traceback.print_exc()
             if self.leader_errors >= LEADER_ERRORS:
-                self.leader.outcome(1, f"the leader failed {LEADER_ERRORS} times in a row: {type(e).__name__}: {e}")
+                try:
+                    self.leader.outcome(1, f"the leader failed {LEADER_ERRORS} times in a row: {type(e).__name__}: "
+                                           f"{e}")
+                except StaleView:  # its view is older than the last commit: the next round reads it again
+                    pass
 
     def close(self, signum: int = signal.SIGTERM):
         """Stop the ranks and leave: the lease revoked (the others see this node gone at once)."""

@@ -18,12 +18,15 @@ workers' EtcdStore, membership.py's keys beside them)::
     proc/<slot>                  agent    JSON {pid, node, generation}: the last process started for the slot
     job/outcome                  leader   JSON {code, why}: every agent stops its ranks and exits with code
     job/restarts, /replacements  leader   whole-job restarts and live replacements so far
+    job/commit                   leader   a new token at every commit: what the next one compares
     job/logged_at_start          leader   logged_count when this start of the job began (has it trained?)
     job/node_seq                 agent    counter: a node's registration order (the first N train, the
                                           others are hot spares)
 
-Every leader write is one txn guarded by `leader` == its incarnation: a leader that lost its lease (cut
-off, frozen) cannot write once another took over. Decisions, in order (launch.py's module docstring):
+Every leader write is one txn guarded by `leader` == its incarnation (a leader that lost its lease, cut
+off or frozen, cannot write once another took over) and by job/commit == the token the leader read before
+deciding (JobKeys.commit: a late copy of an earlier commit, or a decision on keys another commit changed
+since, is refused). Decisions, in order (launch.py's module docstring):
 
     no generation yet            the first N nodes registered: slots placed (placement.place), generation 0
     a usage error / an error     job/outcome with that code (every start would meet it again)
@@ -42,6 +45,7 @@ off, frozen) cannot write once another took over. Decisions, in order (launch.py
 import base64
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -59,6 +63,10 @@ Placement = Dict[int, Tuple[str, int]]
 
 class NotLeader(RuntimeError):
     """A guarded write failed: another agent holds the `leader` key now."""
+
+
+class StaleView(RuntimeError):
+    """A guarded write failed: another commit happened since the view was read (Leader.step decides again)."""
 
 
 def _b64(text: str) -> str:
@@ -88,14 +96,26 @@ class JobKeys:
     def put(self, name: str, value: str, lease: int = 0):
         self.client.put(self.root + name, value, lease=lease)
 
-    def commit(self, leader: str, puts: Dict[str, str], deletes=()):
-        """`puts` and `deletes` at once, if `leader` still holds the `leader` key; NotLeader otherwise."""
-        compare = [{"key": _b64(self.root + "leader"), "target": "VALUE", "result": "EQUAL", "value": _b64(leader)}]
-        ops = [{"request_put": {"key": _b64(self.root + k), "value": _b64(v)}} for k, v in puts.items()]
+    def commit(self, leader: str, puts: Dict[str, str], deletes=(), seen: Optional[str] = None) -> str:
+        """`puts` and `deletes` at once, if `leader` still holds the `leader` key (NotLeader otherwise) and
+        `job/commit` still holds `seen` (None: absent), the token of the last commit as read before the decision
+        was made (StaleView otherwise). Every commit writes a new token there: a copy of a commit that an etcd
+        member applies late (it was frozen while the leader timed out, decided again elsewhere and moved on)
+        fails its compare instead of rolling the job back. Returns the new token."""
+        token = uuid.uuid4().hex
+        compare = [{"key": _b64(self.root + "leader"), "target": "VALUE", "result": "EQUAL", "value": _b64(leader)},
+                   {"key": _b64(self.root + "job/commit"), "target": "CREATE", "result": "EQUAL",
+                    "create_revision": "0"} if seen is None else
+                   {"key": _b64(self.root + "job/commit"), "target": "VALUE", "result": "EQUAL", "value": _b64(seen)}]
+        ops = [{"request_put": {"key": _b64(self.root + k), "value": _b64(v)}}
+               for k, v in {**puts, "job/commit": token}.items()]
         ops += [{"request_delete_range": {"key": _b64(self.root + k)}} for k in deletes]
         succeeded, _ = self.client.txn(compare, ops)
         if not succeeded:
-            raise NotLeader(f"{leader} no longer holds the leader key")
+            if self.get("leader") != leader:
+                raise NotLeader(f"{leader} no longer holds the leader key")
+            raise StaleView("the job's keys changed since they were read (job/commit): deciding again")
+        return token
 
 
 def parse_placement(text: Optional[str]) -> Placement:
@@ -134,6 +154,7 @@ class View:
     members: List[int] = field(default_factory=list)
     gen: Dict[str, str] = field(default_factory=dict)  # gen_<g>/... without the prefix
     ends: Dict[int, int] = field(default_factory=dict)  # slot -> exit code of its current process
+    ends_at: Dict[int, List[str]] = field(default_factory=dict)  # slot -> the names of its current reports
     stale_exits: List[str] = field(default_factory=list)
     job: Dict[str, str] = field(default_factory=dict)
     logged_count: int = 0
@@ -175,14 +196,16 @@ class Leader:
         self.since = time.monotonic()  # this term began: the start waits --join-timeout for the nodes
         self.trouble_since = self.fallback_since = self.lost_since = None
         self.waiting_said = None
+        self.seen: Optional[str] = None  # job/commit as read before this step's decision (JobKeys.commit)
 
     # ------------------------------------------------------------------ reading
     def read(self) -> View:
         k = self.keys
+        job = {name[len("job/"):]: v for name, v in k.get_prefix("job/").items()}  # first: job/commit fences
+        self.seen = job.get("commit")  # every decision on what is read below
         nodes = {name[len("nodes/"):]: json.loads(v) for name, v in k.get_prefix("nodes/").items()}
         generation = k.get("generation")
-        view = View(nodes, None if generation is None else int(generation), job=k.get_prefix("job/"))
-        view.job = {name[len("job/"):]: v for name, v in view.job.items()}
+        view = View(nodes, None if generation is None else int(generation), job=job)
         view.logged_count = int(k.get("logged_count") or 0)
         if view.generation is None:
             return view
@@ -194,6 +217,7 @@ class Leader:
             report, slot = json.loads(text), int(name.split("/")[1])
             if view.placement.get(slot) == (report["node"], report["generation"]):
                 view.ends[slot] = report["code"]
+                view.ends_at.setdefault(slot, []).append(name)
             else:
                 view.stale_exits.append(name)
         if self.spec.config.elastic:
@@ -201,15 +225,20 @@ class Leader:
         return view
 
     # ------------------------------------------------------------------ writing
+    def commit(self, puts: Dict[str, str], deletes=()):
+        """JobKeys.commit guarded by this leader's incarnation and the job/commit token its view was read with."""
+        self.seen = self.keys.commit(self.incarnation, puts, deletes, seen=self.seen)
+
     def outcome(self, code: int, why: str) -> int:
         self.say(f"job outcome: exit code {code}: {why}")
-        self.keys.commit(self.incarnation, {"job/outcome": json.dumps({"code": code, "why": why})})
+        self.commit({"job/outcome": json.dumps({"code": code, "why": why})})
         return code
 
     def open_generation(self, view: View, placement: Placement, members, replaced, abort: bool, why: str,
-                        **job_counters):
+                        deletes=(), **job_counters):
         """Generation += 1 in one txn: its placement, members and replaced slots, `gen_<old>/abort` (a failure),
-        the job's counters, then `generation`. Exit reports of processes no longer current are dropped."""
+        the job's counters, then `generation`; `deletes` and the exit reports this view read of processes no
+        longer current go in the same txn (by name: a report of a replaced slot's new process is never lost)."""
         new = 0 if view.generation is None else view.generation + 1
         puts = {f"gen_{new}/members": json.dumps(sorted(members)), f"gen_{new}/replaced": json.dumps(sorted(replaced)),
                 f"gen_{new}/placement": dump_placement(placement),
@@ -217,10 +246,9 @@ class Leader:
         if abort and view.generation is not None:
             puts[f"gen_{view.generation}/abort"] = "1"
         puts["generation"] = str(new)
-        stale = view.stale_exits + [f"exit/{slot}/" for slot in replaced]
-        self.keys.commit(self.incarnation, puts)
-        for name in stale:  # tidiness only: a report of a process that is no longer current is ignored anyway
-            self.keys.client.delete_prefix(self.keys.root + name)
+        stale = view.stale_exits + [name for slot in replaced for name in view.ends_at.get(slot, ())]
+        # tidiness only (a report of a process that is no longer current is ignored): within etcd's 128 ops
+        self.commit(puts, list(deletes) + stale[:100])
         self.trouble_since = self.fallback_since = self.lost_since = None
         nodes = {inc: [s for s in sorted(placement) if placement[s][0] == inc] for inc in dict.fromkeys(
             placement[s][0] for s in sorted(placement))}
@@ -231,8 +259,14 @@ class Leader:
     # ------------------------------------------------------------------ deciding
     def step(self, now: Optional[float] = None) -> Optional[int]:
         """One round of decisions. Returns the job's exit code once job/outcome is set (by this leader or
-        an earlier one), else None."""
-        now = time.monotonic() if now is None else now
+        an earlier one), else None. NotLeader when another agent leads now."""
+        try:
+            return self.decide(time.monotonic() if now is None else now)
+        except StaleView as e:
+            self.say(str(e))
+            return None
+
+    def decide(self, now: float) -> Optional[int]:
         outcome = self.keys.get_json("job/outcome")
         if outcome is not None:
             return outcome["code"]
@@ -323,15 +357,15 @@ class Leader:
         world = range(self.spec.world_size)
         self.open_generation(view, placement, world, world, True,
                              f" (live recovery is impossible: restarting the whole job, {restarts + 1}/"
-                             f"{self.spec.max_restarts})", restarts=restarts + 1, logged_at_start=view.logged_count)
-        self.keys.client.delete(self.keys.root + "finished")  # a restarted job trains anew
+                             f"{self.spec.max_restarts})", deletes=["finished"],  # a restarted job trains anew
+                             restarts=restarts + 1, logged_at_start=view.logged_count)
         return None
 
     def replace(self, view: View, lost, dead: List[int], now: float) -> Optional[int]:
         """Lost nodes' slots to hot spares (each node's as a whole), dead slots restarted on their node."""
         g = view.generation
         if lost and "abort" not in view.gen:  # release the survivors blocked behind the lost node now
-            self.keys.commit(self.incarnation, {f"gen_{g}/abort": "1"})
+            self.commit({f"gen_{g}/abort": "1"})
             view.gen["abort"] = "1"
             self.say(f"node(s) {sorted(lost)} lost (lease expired): generation {g} aborted")
         spares = view.spares(self.spec.nproc_per_node)
@@ -423,7 +457,7 @@ class Leader:
                 except ValueError as e:
                     self.say(f"not growing: {e}")
                     return
-            self.keys.commit(self.incarnation, {f"gen_{g}/placement": dump_placement(placement)})
+            self.commit({f"gen_{g}/placement": dump_placement(placement)})
             self.say(f"generation {g}: slot(s) {sorted(set(placement) - set(view.placement))} placed on spare "
                      "node(s) to be admitted (elastic grow)")
             return
@@ -437,6 +471,6 @@ class Leader:
                   if all(ready(r) for r in self.topology.instance_ranks(self.topology.instance(s)))]
         if set(wanted) > set(view.members):
             leave_at = view.last_logged + 2
-            self.keys.commit(self.incarnation, {f"gen_{g}/leave_at": str(leave_at)})
+            self.commit({f"gen_{g}/leave_at": str(leave_at)})
             self.open_generation(view, view.placement, wanted, [], False,
                                  f" (grow: instance(s) back; the members leave after iteration {leave_at})")

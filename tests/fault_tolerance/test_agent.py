@@ -20,6 +20,7 @@ from live_testing import FLAGS, PROGRESS_BOUNDED, STALL_S, check_exact, logged_l
 from pretrain_testing import REPO
 
 from megatron_lite.fault_tolerance.cluster import JobKeys, JobSpec, Leader, NotLeader, parse_placement
+from megatron_lite.fault_tolerance.etcd import EtcdIndeterminate
 from megatron_lite.fault_tolerance.membership import LiveConfig
 
 ROOT = "/megatron_lite/test/store/"
@@ -63,8 +64,11 @@ class FakeEtcd:
     def txn(self, compare, success, failure=()):
         def unb64(text):
             return base64.b64decode(text)
-        ok = all(c["target"] == "VALUE" and c["result"] == "EQUAL" and self.get(unb64(c["key"]).decode())
-                 == unb64(c["value"]) for c in compare)
+        def holds(c):  # VALUE ==, or CREATE == 0 (absent)
+            value = self.get(unb64(c["key"]).decode())
+            assert c["result"] == "EQUAL" and (c["target"] == "VALUE" or c.get("create_revision") == "0"), c
+            return value == unb64(c["value"]) if c["target"] == "VALUE" else value is None
+        ok = all(holds(c) for c in compare)
         for op in success if ok else failure:
             if "request_put" in op:
                 self.put(unb64(op["request_put"]["key"]).decode(), unb64(op["request_put"]["value"]))
@@ -251,6 +255,52 @@ def test_a_new_leader_takes_over_from_the_keys_and_the_old_one_is_fenced():
     with pytest.raises(NotLeader):
         old.step(job.now)
     assert job.generation == 2
+
+
+def test_a_late_copy_of_a_commit_cannot_roll_the_generation_back():
+    """etcd can apply a write sent to a frozen member after it thaws, long after the client timed out and moved
+    on (measured). The leader's commit of generation 1 goes unanswered; it decides again (generation 1), the job
+    moves on to generation 2, then the first copy lands. Would catch commits guarded by the `leader` key only:
+    the copy passed and set generation 1 again (slot 2's replacement undone)."""
+    job = started()
+    job.exit(1, -9)
+    late, txn = [], job.etcd.txn
+
+    def unanswered(*request):
+        late.append(request)
+        raise EtcdIndeterminate("etcd 127.0.0.1:1 did not answer /v3/kv/txn (timeout)")
+    job.etcd.txn = unanswered
+    with pytest.raises(EtcdIndeterminate):  # the agent says it and reads again at its next round
+        job.step()
+    job.etcd.txn = txn
+    job.step()
+    assert job.generation == 1
+    job.exit(2, -9)
+    job.step()
+    assert job.generation == 2
+    assert job.etcd.txn(*late[0])[0] is False  # the frozen member thaws: its copy is refused
+    assert job.generation == 2 and job.placement()[2] == ("n1.0", 2) and job.get("job/replacements") == "2"
+    job.step()
+    assert job.generation == 2
+
+
+def test_a_report_of_a_replaced_slots_new_process_is_never_deleted():
+    """The leader dropped the replaced slots' old exit reports with a delete of exit/<slot>/ after its commit: a
+    report of the slot's new process written before that delete landed (the agents act on the commit at once;
+    a delete sent to a frozen member lands late) was deleted, its death never seen. Reports are deleted by
+    name, in the commit. Would catch the second death of slot 1 lost (generation 1 forever)."""
+    job = started()
+    job.exit(1, -9)
+    late, delete_prefix = [], job.etcd.delete_prefix
+    job.etcd.delete_prefix = late.append  # deletes sent but not (yet) applied
+    job.step()
+    assert job.generation == 1
+    job.exit(1, -9, pid=1001)  # the replacement dies at once
+    for prefix in late:
+        delete_prefix(prefix)
+    job.step()
+    assert job.generation == 2 and job.placement()[1] == ("n0.0", 2) and job.get("job/replacements") == "2"
+    assert not [k for k in job.etcd.data if k.startswith(ROOT + "exit/")]  # both reports gone with gen 2's commit
 
 
 @pytest.mark.parametrize("code, trained, expected", [(2, True, 2), (1, False, 1), (7, False, 7)])
