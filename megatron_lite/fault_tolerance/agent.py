@@ -157,15 +157,15 @@ class Agent:
     def keep_alive(self):
         """Thread: renew the lease every --node-ttl / 4; a lease etcd says is gone fences at once."""
         while not self.stopping.wait(self.args.node_ttl / 4):
-            lease = self.lease
+            lease, sent = self.lease, time.monotonic()
             try:
                 remaining = self.keepalive_client.lease_keepalive(lease)
             except EtcdError:
                 continue
             if remaining > 0:
                 with self.lock:
-                    if lease == self.lease:
-                        self.last_renewed = time.monotonic()
+                    if lease == self.lease:  # renewed at most TTL before etcd lets it expire: fence before that
+                        self.last_renewed = max(self.last_renewed, sent)
             elif lease == self.lease:
                 self.fence(f"etcd says lease {lease:x} is gone")
 
@@ -340,8 +340,11 @@ class Agent:
         if outcome is not None:
             self.say(f"the job ended: exit code {outcome['code']} ({outcome['why']})")
             return outcome["code"]
-        if self.leader is None and self.keys.get("leader") is None \
-                and self.client.create(self.keys.root + "leader", self.incarnation, lease=self.lease):
+        # The key may be this incarnation's already: a create that etcd applied but did not confirm (the agent
+        # then leads from the next round on; nobody else can while its lease lives).
+        holder = self.keys.get("leader")
+        if self.leader is None and (holder == self.incarnation or holder is None and self.client.create(
+                self.keys.root + "leader", self.incarnation, lease=self.lease)):
             self.say("leading the job")
             self.leader = Leader(self.keys, self.incarnation, self.spec, say=lambda t: print(f"[leader] {t}",
                                                                                               flush=True))

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -412,6 +413,45 @@ def test_elastic_shrinks_without_a_spare_and_grows_when_a_node_registers():
     assert job.generation == 2 and json.loads(job.get("gen_2/members")) == [0, 1, 2, 3]
     assert job.get("gen_1/leave_at") == "7" and job.get("gen_1/abort") is None
 
+
+
+def test_an_agent_whose_leader_key_create_went_unconfirmed_leads(tmp_path, monkeypatch):
+    """etcd applied the agent's create of the `leader` key but the answer was lost (EtcdUnavailable): the key is
+    its own, bound to its live lease. Would catch an agent that then only leads if the key is absent: nobody
+    led the job while its lease lived (for ever: the agent keeps it alive)."""
+    from megatron_lite.fault_tolerance import agent as agent_module
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    etcd = FakeEtcd()
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+                                           command=["worker.py"], node_ttl=3.0, heartbeat_timeout=5.0)
+    spec = JobSpec(2, 2, 2, LiveConfig(10.0, 30.0, None))
+    agent = agent_module.Agent(args, spec, etcd, etcd)
+    agent.incarnation, agent.lease = "n0.1", etcd.lease_grant(3)
+    etcd.put(ROOT + "leader", "n0.1", lease=agent.lease)  # its create, applied but unanswered
+    assert agent.tick() is None
+    assert agent.leader is not None
+
+
+def test_an_agent_counts_its_lease_from_when_it_asked_for_the_renewal(tmp_path, monkeypatch):
+    """etcd renews the lease when the keepalive arrives, before its answer comes back: the agent fences itself
+    --node-ttl after the renewal was SENT, never later than etcd lets the lease expire (then the leader gives its
+    slots away). Would catch last_renewed taken at the answer (a slow answer: the ranks run on past the lease)."""
+    from megatron_lite.fault_tolerance import agent as agent_module
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+                                           command=["worker.py"], node_ttl=1.0, heartbeat_timeout=5.0)
+    sent = []
+
+    class SlowAnswer:
+        def lease_keepalive(self, lease):
+            sent.append(time.monotonic())
+            agent.stopping.set()
+            time.sleep(0.3)  # etcd renewed it at once; the answer is slow
+            return 1
+    agent = agent_module.Agent(args, JobSpec(2, 2, 2, LiveConfig(10.0, 30.0, None)), FakeEtcd(), SlowAnswer())
+    agent.lease, agent.last_renewed = 101, 0.0
+    agent.keep_alive()
+    assert sent[0] - 0.1 < agent.last_renewed <= sent[0]
 
 
 @pytest.mark.parametrize("flags, message", [
