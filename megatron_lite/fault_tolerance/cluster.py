@@ -235,12 +235,14 @@ class Leader:
         return code
 
     def open_generation(self, view: View, placement: Placement, members, replaced, abort: bool, why: str,
-                        deletes=(), **job_counters):
+                        deletes=(), puts=None, **job_counters):
         """Generation += 1 in one txn: its placement, members and replaced slots, `gen_<old>/abort` (a failure),
-        the job's counters, then `generation`; `deletes` and the exit reports this view read of processes no
+        the job's counters, `puts` (a grow's leave_at: never seen without its generation), then `generation`;
+        `deletes` and the exit reports this view read of processes no
         longer current go in the same txn (by name: a report of a replaced slot's new process is never lost)."""
         new = 0 if view.generation is None else view.generation + 1
-        puts = {f"gen_{new}/members": json.dumps(sorted(members)), f"gen_{new}/replaced": json.dumps(sorted(replaced)),
+        puts = {**(puts or {}), f"gen_{new}/members": json.dumps(sorted(members)),
+                f"gen_{new}/replaced": json.dumps(sorted(replaced)),
                 f"gen_{new}/placement": dump_placement(placement),
                 **{f"job/{name}": str(value) for name, value in job_counters.items()}}
         if abort and view.generation is not None:
@@ -471,6 +473,6 @@ class Leader:
                   if all(ready(r) for r in self.topology.instance_ranks(self.topology.instance(s)))]
         if set(wanted) > set(view.members):
             leave_at = view.last_logged + 2
-            self.commit({f"gen_{g}/leave_at": str(leave_at)})
             self.open_generation(view, view.placement, wanted, [], False,
-                                 f" (grow: instance(s) back; the members leave after iteration {leave_at})")
+                                 f" (grow: instance(s) back; the members leave after iteration {leave_at})",
+                                 puts={f"gen_{g}/leave_at": str(leave_at)})
