@@ -122,7 +122,7 @@ class Agent:
         self.heartbeat_dir = tempfile.mkdtemp(prefix=f"megatron_lite_{args.job_id}_")
         self.ranks: Dict[int, Rank] = {}
         self.ended: Set[Tuple[int, int]] = set()  # (slot, since) whose process ended: not restarted by itself
-        self.unreported = []  # exit reports that etcd did not take yet
+        self.unreported = []  # (name, value): exit reports and process records etcd did not take yet, in order
         self.leader: Optional[Leader] = None
         self.incarnation, self.lease = None, 0
         self.lock = threading.Lock()
@@ -253,8 +253,11 @@ class Agent:
                     return
                 proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
                 self.ranks[slot] = Rank(proc, since, heartbeat_file)
-            self.keys.put(f"proc/{slot}", json.dumps({"pid": proc.pid, "node": self.incarnation, "generation": since}))
+            # queued (sent until etcd takes it): lost, an elastic grow would wait for this process forever
+            self.unreported.append((f"proc/{slot}", json.dumps({"pid": proc.pid, "node": self.incarnation,
+                                                                "generation": since})))
             self.say(f"rank {slot}: pid {proc.pid} (generation {since})")
+        self.send()
 
     def reap(self):
         """Ended processes: reported (exit/<slot>/<pid>), never restarted by the agent itself."""
@@ -333,9 +336,7 @@ class Agent:
 
     def tick(self) -> Optional[int]:
         """One read of etcd: the reports out, the outcome, the leadership, the placement."""
-        while self.unreported:
-            self.keys.put(*self.unreported[0])
-            self.unreported.pop(0)
+        self.send()
         outcome = self.keys.get_json("job/outcome")
         if outcome is not None:
             self.say(f"the job ended: exit code {outcome['code']} ({outcome['why']})")
@@ -354,6 +355,12 @@ class Agent:
         if generation is not None:
             self.reconcile(parse_placement(self.keys.get(f"gen_{generation}/placement")))
         return None
+
+    def send(self):
+        """The queued reports and records, in order; an EtcdError leaves the rest queued for the next round."""
+        while self.unreported:
+            self.keys.put(*self.unreported[0])
+            self.unreported.pop(0)
 
     def lead(self):
         """The leader's round. An error of its own (a bug, a key it cannot parse) is said and retried, not let

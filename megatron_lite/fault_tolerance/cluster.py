@@ -238,8 +238,8 @@ class Leader:
                         deletes=(), puts=None, **job_counters):
         """Generation += 1 in one txn: its placement, members and replaced slots, `gen_<old>/abort` (a failure),
         the job's counters, `puts` (a grow's leave_at: never seen without its generation), then `generation`;
-        `deletes` and the exit reports this view read of processes no
-        longer current go in the same txn (by name: a report of a replaced slot's new process is never lost)."""
+        `deletes` and the exit reports this view read of processes no longer current go in the same txn (by
+        name: a report of a replaced slot's new process is never lost)."""
         new = 0 if view.generation is None else view.generation + 1
         puts = {**(puts or {}), f"gen_{new}/members": json.dumps(sorted(members)),
                 f"gen_{new}/replaced": json.dumps(sorted(replaced)),

@@ -469,6 +469,43 @@ def test_an_agent_counts_its_lease_from_when_it_asked_for_the_renewal(tmp_path, 
     assert sent[0] - 0.1 < agent.last_renewed <= sent[0]
 
 
+def test_an_agent_sends_a_process_record_that_etcd_did_not_take_again(tmp_path, monkeypatch):
+    """proc/<slot> (what an elastic grow waits for) was put once right after the start: an etcd error there left
+    the process running without its record for ever (the agent does not start a slot twice). Would catch the
+    record lost."""
+    from megatron_lite.fault_tolerance import agent as agent_module
+    from megatron_lite.fault_tolerance.etcd import EtcdUnavailable
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    class Flaky(FakeEtcd):
+        failed = False
+
+        def put(self, key, value, lease=0):
+            if "/proc/" in key and not self.failed:
+                self.failed = True
+                raise EtcdUnavailable("no etcd endpoint answered /v3/kv/put within 2.0 s")
+            super().put(key, value, lease)
+    etcd = Flaky()
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+                                           command=["-c", "import time; time.sleep(60)"], node_ttl=3.0,
+                                           heartbeat_timeout=5.0)
+    agent = agent_module.Agent(args, JobSpec(1, 1, 1, LiveConfig(10.0, 30.0, None)), etcd, etcd)
+    agent.incarnation, agent.lease = "n0.1", etcd.lease_grant(3)
+    etcd.put(ROOT + "leader", "n9.1")
+    etcd.put(ROOT + "gen_0/placement", json.dumps({"0": ["n0.1", 0]}))
+    etcd.put(ROOT + "generation", "0")
+    try:
+        with pytest.raises(EtcdUnavailable):
+            agent.tick()
+        assert sorted(agent.ranks) == [0]
+        agent.tick()
+        record = etcd.get(ROOT + "proc/0")
+        assert record is not None
+        assert json.loads(record) == {"pid": agent.ranks[0].proc.pid, "node": "n0.1", "generation": 0}
+    finally:
+        agent.stop_ranks(signal.SIGKILL)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--node-ttl", "0.5"], "--node-ttl must be >= 1 s"),
     (["--nnodes", "0"], "--nnodes must be >= 1"),
