@@ -139,6 +139,7 @@ class Agent:
     def register(self):
         """A new incarnation of this node: its record bound to a new lease."""
         ttl = max(1, math.ceil(self.args.node_ttl))
+        granted = time.monotonic()  # the lease's countdown starts in etcd at the grant: --node-ttl from here
         lease = self.client.lease_grant(ttl)
         incarnation = f"{self.name}.{uuid.uuid4().hex[:8]}"
         while True:  # the registration order (job/node_seq): the first N nodes train, the others are spares
@@ -151,7 +152,7 @@ class Agent:
         self.keys.put(f"nodes/{incarnation}", json.dumps(record), lease=lease)
         with self.lock:
             self.incarnation, self.lease, self.fenced = incarnation, lease, False
-            self.last_renewed = time.monotonic()
+            self.last_renewed = granted
         self.say(f"registered (node {seq} of the job, lease {ttl} s)")
 
     def keep_alive(self):

@@ -450,7 +450,8 @@ def test_an_agent_whose_leader_key_create_went_unconfirmed_leads(tmp_path, monke
 def test_an_agent_counts_its_lease_from_when_it_asked_for_the_renewal(tmp_path, monkeypatch):
     """etcd renews the lease when the keepalive arrives, before its answer comes back: the agent fences itself
     --node-ttl after the renewal was SENT, never later than etcd lets the lease expire (then the leader gives its
-    slots away). Would catch last_renewed taken at the answer (a slow answer: the ranks run on past the lease)."""
+    slots away); a new lease counts from its grant. Would catch last_renewed taken at the answer (a slow answer:
+    the ranks run on past the lease) or at the end of a slow registration."""
     from megatron_lite.fault_tolerance import agent as agent_module
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
@@ -463,8 +464,15 @@ def test_an_agent_counts_its_lease_from_when_it_asked_for_the_renewal(tmp_path, 
             agent.stopping.set()
             time.sleep(0.3)  # etcd renewed it at once; the answer is slow
             return 1
-    agent = agent_module.Agent(args, JobSpec(2, 2, 2, LiveConfig(10.0, 30.0, None)), FakeEtcd(), SlowAnswer())
-    agent.lease, agent.last_renewed = 101, 0.0
+    class SlowRegistration(FakeEtcd):
+        def put(self, key, value, lease=0):
+            time.sleep(0.3 if "/nodes/" in key else 0)  # the lease granted, its countdown running
+            super().put(key, value, lease)
+    agent = agent_module.Agent(args, JobSpec(2, 2, 2, LiveConfig(10.0, 30.0, None)), SlowRegistration(),
+                               SlowAnswer())
+    before = time.monotonic()
+    agent.register()  # the new lease: counted from its grant, not from the end of the registration
+    assert before <= agent.last_renewed < before + 0.2
     agent.keep_alive()
     assert sent[0] - 0.1 < agent.last_renewed <= sent[0]
 
