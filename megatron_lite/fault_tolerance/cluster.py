@@ -194,6 +194,7 @@ class Leader:
         except ValueError:  # said as the placement's error at the start (job/outcome 2)
             self.topology = None
         self.since = time.monotonic()  # this term began: the start waits --join-timeout for the nodes
+        self.short_since = None  # a whole-job restart found too few nodes (it waits --join-timeout from then)
         self.trouble_since = self.fallback_since = self.lost_since = None
         self.waiting_said = None
         self.seen: Optional[str] = None  # job/commit as read before this step's decision (JobKeys.commit)
@@ -251,7 +252,7 @@ class Leader:
         stale = view.stale_exits + [name for slot in replaced for name in view.ends_at.get(slot, ())]
         # tidiness only (a report of a process that is no longer current is ignored): within etcd's 128 ops
         self.commit(puts, list(deletes) + stale[:100])
-        self.trouble_since = self.fallback_since = self.lost_since = None
+        self.trouble_since = self.fallback_since = self.lost_since = self.short_since = None
         nodes = {inc: [s for s in sorted(placement) if placement[s][0] == inc] for inc in dict.fromkeys(
             placement[s][0] for s in sorted(placement))}
         self.say(f"generation {new}: replaced {sorted(replaced)}"
@@ -305,7 +306,9 @@ class Leader:
         spec = self.spec
         live = [inc for inc in view.placed_nodes() if inc in view.nodes] + view.spares(spec.nproc_per_node)
         if len(live) < spec.nnodes:
-            if now - self.since > spec.config.join_timeout_s:
+            if self.short_since is None:  # the start: since this term began; a restart: since it found too few
+                self.short_since = self.since if view.generation is None else now
+            if now - self.short_since > spec.config.join_timeout_s:
                 self.outcome(1, f"only {len(live)} of --nnodes {spec.nnodes} nodes (with --nproc-per-node "
                                 f"{spec.nproc_per_node}) registered within --join-timeout "
                                 f"{spec.config.join_timeout_s:g} s")

@@ -346,6 +346,26 @@ def test_a_fallback_awaits_last_words_then_restarts_every_slot():
     assert job.outcome()["code"] == 1 and "--max-restarts" in job.outcome()["why"]
 
 
+def test_a_whole_job_restart_short_of_a_node_waits_the_join_timeout_for_one():
+    """A node lost while live recovery is impossible (exit 3), no spare: the whole-job restart waits
+    --join-timeout for a node from when it found too few, and the node that comes back gets the slots. Would
+    catch the wait counted from the start of the leader's term: the job ended at once ('only 1 of --nnodes 2
+    ... within --join-timeout') once it had led for longer than that."""
+    job = started(spares=0)
+    job.log(5)
+    job.step(advance=100.0)  # training for a while
+    job.exit(0, 3)
+    job.lose("n1.0")
+    job.step(advance=33.0)  # past --collective-timeout + --trouble-grace without slot 1's last words
+    assert job.outcome() is None and job.generation == 0
+    job.step(advance=20.0)
+    assert job.outcome() is None
+    job.register("n1.1")
+    job.step()
+    assert job.generation == 1 and job.get("job/restarts") == "1"
+    assert job.placement() == {0: ("n0.0", 1), 1: ("n0.0", 1), 2: ("n1.1", 1), 3: ("n1.1", 1)}
+
+
 def test_a_fallback_stops_a_silent_member_after_the_collective_timeout():
     job = started()
     job.log(3)
