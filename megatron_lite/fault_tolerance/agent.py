@@ -131,6 +131,17 @@ class Agent:
         self.stopping = threading.Event()
         self.etcd_down_said = False
         self.leader_errors = 0
+        self.starting, self.signalled = False, None  # a rank being started; a signal that came meanwhile
+
+    def on_signal(self, signum, frame):
+        """FORWARDED_SIGNALS' handler: launch.py's (SignalReceived), deferred while a rank is being started so
+        that the process is in self.ranks (stopped by close()) when it is raised, never left running alone."""
+        if not self.starting:
+            _raise_signal(signum, frame)
+        for name in FORWARDED_SIGNALS:  # as _raise_signal: the first one only
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        self.signalled = signum
 
     def say(self, text: str):
         print(f"[agent {self.incarnation or self.name}] {text}", flush=True)
@@ -252,8 +263,14 @@ class Agent:
             with self.lock:
                 if self.fenced:
                     return
-                proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
-                self.ranks[slot] = Rank(proc, since, heartbeat_file)
+                self.starting = True
+                try:
+                    proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
+                    self.ranks[slot] = Rank(proc, since, heartbeat_file)
+                finally:
+                    self.starting = False
+            if self.signalled is not None:
+                raise SignalReceived(self.signalled)
             # queued (sent until etcd takes it): lost, an elastic grow would wait for this process forever
             self.unreported.append((f"proc/{slot}", json.dumps({"pid": proc.pid, "node": self.incarnation,
                                                                 "generation": since})))
@@ -424,7 +441,7 @@ def main(argv=None) -> int:
     default_worker_threads(args.nproc_per_node, "agent")
     agent = Agent(args, spec, EtcdClient(args.etcd_endpoints),
                   EtcdClient(args.etcd_endpoints, timeout_s=min(1.0, args.node_ttl / 4)))
-    handled = {getattr(signal, name): signal.signal(getattr(signal, name), _raise_signal)
+    handled = {getattr(signal, name): signal.signal(getattr(signal, name), agent.on_signal)
                for name in FORWARDED_SIGNALS if hasattr(signal, name)}
     stop_with = signal.SIGTERM
     try:
