@@ -72,7 +72,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Set, Tuple
+from typing import Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,10 @@ EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts 
 EXIT_FENCED = 4  # a process whose slot belongs to another process now (its node was replaced): it just ends
 HEARTBEAT_S = 1.0  # every process writes heartbeat/<rank> this often, from a thread of its own
 ABORT_POLL_S = 0.2  # the heartbeat thread looks for gen_<g>/abort this often while in a formed generation g
+LOCAL_POLL_S = 0.01  # a wait on the supervisor's TCPStore (one node) asks it this often
+REMOTE_POLL_S = (0.01, 0.1)  # a wait on a coordination service (etcd) backs off from the first to the second:
+# each round is several requests, and a few waiting ranks polling every 10 ms kept the 3 etcd members at 50-95 %
+# of a core each on 2 loaded cores, starving the replacement they were waiting for (the multi-node soak)
 NCCL_ASYNC_ERROR_HANDLING = "2"
 """TORCH_NCCL_ASYNC_ERROR_HANDLING for the workers of a live job on NCCL (the agent sets it): 2 is torch's
 CleanUpOnly (ProcessGroupNCCL.hpp's ErrorHandlingMode; docs: torch_nccl_environment_variables): on a collective's
@@ -303,6 +307,7 @@ class Membership:
         self.generation, self.config, self.node = generation, config, node
         self.started_for = generation  # placement's since_gen while this process holds the slot
         self._leave_at: Optional[int] = None
+        self._poll_s = (LOCAL_POLL_S, LOCAL_POLL_S) if isinstance(store, dist.TCPStore) else REMOTE_POLL_S
         # The generation whose process groups this process trains in (None: forming or leaving one). The lock
         # orders it with the heartbeat thread's interrupt: never a generation being formed or torn down.
         self._formed: Optional[int] = None
@@ -366,9 +371,10 @@ class Membership:
         self.leave()
         self.store.set(f"standby/{self.rank}", str(os.getpid()))
         self.generation = max(self.generation, self.current_generation())
+        pauses = self._pauses()
         while self.rank not in self.members():
             self._raise_if_finished("before it was admitted")
-            time.sleep(0.01)
+            time.sleep(next(pauses))
             self.generation = self.current_generation()
         # Before arriving: a process whose node was replaced would count as a member (and hold the others'
         # rendezvous) while the slot's new process arrives too.
@@ -577,11 +583,20 @@ class Membership:
 
     def _wait(self, done, what: str):
         deadline = time.monotonic() + self.config.join_timeout_s
+        pauses = self._pauses()
         while not done():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: waited {self.config.join_timeout_s} s for {what} "
                                    f"(--join-timeout)")
-            time.sleep(0.01)
+            time.sleep(next(pauses))
+
+    def _pauses(self) -> Iterator[float]:
+        """The pauses between a wait's polls of the store: LOCAL_POLL_S on the supervisor's TCPStore, growing by
+        half each round from REMOTE_POLL_S's first to its second on a coordination service."""
+        pause, longest = self._poll_s
+        while True:
+            yield pause
+            pause = min(pause * 1.5, longest)
 
 
 def process_group_backend(backend: Optional[str] = None,

@@ -502,3 +502,17 @@ def test_the_heartbeat_file_is_not_held_up_by_a_slow_store(tmp_path):
     finally:
         _stop([proc])
     assert len(touches) >= 2 * SLOW_STORE_S / membership.HEARTBEAT_S - 2, sorted(touches)
+
+
+def test_waits_on_a_coordination_service_back_off_and_on_the_tcpstore_do_not():
+    """A wait polls the supervisor's TCPStore every LOCAL_POLL_S (recoveries on one node stay as fast), but
+    backs off on etcd: each round is several requests, and ranks polling it every 10 ms starved the
+    replacement they waited for on 2 cores."""
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    local = Membership(tcp, 0, 2, 0, LiveConfig())._pauses()
+    assert [next(local) for _ in range(20)] == [membership.LOCAL_POLL_S] * 20
+    remote = Membership(dist.HashStore(), 0, 2, 0, LiveConfig())._pauses()
+    pauses = [next(remote) for _ in range(20)]
+    first, longest = membership.REMOTE_POLL_S
+    assert pauses[0] == first and pauses[-1] == longest and pauses == sorted(pauses)
+    assert sum(pauses[:10]) < 1.0  # the first second still polls often: a generation that comes soon is seen soon
