@@ -48,7 +48,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import membership
 from .cluster import LEADER_POLL_S, JobKeys, JobSpec, Leader, NotLeader, StaleView, parse_placement
@@ -65,6 +65,9 @@ from .launch import (
 
 POLL_S = 0.05
 """How often the agent looks at its processes (waitpid, heartbeat files); etcd is read every LEADER_POLL_S."""
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RESTART_COUNT",
+                  membership.ENV_GENERATION, membership.ENV_HEARTBEAT_FILE)
+"""The per-process variables a warm spare gets with its assignment (spare_<id>/assign), not at its start."""
 LEADER_ERRORS = 50
 """Consecutive failed rounds (5 s) after which the leader gives up on the job (Agent.lead)."""
 
@@ -132,6 +135,10 @@ class Agent:
         self.etcd_down_said = False
         self.leader_errors = 0
         self.starting, self.signalled = False, None  # a rank being started; a signal that came meanwhile
+        self.num_spares = args.spares
+        self.spares: List[Tuple[str, subprocess.Popen]] = []  # warm processes waiting for a rank, oldest first
+        self.spare_count = 0
+        self.spare_after_logged: Optional[int] = None  # replenish once training passed this iteration again
 
     def on_signal(self, signum, frame):
         """FORWARDED_SIGNALS' handler: launch.py's (SignalReceived), deferred while a rank is being started so
@@ -195,12 +202,12 @@ class Agent:
             if self.fenced:
                 return
             self.fenced = True
-            for rank in self.ranks.values():
+            for proc in [rank.proc for rank in self.ranks.values()] + [proc for _, proc in self.spares]:
                 try:
-                    rank.proc.kill()
+                    proc.kill()
                 except ProcessLookupError:
                     pass
-        self.say(f"fenced: {why}; killed rank(s) {sorted(self.ranks)}")
+        self.say(f"fenced: {why}; killed rank(s) {sorted(self.ranks)} and {len(self.spares)} warm spare(s)")
 
     def rejoin(self):
         """After fencing: the ranks reaped (no exit reports: they were the node's, not deaths to replace), the
@@ -208,8 +215,9 @@ class Agent:
         etcd answers."""
         with self.lock:
             ranks, self.ranks = self.ranks, {}
-        for rank in ranks.values():
-            rank.proc.wait()
+            spares, self.spares = self.spares, []
+        for proc in [rank.proc for rank in ranks.values()] + [proc for _, proc in spares]:
+            proc.wait()
         self.leader, self.unreported = None, []  # the old incarnation's reports: its slots are moved anyway
         said = False
         while not self.stopping.is_set():
@@ -260,12 +268,17 @@ class Agent:
                 continue
             heartbeat_file = os.path.join(self.heartbeat_dir, f"rank_{slot}.{since}.heartbeat")
             env = self.env(slot, since, local_rank, nodes.index(self.incarnation), heartbeat_file)
+            proc = self.assign_spare(slot, since, env)  # said there
+            warm = proc is not None
             with self.lock:
                 if self.fenced:
+                    if proc is not None:
+                        proc.kill()
                     return
                 self.starting = True
                 try:
-                    proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
+                    if proc is None:
+                        proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
                     self.ranks[slot] = Rank(proc, since, heartbeat_file)
                 finally:
                     self.starting = False
@@ -274,8 +287,65 @@ class Agent:
             # queued (sent until etcd takes it): lost, an elastic grow would wait for this process forever
             self.unreported.append((f"proc/{slot}", json.dumps({"pid": proc.pid, "node": self.incarnation,
                                                                 "generation": since})))
-            self.say(f"rank {slot}: pid {proc.pid} (generation {since})")
+            if not warm:
+                self.say(f"rank {slot}: pid {proc.pid} (generation {since})")
         self.send()
+
+    def spawn_spare(self):
+        """A warm spare: the training command started with a rank's environment but the rank's own variables
+        (RANK_VARIABLES), torch imported and its arguments parsed, waiting in Membership.from_env on
+        spare_<id>/assign (the id names this incarnation: unique across nodes and incarnations)."""
+        self.spare_count += 1
+        spare = f"{self.incarnation}.{self.spare_count}"
+        env = {key: value for key, value in self.env(0, 0, 0, 0, "").items() if key not in RANK_VARIABLES}
+        env[membership.ENV_SPARE] = spare
+        with self.lock:
+            if self.fenced:
+                return
+            self.starting = True
+            try:
+                proc = subprocess.Popen([sys.executable, *self.args.command], env=env)
+                self.spares.append((spare, proc))
+            finally:
+                self.starting = False
+        self.say(f"spare {spare}: pid {proc.pid}")
+        if self.signalled is not None:
+            raise SignalReceived(self.signalled)
+
+    def assign_spare(self, slot: int, since: int, env: dict) -> Optional[subprocess.Popen]:
+        """The oldest warm spare made the process of `slot` (its assignment carries the rank's variables), or
+        None: no spare waits (a new process is started). Replenished once training moved on (tend_spares)."""
+        while self.spares:
+            spare, proc = self.spares.pop(0)
+            if proc.poll() is not None:
+                self.say(f"spare {spare} (pid {proc.pid}) died waiting (exit code {proc.returncode}): no more spares")
+                self.num_spares = 0
+                continue
+            assignment = {"rank": slot, "generation": since, "env": {key: env[key] for key in RANK_VARIABLES}}
+            try:
+                self.keys.put(f"spare_{spare}/assign", json.dumps(assignment))
+            except EtcdError:  # it may have been applied: this spare is no longer free for another slot
+                proc.kill()
+                proc.wait()
+                raise
+            self.spare_after_logged = int(self.keys.get("last_logged") or 0)
+            self.say(f"rank {slot}: pid {proc.pid} (generation {since}, warm spare {spare})")
+            return proc
+        return None
+
+    def tend_spares(self):
+        """Drop spares that died (said; no more are started: one that dies waiting would die again); start
+        new ones up to --spares, but not while a recovery is under way (on few cores a starting process slows
+        it): only once training logged past the iteration of the last assignment."""
+        dead = [(spare, proc) for spare, proc in self.spares if proc.poll() is not None]
+        for spare, proc in dead:
+            self.say(f"spare {spare} (pid {proc.pid}) died waiting (exit code {proc.returncode}): no more spares")
+            self.num_spares = 0
+            self.spares.remove((spare, proc))
+        if len(self.spares) < self.num_spares and not self.fenced:
+            if self.spare_after_logged is None or int(self.keys.get("last_logged") or 0) > self.spare_after_logged:
+                self.spare_after_logged = None
+                self.spawn_spare()
 
     def reap(self):
         """Ended processes: reported (exit/<slot>/<pid>), never restarted by the agent itself."""
@@ -309,18 +379,19 @@ class Agent:
         """`signum` to every rank (SIGCONT after it: a stopped one gets it at once), SIGKILL to those left
         STOP_TIMEOUT_S later, as launch.py stops its workers."""
         with self.lock:
-            ranks, self.ranks = list(self.ranks.values()), {}
-        for rank in ranks:
-            if rank.proc.poll() is None:
-                rank.proc.send_signal(signum)
-                rank.proc.send_signal(signal.SIGCONT)
+            procs = [rank.proc for rank in self.ranks.values()] + [proc for _, proc in self.spares]
+            self.ranks, self.spares = {}, []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+                proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for rank in ranks:
+        for proc in procs:
             try:
-                rank.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                rank.proc.kill()
-                rank.proc.wait()
+                proc.kill()
+                proc.wait()
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -372,6 +443,7 @@ class Agent:
         generation = self.keys.get("generation")
         if generation is not None:
             self.reconcile(parse_placement(self.keys.get(f"gen_{generation}/placement")))
+        self.tend_spares()
         return None
 
     def send(self):
@@ -424,9 +496,14 @@ def main(argv=None) -> int:
                              "lost to the job (and its agent kills its ranks: fencing)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
                         help="seconds without a rank's heartbeat (its file) before it is killed as hung")
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spare processes on this node (torch imported, waiting for a rank): a replacement "
+                             "here then skips the start-up of a Python process; 0: start replacements afresh")
     add_live_arguments(parser)
     args = parser.parse_args(argv)
     config = live_config(parser, args)
+    if args.spares < 0:
+        parser.error(f"--spares must be >= 0, got {args.spares}")
     for flag in ("nnodes", "nproc_per_node"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

@@ -19,7 +19,8 @@ rank only. Every rank forms the process group of generation g on its own key spa
     gen_<g>/leave_at               supervisor        elastic grow: the members of g leave after this iteration
     standby/<rank>                 every process     its pid, once it is ready to join (the supervisor's
                                                      "the replacement came back")
-    spare_<i>/assign               supervisor        JSON {rank, generation}: warm spare i becomes that rank
+    spare_<i>/assign               supervisor        JSON {rank, generation[, env]}: warm spare i becomes that
+                                                     rank (env: more variables, e.g. the node agent's LOCAL_RANK)
     instance_size                  every rank        ranks per distributed-optimizer instance (elastic: the
                                                      supervisor shrinks and grows by whole instances)
     last_logged                    rank 0            the last iteration logged (a new rank 0 logs from there)
@@ -88,6 +89,7 @@ ENV_HEARTBEAT_FILE = "MEGATRON_LITE_LIVE_HEARTBEAT_FILE"  # multi-node: a file t
 EXIT_FALLBACK = 3  # a worker that cannot recover live: the supervisor restarts the whole job (--load)
 EXIT_FENCED = 4  # a process whose slot belongs to another process now (its node was replaced): it just ends
 HEARTBEAT_S = 1.0  # every process writes heartbeat/<rank> this often, from a thread of its own
+SPARE_POLL_MAX_S = 0.05  # a warm spare asks etcd for its assignment every 5 ms at first, backing off to this
 ABORT_POLL_S = 0.2  # the heartbeat thread looks for gen_<g>/abort this often while in a formed generation g
 LOCAL_POLL_S = 0.01  # a wait on the supervisor's TCPStore (one node) asks it this often
 REMOTE_POLL_S = (0.01, 0.1)  # a wait on a coordination service (etcd) backs off from the first to the second:
@@ -324,7 +326,9 @@ class Membership:
         config = LiveConfig.from_env()
         store = connect_store(os.environ[ENV_STORE], config.join_timeout_s)
         if ENV_SPARE in os.environ:
-            key, supervisor = f"spare_{os.environ[ENV_SPARE]}/assign", os.getppid()
+            key, supervisor, wait = f"spare_{os.environ[ENV_SPARE]}/assign", os.getppid(), 0.005
+            # on a coordination service (etcd), many idle spares must not load it: backing off to SPARE_POLL_MAX_S
+            most = wait if isinstance(store, dist.TCPStore) else SPARE_POLL_MAX_S
             while True:
                 try:
                     if store.check([key]):
@@ -337,11 +341,12 @@ class Membership:
                     print(f"[spare {os.environ[ENV_SPARE]}] > the supervisor (pid {supervisor}) is gone: exiting",
                           file=sys.stderr, flush=True)
                     sys.exit(1)
-                time.sleep(0.005)
+                time.sleep(wait)
+                wait = min(2 * wait, most)
             assignment = json.loads(store.get(key))
             rank = str(assignment["rank"])
             os.environ.update({"RANK": rank, "LOCAL_RANK": rank, "ROLE_RANK": rank,
-                               ENV_GENERATION: str(assignment["generation"])})
+                               ENV_GENERATION: str(assignment["generation"]), **assignment.get("env", {})})
         membership = cls(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                          int(os.environ.get(ENV_GENERATION, "0")), config, os.environ.get(ENV_NODE))
         _watch_supervisor(membership, os.environ[ENV_STORE])

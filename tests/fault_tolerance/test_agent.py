@@ -457,7 +457,7 @@ def test_an_agent_whose_leader_key_create_went_unconfirmed_leads(tmp_path, monke
     from megatron_lite.fault_tolerance import agent as agent_module
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     etcd = FakeEtcd()
-    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"], spares=0,
                                            command=["worker.py"], node_ttl=3.0, heartbeat_timeout=5.0)
     spec = JobSpec(2, 2, 2, LiveConfig(10.0, 30.0, None))
     agent = agent_module.Agent(args, spec, etcd, etcd)
@@ -474,7 +474,7 @@ def test_an_agent_counts_its_lease_from_when_it_asked_for_the_renewal(tmp_path, 
     the ranks run on past the lease) or at the end of a slow registration."""
     from megatron_lite.fault_tolerance import agent as agent_module
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"], spares=0,
                                            command=["worker.py"], node_ttl=1.0, heartbeat_timeout=5.0)
     sent = []
 
@@ -514,7 +514,7 @@ def test_an_agent_sends_a_process_record_that_etcd_did_not_take_again(tmp_path, 
                 raise EtcdUnavailable("no etcd endpoint answered /v3/kv/put within 2.0 s")
             super().put(key, value, lease)
     etcd = Flaky()
-    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"], spares=0,
                                            command=["-c", "import time; time.sleep(60)"], node_ttl=3.0,
                                            heartbeat_timeout=5.0)
     agent = agent_module.Agent(args, JobSpec(1, 1, 1, LiveConfig(10.0, 30.0, None)), etcd, etcd)
@@ -550,7 +550,7 @@ def test_a_signal_while_a_rank_starts_leaves_no_process_behind(tmp_path, monkeyp
             pass
         return started_procs[-1]
     etcd = FakeEtcd()
-    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"],
+    args = agent_module.argparse.Namespace(job_id="test", node_name="n0", etcd_endpoints=["127.0.0.1:1"], spares=0,
                                            command=["-c", "import time; time.sleep(60)"], node_ttl=3.0,
                                            heartbeat_timeout=5.0)
     agent = agent_module.Agent(args, JobSpec(1, 1, 1, LiveConfig(10.0, 30.0, None)), etcd, etcd)
@@ -591,6 +591,9 @@ def test_the_agents_command_line_is_checked_before_it_starts(flags, message, cap
 # ---------------------------------------------------------------------------------------- agents on loopback
 FAKE_WORKER = """import json, os, sys, time
 out, mode = sys.argv[1], sys.argv[2]
+if "MEGATRON_LITE_LIVE_SPARE" in os.environ:  # a warm spare: waits for its rank and its variables
+    from megatron_lite.fault_tolerance.membership import Membership
+    Membership.from_env()
 rank, parent = os.environ["RANK"], os.getppid()
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
          "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MEGATRON_LITE_LIVE_STORE",
@@ -636,7 +639,7 @@ class Agents:
         self.command = [sys.executable, "-m", "megatron_lite.fault_tolerance.agent", "--etcd-endpoints",
                         ",".join(etcd.endpoints), "--job-id", self.job_id, "--nnodes", str(nnodes), "--nproc-per-node",
                         str(nproc), "--node-ttl", "2", "--heartbeat-timeout", "2", "--collective-timeout", "5",
-                        "--join-timeout", "30", "--trouble-grace", "1", *flags]
+                        "--join-timeout", "30", "--trouble-grace", "1", "--spares", "0", *flags]
         self.worker = command or [script, self.directory, mode]
         self.keys = JobKeys(EtcdClient(etcd.endpoints), f"/megatron_lite/{self.job_id}/store/")
         self.agents = {}
@@ -803,6 +806,28 @@ def test_agents_replace_a_rank_on_its_node_and_a_lost_node_on_the_spare_and_the_
 
     open(os.path.join(job.directory, "finish"), "w").close()
     assert job.exit_codes() == {leader: -signal.SIGKILL, other: 0, "c": 0}, job.logs()
+
+
+def test_a_dead_rank_is_replaced_by_its_nodes_warm_spare(agents):
+    """One node of 2 ranks with a warm spare (--spares 1, waiting in Membership.from_env): rank 1 killed -> the
+    spare's process becomes it, with the rank's variables from its assignment (LOCAL_RANK, the generation, its
+    heartbeat file), and rank 0 keeps its process. Would catch a replacement started cold while a spare waits,
+    or a spare that takes its rank without the variables the agent gives a rank."""
+    job = agents(1, 2, flags=["--spares", "1"])
+    job.start("a")
+    job.wait(lambda: job.settled(2) and "spare " in job.log("a"), "the ranks and the spare did not start")
+    spare_pid = int(re.search(r"spare a\.\w+\.1: pid (\d+)", job.log("a")).group(1))
+    first = job.running()
+    os.kill(first[1], signal.SIGKILL)
+    job.wait(lambda: job.generation() == 1 and job.settled(2), "rank 1 was not replaced", bound_s=60.0)
+    second = job.running()
+    assert second == {0: first[0], 1: spare_pid}, (first, second, job.logs())
+    env = job.starts()[spare_pid]
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["MEGATRON_LITE_LIVE_GENERATION"]) == \
+        ("1", "1", "0", "1"), env
+    assert env["MEGATRON_LITE_LIVE_HEARTBEAT_FILE"].endswith("rank_1.1.heartbeat"), env
+    open(os.path.join(job.directory, "finish"), "w").close()
+    assert job.exit_codes() == {"a": 0}, job.logs()
 
 
 @pytest.mark.parametrize("case", ["usage", "placement"])
