@@ -1,8 +1,8 @@
 """The per-node agent of live recovery across nodes: starts and watches this node's ranks; one agent leads.
 
     python -m megatron_lite.fault_tolerance.agent --etcd-endpoints h:p,h:p,h:p --job-id ID --nnodes N
-        --nproc-per-node K [--node-name NAME] [--node-ttl 3] [--heartbeat-timeout 5] [--collective-timeout 30]
-        [--join-timeout 60] [--max-restarts 1] [--max-replacements 20] [--trouble-grace 2]
+        --nproc-per-node K [--node-name NAME] [--node-ttl 3] [--heartbeat-timeout 5] [--spares 1]
+        [--collective-timeout 30] [--join-timeout 60] [--max-restarts 1] [--max-replacements 20] [--trouble-grace 2]
         [--min-instances M [--replacement-timeout 10]] pretrain_gpt.py ARGS...
 
 Run one on every node (torchrun's --nnodes / --nproc-per-node); the world size is N x K, and agents beyond the
@@ -17,6 +17,11 @@ first N to register are hot spares. Everything the job shares lives in etcd unde
                      the first N nodes (then exit 1 naming how many came)
     reconciles       to gen_<g>/placement: exactly one process for each slot placed on it, started for the
                      slot's since-generation; a process of a slot moved or replaced is killed (SIGKILL)
+    keeps spares     --spares (default 1) warm processes: the training command started ahead (torch imported),
+                     waiting in Membership.from_env on spare_<id>/assign (id: incarnation.n); a slot's new
+                     process is one of them if one waits (assigned its rank, generation and variables), else
+                     started afresh; replenished once training logged past the recovery (a starting process
+                     slows a recovery on few cores); one that dies is said and no more are started
     reports          exit/<slot>/<pid> when a current process ends (the leader decides what follows)
     detects hangs    a rank whose heartbeat file (MEGATRON_LITE_LIVE_HEARTBEAT_FILE) is older than
                      --heartbeat-timeout, after its first beat, is killed (SIGKILL): a death like any other
