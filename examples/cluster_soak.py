@@ -177,7 +177,10 @@ def job_ranks(job_id: str) -> dict:
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            if env.get(b"TORCHELASTIC_RUN_ID") != job_id.encode() or b"RANK" not in env:
+            if env.get(b"TORCHELASTIC_RUN_ID") != job_id.encode():
+                continue
+            rank = int(env[b"RANK"]) if b"RANK" in env else assigned_rank(env)
+            if rank is None:  # a warm spare still waiting for its rank
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"pretrain_gpt.py" not in f.read():
@@ -187,8 +190,24 @@ def job_ranks(job_id: str) -> dict:
         except (OSError, ValueError):
             continue
         node = env.get(b"MEGATRON_LITE_LIVE_NODE", b"?").decode()
-        out.setdefault(int(env[b"RANK"]), []).append((int(pid), node, state))
+        out.setdefault(rank, []).append((int(pid), node, state))
     return out
+
+
+def assigned_rank(env: dict):
+    """A warm spare's rank (its agent's spare_<id>/assign: /proc keeps the environment it started with, without
+    RANK), or None: not a spare, or not assigned yet."""
+    from megatron_lite.fault_tolerance.etcd import EtcdClient, EtcdError
+
+    spare, url = env.get(b"MEGATRON_LITE_LIVE_SPARE"), env.get(b"MEGATRON_LITE_LIVE_STORE", b"").decode()
+    if spare is None or not url.startswith("etcd://"):
+        return None
+    endpoints, prefix = url[len("etcd://"):].split("/", 1)
+    try:
+        value = EtcdClient(endpoints.split(","), timeout_s=1.0).get(f"/{prefix}spare_{spare.decode()}/assign")
+    except EtcdError:
+        return None
+    return None if value is None else int(json.loads(value)["rank"])
 
 
 def running(job_id: str, world: int):
