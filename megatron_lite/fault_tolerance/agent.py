@@ -66,6 +66,7 @@ from .launch import (
     add_live_arguments,
     default_worker_threads,
     live_config,
+    stop_processes,
 )
 
 POLL_S = 0.05
@@ -386,17 +387,7 @@ class Agent:
         with self.lock:
             procs = [rank.proc for rank in self.ranks.values()] + [proc for _, proc in self.spares]
             self.ranks, self.spares = {}, []
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-                proc.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, signum)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:

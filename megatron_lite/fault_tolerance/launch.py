@@ -105,6 +105,22 @@ def exit_kind(code: int, trained: bool) -> str:
     return DEAD
 
 
+def stop_processes(procs, signum: int = signal.SIGTERM):
+    """Stop `procs` (subprocess.Popen) with `signum`, SIGCONT after it (a stopped process gets the signal at
+    once), and with SIGKILL those still there STOP_TIMEOUT_S later, as torchrun's agent stops its workers."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+            proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class SignalReceived(Exception):
     """The supervisor got one of FORWARDED_SIGNALS: stop the workers with it, then exit 1 (as torchrun)."""
 
@@ -237,17 +253,7 @@ class Supervisor:
         later (torchrun's agent does the same). SIGCONT after it: a stopped process gets the signal at once."""
         procs = [proc for _, proc in self.spares] + list(self.workers.values())
         self.spares = []
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-                proc.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, signum)
 
     def logged_count(self) -> int:
         """Iterations logged since the supervisor started (membership.note_logged)."""
