@@ -56,6 +56,9 @@ import uuid
 from fault_tolerance_soak import MODEL, REPO, launch, records, reference_losses, trial, wait_for
 from live_soak import recoveries
 
+if REPO not in sys.path:  # megatron_lite from this checkout when it is not installed (pip install -e .)
+    sys.path.insert(0, REPO)
+
 RANKS_PER_NODE = 2
 
 
