@@ -181,7 +181,9 @@ def loaded_from(log: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=10, help="random single-rank kills (each run with R=2 and R=1)")
+    parser.add_argument("--kills", type=int, default=10,
+                        help="random single-rank kills (each run with R=2 and R=1; --live: kills of the live job; "
+                             "with --nodes: faults, see --nodes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--iters", type=int, default=None,
                         help="iterations per job (default 120; with --nodes the job's --train-iters, default 3000: "
@@ -192,16 +194,19 @@ def main():
                         help="the live-recovery soak (examples/live_soak.py): one job under the supervisor that "
                              "restarts only the killed rank, then the same kills restarting everything")
     parser.add_argument("--collective-timeout", type=float, default=None,
-                        help="--live: the supervisor's flag (default: the supervisor's default)")
+                        help="--live: the supervisor's flag (default: the supervisor's default); not used with "
+                             "--nodes (the agents keep their default)")
     parser.add_argument("--elastic-kills", type=int, default=3,
-                        help="--live: kills in the elastic job (shrink, then grow back); 0: no elastic job")
+                        help="--live: kills in the elastic job (shrink, then grow back); 0: no elastic job; not used "
+                             "with --nodes (no elastic job there)")
     parser.add_argument("--restart-kills", type=int, default=None,
                         help="--live: how many of the kills to rerun on the restart-everything path (default all; "
-                             "with --nodes, 1: the restart path timed once on the same model)")
+                             "with --nodes, 1: the restart path timed once on the same model; there any other value "
+                             "but 0 also times it once)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="--live: the multi-node soak (examples/cluster_soak.py): this many simulated nodes of 2 "
                              "ranks (network namespaces, root) + 1 hot spare, etcd, an agent per node; its --kills "
-                             "cycle over node killed, node hung, partition, rank hung, etcd member killed")
+                             "cycle over node killed, rank hung, node hung, etcd member killed, partition")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     if args.nodes is not None:
