@@ -55,6 +55,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
+from ..distributed.layout import DataParallelTopology
 from . import membership
 from .cluster import LEADER_POLL_S, JobKeys, JobSpec, Leader, NotLeader, StaleView, parse_placement
 from .etcd import EtcdClient, EtcdError
@@ -68,6 +69,7 @@ from .launch import (
     live_config,
     stop_processes,
 )
+from .placement import place
 
 POLL_S = 0.05
 """How often the agent looks at its processes (waitpid, heartbeat files); etcd is read every LEADER_POLL_S."""
@@ -511,6 +513,13 @@ def main(argv=None) -> int:
         parser.error("the training command's --num-distributed-optimizer-instances is not an integer")
     spec = JobSpec(args.nnodes, args.nproc_per_node, instances, config, args.max_restarts, args.max_replacements,
                    args.trouble_grace, args.replacement_timeout)
+    try:  # the shape alone decides the placement rule: refused here, before etcd, on every node alike
+        topology = DataParallelTopology(spec.world_size, instances)
+        place(spec.world_size, topology.intra_distributed_optimizer_instance_size,
+              [f"node {i}" for i in range(args.nnodes)], args.nproc_per_node)
+    except ValueError as e:
+        parser.error(f"{e} (--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node}, the training "
+                     f"command's --num-distributed-optimizer-instances {instances})")
     default_worker_threads(args.nproc_per_node, "agent")
     agent = Agent(args, spec, EtcdClient(args.etcd_endpoints),
                   EtcdClient(args.etcd_endpoints, timeout_s=min(1.0, args.node_ttl / 4)))

@@ -214,8 +214,8 @@ def test_load_checkpoint_refuses_on_every_rank(tmp_path, kind):
 @requires_mcore
 def test_megatron_core_save_refused_by_torchrun_pretrain_gpt(tmp_path, capsys):
     """A real megatron-core 0.16.1 torch_dist save (dist_checkpointing.save of its GPTModel, Megatron-LM's
-    tracker): torchrun pretrain_gpt.py --load ROOT on 2 ranks exits non-zero within its timeout, each rank naming
-    the kind and the command; --finetune --load ROOT/iter_0000005 names the --iteration form."""
+    tracker): torchrun pretrain_gpt.py --load ROOT on 2 ranks exits non-zero within its timeout, the ranks that
+    print naming the kind and the command; --finetune --load ROOT/iter_0000005 names the --iteration form."""
     root = str(tmp_path / "megatron")
     saved = run_script("mcore_foreign_save.py", root)
     assert "metadata.json" in saved["files"] and "common.pt" in saved["files"], saved
@@ -225,7 +225,10 @@ def test_megatron_core_save_refused_by_torchrun_pretrain_gpt(tmp_path, capsys):
            os.path.join(REPO, "pretrain_gpt.py"), *tiny_pretrain_flags(load=root)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
     errors = [line for line in out.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert out.returncode != 0 and len(errors) == 2, out.stderr[-3000:]
+    # Each rank refuses at parse time, on its own; but torchrun stops the other ranks (SIGTERM) as soon as the
+    # first exits, so the second may be stopped before it prints (seen in CI on a loaded machine). That every
+    # rank refuses is test_load_checkpoint_refuses_on_every_rank's (the library, both ranks' messages).
+    assert out.returncode != 0 and 1 <= len(errors) <= 2, out.stderr[-3000:]
     assert all("torch_dist format" in line and command in line for line in errors), errors
     message = flag_error(tiny_pretrain_flags(load=os.path.join(root, "iter_0000005"), finetune=True), capsys)
     assert f"{CONVERT} --from megatron --input {root} --iteration 5 --output NEW_DIR" in message, message

@@ -169,6 +169,19 @@ def test_report_survives_a_fault_that_was_not_recovered():
     assert "| partition | node2 (ranks [4, 5]) | 40 | None |" in cluster_soak.table([fault])
 
 
+def test_verdict_fails_a_detection_past_its_bound_and_a_slow_etcd_failover():
+    """A node fault detected only at the collective timeout (30 s), a hung rank past its heartbeat bound, or an
+    etcd member's loss that stalls training, fail the soak although nothing was lost."""
+    recovered = {"lost": 0, "kept": True, "new_generations": [3], "back_s": 10.0, "fenced": True}
+    for kind, seconds in (("node killed", 30.0), ("partition", 30.0), ("rank hung", 30.0)):
+        wrong = cluster_soak.verdict({**recovered, "kind": kind, "detection_s": seconds})
+        assert any("detected after" in w for w in wrong), (kind, wrong)
+        assert not cluster_soak.verdict({**recovered, "kind": kind, "detection_s": 3.0}), kind
+    slow = {**recovered, "kind": "etcd member killed", "new_generations": [], "next_iteration_s": 30.0}
+    assert any("next iteration" in w for w in cluster_soak.verdict(slow))
+    assert not cluster_soak.verdict({**slow, "next_iteration_s": 0.3})
+
+
 def test_nodes_flag_needs_live_and_three_nodes():
     """`fault_tolerance_soak.py --nodes` refuses what it cannot run, naming the flag."""
     script = os.path.join(EXAMPLES, "fault_tolerance_soak.py")
