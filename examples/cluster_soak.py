@@ -74,10 +74,11 @@ SETTLE_ITERATIONS = 5
 """Iterations trained between a fault's repair and the next fault (and, for an etcd member, while it is down)."""
 NODE_TTL_S, HEARTBEAT_TIMEOUT_S = 3, 5
 AGENT_FLAGS = ["--node-ttl", str(NODE_TTL_S), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
-DETECTION_BOUND_S = {"node": NODE_TTL_S + 0.5 + 1.0 + 0.1 + 1.0, "rank hung": HEARTBEAT_TIMEOUT_S + 1.0 + 0.15 + 1.0}
+DETECTION_BOUND_S = {"node": NODE_TTL_S + 0.5 + 1.0 + 0.1 + 2.0, "rank hung": HEARTBEAT_TIMEOUT_S + 1.0 + 0.15 + 2.0}
 """The detection bounds a fault must meet (docs/fault_tolerance.md): a node's lease TTL + etcd's expiry
 granularity + an etcd election + the leader's poll; the heartbeat timeout + one heartbeat period + the agent's and
-leader's polls; each + 1 s for this loaded machine. Detected only at --collective-timeout would fail here."""
+leader's polls; each + 2 s for a loaded machine (the soak measured up to 4.5 s and 4.75 s). Detected only at
+--collective-timeout would fail here."""
 ETCD_FAULT_BOUND_S = 5.0
 """An etcd member's loss alone: the next iteration on every rank within this (clients fail over; measured
 0.1-0.3 s)."""
