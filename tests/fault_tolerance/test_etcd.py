@@ -325,8 +325,9 @@ def _gloo_rank(url: str, rank: int, results):
 
 def test_gloo_process_group_over_etcd_store(etcd):
     """Two processes form a gloo WORLD on PrefixStore(EtcdStore) (membership.py's scheme), all_reduce on it and
-    on a dist.new_group. (Forked: torch is imported already, which saves two interpreter starts.)"""
-    context = multiprocessing.get_context("fork")
+    on a dist.new_group. (Spawned, not forked: in the whole suite the pytest process holds other tests' threads
+    (gloo's among them), and a child forked while one of them held a lock hung until the 120 s deadline in CI.)"""
+    context = multiprocessing.get_context("spawn")
     results = context.Queue()
     url = etcd.store_url(_prefix())
     ranks = [context.Process(target=_gloo_rank, args=(url, rank, results), daemon=True) for rank in range(2)]
