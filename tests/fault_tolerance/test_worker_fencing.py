@@ -119,9 +119,12 @@ def test_an_unreadable_store_fences():
     assert raised.value.slot_lost
 
 
-def test_a_fenced_process_never_arrives_at_the_rendezvous():
+def test_a_fenced_process_never_arrives_at_the_rendezvous(single_rank_group):
     """join() of a process whose node was replaced raises Fenced before it counts as arrived. Would catch the
-    stale process taking the arrival of the slot's new process (the generation then forms with it, or never)."""
+    stale process taking the arrival of the slot's new process (the generation then forms with it, or never).
+    Run in a process that holds a process group of its own (the suite's): a membership drops only the groups it
+    formed, so that group outlives the refused join (it was destroyed, failing every later test of the suite
+    that used it)."""
     store = master_store()
     store.set("generation", "1")
     store.set("gen_1/members", "[0, 1]")
@@ -130,6 +133,7 @@ def test_a_fenced_process_never_arrives_at_the_rendezvous():
     with pytest.raises(Fenced) as raised:
         member.join()
     assert raised.value.slot_lost and not store.check(["gen_1/arrived"])
+    assert dist.is_initialized() and dist.group.WORLD is single_rank_group
 
 
 # ---------------------------------------------------------------------------------------- real processes
