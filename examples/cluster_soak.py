@@ -263,9 +263,12 @@ class ClusterJob:
         nodes: nodes that train (one more is started as the hot spare).
         iters: the job's --train-iters.
         save_interval: its --save-interval.
+        loopback: nodes on 127.0.0.<k+2> instead of network namespaces (where namespaces cannot be made): a node's
+            etcd member is adopted by its node so that the node's faults reach it; no partition.
     """
 
-    def __init__(self, directory: str, nodes: int, iters: int, save_interval: int, agent_flags=AGENT_FLAGS):
+    def __init__(self, directory: str, nodes: int, iters: int, save_interval: int, agent_flags=AGENT_FLAGS,
+                 loopback: bool = False):
         from megatron_lite.fault_tolerance.etcd import EtcdClient, LocalEtcd
         from megatron_lite.fault_tolerance.netns import SimulatedCluster
 
@@ -277,7 +280,7 @@ class ClusterJob:
                         "--load", directory, "--save-interval", str(save_interval)]
         self.agent_flags = list(agent_flags)
         self.agents = {}  # node name -> Popen of its latest agent
-        self.cluster = SimulatedCluster(nodes + 1)
+        self.cluster = SimulatedCluster(nodes + 1, loopback=loopback)
         self.cluster.__enter__()
         try:
             self.nodes = {node.name: node for node in self.cluster.nodes}
@@ -286,6 +289,8 @@ class ClusterJob:
             self.etcd = LocalEtcd([self.nodes[name].address for name in self.etcd_nodes],
                                   prefix_argvs=[self.nodes[name].prefix_argv for name in self.etcd_nodes])
             self.etcd.__enter__()
+            for i in range(ETCD_MEMBERS):
+                self.cluster.adopt(self.nodes[self.etcd_nodes[i]], self.etcd.processes[i])
             self.client = EtcdClient(self.etcd.endpoints, timeout_s=1.0)
             for name in self.order[:nodes]:  # the first --nodes to register train
                 self.start_agent(name)
@@ -296,6 +301,12 @@ class ClusterJob:
             raise
 
     # ------------------------------------------------------------------ processes
+    def restart_etcd(self, name: str):
+        """Restart node `name`'s etcd member from its data directory (after a kill), still one of the node's."""
+        i = self.etcd_nodes.index(name)
+        self.etcd.restart(i)
+        self.cluster.adopt(self.nodes[name], self.etcd.processes[i])
+
     def start_agent(self, name: str):
         """A fresh agent on node `name` (a new incarnation: it trains if a slot needs a node, else it is a spare)."""
         node = self.nodes[name]
@@ -425,7 +436,7 @@ def recover(job: ClusterJob, fault: dict):
         fault["next_iteration_s"] = time.time() - t0  # the soak's polling (20 ms) sees the record
         wait_for(lambda: len(job.metrics()) >= before + SETTLE_ITERATIONS, job, job.watched(),
                  "iterations with an etcd member down")
-        job.etcd.restart(job.etcd_nodes.index(node))
+        job.restart_etcd(node)
     else:
         generation = wait_for(lambda: healed_generation(job.text(), fault["generation_before"], job.world), job,
                               job.watched(), f"the recovery from the {kind} of {fault['what']}")
@@ -440,7 +451,7 @@ def recover(job: ClusterJob, fault: dict):
     if kind in NODE_FAULTS:
         if kind == "node killed":  # the node reboots: its etcd member from its data directory, a fresh agent
             if node in job.etcd_nodes:
-                job.etcd.restart(job.etcd_nodes.index(node))
+                job.restart_etcd(node)
             job.start_agent(node)
         else:
             (job.cluster.thaw if kind == "node hung" else job.cluster.mend)(job.nodes[node])
@@ -499,15 +510,18 @@ def verdict(fault: dict) -> list:
 
 # ------------------------------------------------------------------------------------ the soak
 def run(out: str, nodes: int, faults: list, iters: int, save_interval: int, rng: random.Random,
-        agent_flags=AGENT_FLAGS) -> tuple:
+        agent_flags=AGENT_FLAGS, loopback: bool = False) -> tuple:
     """One job on `nodes` nodes + the spare, `faults` = [(kind, target)] (target: see inject) one after the
     other; the job is stopped SETTLE_ITERATIONS after the last one (unless it ended first), and its losses
     compared with an uninterrupted run's. Returns (faults' records, {iteration: [its logged losses]}, the last
-    iteration logged with all before it, the job's exit code or None when stopped, the job's directory)."""
+    iteration logged with all before it, the job's exit code or None when stopped, the job's directory).
+    `loopback`: nodes on 127.0.0.x (see ClusterJob); a partition among `faults` is refused (ValueError)."""
     directory = os.path.join(out, "cluster")
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    job = ClusterJob(directory, nodes, iters, save_interval, agent_flags)
+    if loopback and any(kind == "partition" for kind, _ in faults):
+        raise ValueError("a partition needs network namespaces: loopback nodes share one network")
+    job = ClusterJob(directory, nodes, iters, save_interval, agent_flags, loopback)
     done = []
     code = None
     try:
@@ -610,9 +624,10 @@ def table(faults: list, restart: dict = None) -> str:
     return "\n".join(rows)
 
 
-def schedule(kills: int) -> list:
-    """--kills faults cycling over KINDS, at random nodes."""
-    return [(KINDS[k % len(KINDS)], None) for k in range(kills)]
+def schedule(kills: int, loopback: bool = False) -> list:
+    """--kills faults cycling over KINDS (without the partition on loopback nodes), at random nodes."""
+    kinds = [kind for kind in KINDS if not (loopback and kind == "partition")]
+    return [(kinds[k % len(kinds)], None) for k in range(kills)]
 
 
 def main(args, rng: random.Random) -> bool:
@@ -620,16 +635,18 @@ def main(args, rng: random.Random) -> bool:
     from megatron_lite.fault_tolerance.etcd import etcd_available
     from megatron_lite.fault_tolerance.netns import netns_available
 
-    for available in (etcd_available, netns_available):
-        ok, reason = available()
-        if not ok:
-            print(f"cluster soak: cannot run: {reason}")
-            return False
+    ok, reason = etcd_available()
+    if not ok:
+        print(f"cluster soak: cannot run: {reason}")
+        return False
+    namespaces, why = (False, "--loopback-nodes") if args.loopback_nodes else netns_available()
+    if not namespaces:
+        print(f"cluster soak: nodes on 127.0.0.x, no partition faults ({why})", flush=True)
     # SIGTERM (timeout, a scheduler) ends the soak through its clean-up: every process, member and namespace
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     iters = args.iters
-    faults, seen, last, code, directory = run(args.out, args.nodes, schedule(args.kills), iters,
-                                              args.save_interval, rng)
+    faults, seen, last, code, directory = run(args.out, args.nodes, schedule(args.kills, not namespaces), iters,
+                                              args.save_interval, rng, loopback=not namespaces)
     expected = reference(args.out, args.nodes, iters, last)
     exact = identical(seen, expected, last)
     restart = None
@@ -640,7 +657,8 @@ def main(args, rng: random.Random) -> bool:
         restart = trial(args.out, "restart_everything", restart_iters, R, args.save_interval, 30,
                         [rng.randrange(world)], restart_reference, nproc=world, model=model_flags(world))
         print(json.dumps(restart), flush=True)
-    print(f"\n### live recovery across nodes ({args.nodes} nodes x {RANKS_PER_NODE} ranks + 1 spare, dp={world}, "
+    print(f"\n### live recovery across nodes ({args.nodes} {'loopback ' if not namespaces else ''}nodes x "
+          f"{RANKS_PER_NODE} ranks + 1 spare, dp={world}, "
           f"R={R}, etcd x {ETCD_MEMBERS}, agents {' '.join(AGENT_FLAGS)})\n")
     print(table(faults, restart))
     missing = args.kills - len(faults)

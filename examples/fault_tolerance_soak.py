@@ -207,8 +207,13 @@ def main():
                         help="--live: the multi-node soak (examples/cluster_soak.py): this many simulated nodes of 2 "
                              "ranks (network namespaces, root) + 1 hot spare, etcd, an agent per node; its --kills "
                              "cycle over node killed, rank hung, node hung, etcd member killed, partition")
+    parser.add_argument("--loopback-nodes", action="store_true",
+                        help="with --nodes: nodes on 127.0.0.x instead of network namespaces (what it does by itself "
+                             "where namespaces cannot be made): no partition faults")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    if args.loopback_nodes and args.nodes is None:
+        parser.error("--loopback-nodes needs --nodes")
     if args.nodes is not None:
         if not args.live:
             parser.error("--nodes needs --live (the multi-node soak is a live-recovery soak)")

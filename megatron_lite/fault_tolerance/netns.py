@@ -236,6 +236,11 @@ class SimulatedCluster:
         self._procs.setdefault(node.index, []).append(process)
         return process
 
+    def adopt(self, node: Node, process: subprocess.Popen):
+        """Count `process`, started elsewhere (a LocalEtcd member, with its own session), as one of the node's:
+        kill, freeze and thaw reach it on loopback too (in a namespace they reach it anyway)."""
+        self._procs.setdefault(node.index, []).append(process)
+
     def pids(self, node: Node) -> List[int]:
         """Every live process of the node: in its namespace, or (loopback) in the sessions of the processes
         started there and their descendants. Zombies are not counted."""

@@ -280,6 +280,26 @@ def test_loopback_kill_ends_an_orphan_left_in_the_session():
                     os.kill(orphan, signal.SIGKILL)
 
 
+def test_an_adopted_process_is_the_nodes_on_loopback():
+    """A process started elsewhere in a session of its own (as LocalEtcd starts a member) and adopted by a loopback
+    node is frozen, thawed and killed with it, and no other node's. Would catch the soak's "node killed" leaving
+    the etcd member of a loopback node running (on a namespace the member goes with the namespace)."""
+    with SimulatedCluster(2, loopback=True) as cluster:
+        a, b = cluster.nodes
+        member = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        try:
+            cluster.adopt(a, member)
+            assert cluster.pids(a) == [member.pid] and cluster.pids(b) == []
+            cluster.freeze(a)
+            assert netns._proc_state(member.pid) in ("T", "t")
+            cluster.thaw(a)
+            cluster.kill(a)
+            assert member.wait(timeout=10) == -signal.SIGKILL and cluster.pids(a) == []
+        finally:
+            member.kill()
+            member.wait(timeout=10)
+
+
 LOCK_OF = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("netns", sys.argv[1])
