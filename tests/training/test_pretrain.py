@@ -440,3 +440,43 @@ def test_no_last_words_once_they_are_dropped(tmp_path):
     for entries in run_distributed(_last_words_after_the_end_worker, 2, argv):
         assert "last_words" not in entries, entries
         assert any(entry.startswith("iter_") for entry in entries), entries  # the final save was written
+
+
+def _metrics_losses(path):
+    with open(path) as f:
+        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, f) if "lm_loss" in r}
+
+
+def test_torchrun_across_two_nodes_trains_as_one_node(tmp_path):
+    """`torchrun --nnodes 2` (c10d rendezvous: node 0's agent hosts the store, the ranks join through it) runs
+    pretrain_gpt.py as on one node: two "nodes" of one rank each on this machine give every loss bit-identical
+    to `torchrun --standalone --nproc-per-node 2`. Would catch the start-up (initialize_distributed's use of
+    torchrun's store, rank and world size from its environment) working on one node only."""
+    import socket
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    flags = [os.path.join(REPO, "pretrain_gpt.py"), *tiny_pretrain_flags(train_iters="4", log_interval="1")]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen(run + ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(k),
+                                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                     "--rdzv-id", "two_nodes", *flags, "--metrics-file", str(tmp_path / "nodes.jsonl")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
+             for k in range(2)]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    report = "\n".join(f"--- node {k} (exit {node.returncode}):\n{out[-3000:]}"
+                       for k, (node, out) in enumerate(zip(nodes, outputs)))
+    assert [node.returncode for node in nodes] == [0, 0], report
+    one = subprocess.run(run + ["--standalone", "--nproc-per-node", "2", *flags, "--metrics-file",
+                                str(tmp_path / "one.jsonl")], capture_output=True, text=True, timeout=240, env=env,
+                         cwd=str(tmp_path))
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    expected = _metrics_losses(tmp_path / "one.jsonl")
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert _metrics_losses(tmp_path / "nodes.jsonl") == expected, report
