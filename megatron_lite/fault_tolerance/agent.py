@@ -61,12 +61,12 @@ from .cluster import LEADER_POLL_S, JobKeys, JobSpec, Leader, NotLeader, StaleVi
 from .etcd import EtcdClient, EtcdError
 from .launch import (
     FORWARDED_SIGNALS,
-    STOP_TIMEOUT_S,
     SignalReceived,
     _raise_signal,
     add_live_arguments,
     default_worker_threads,
     live_config,
+    run_until_signal,
     stop_processes,
 )
 from .placement import place
@@ -494,14 +494,9 @@ def main(argv=None) -> int:
                              "lost to the job (and its agent kills its ranks: fencing)")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
                         help="seconds without a rank's heartbeat (its file) before it is killed as hung")
-    parser.add_argument("--spares", type=int, default=1,
-                        help="warm spare processes on this node (torch imported, waiting for a rank): a replacement "
-                             "here then skips the start-up of a Python process; 0: start replacements afresh")
     add_live_arguments(parser)
     args = parser.parse_args(argv)
     config = live_config(parser, args)
-    if args.spares < 0:
-        parser.error(f"--spares must be >= 0, got {args.spares}")
     for flag in ("nnodes", "nproc_per_node"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -523,19 +518,7 @@ def main(argv=None) -> int:
     default_worker_threads(args.nproc_per_node, "agent")
     agent = Agent(args, spec, EtcdClient(args.etcd_endpoints),
                   EtcdClient(args.etcd_endpoints, timeout_s=min(1.0, args.node_ttl / 4)))
-    handled = {getattr(signal, name): signal.signal(getattr(signal, name), agent.on_signal)
-               for name in FORWARDED_SIGNALS if hasattr(signal, name)}
-    stop_with = signal.SIGTERM
-    try:
-        return agent.run()
-    except SignalReceived as e:
-        agent.say(f"{e}: forwarding it to the ranks (SIGKILL after {STOP_TIMEOUT_S:.0f} s), then exiting 1")
-        stop_with = e.signum
-        return 1
-    finally:
-        agent.close(stop_with)
-        for signum, previous in handled.items():
-            signal.signal(signum, previous)
+    return run_until_signal(agent.run, agent.on_signal, agent.say, "ranks", agent.close)
 
 
 if __name__ == "__main__":

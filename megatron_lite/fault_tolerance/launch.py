@@ -430,6 +430,9 @@ class Supervisor:
 def add_live_arguments(parser: argparse.ArgumentParser):
     """The flags of live recovery that the single-node supervisor and the per-node agent (agent.py) share,
     and the training command."""
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spare processes on this node (torch imported, waiting for a rank): a replacement "
+                             "here then skips the start-up of a Python process; 0: start replacements afresh")
     parser.add_argument("--collective-timeout", type=float, default=LiveConfig.collective_timeout_s,
                         help="seconds before a collective fails, and without a heartbeat before a rank that does "
                              "not answer (SIGSTOP, a hang) is replaced; above the longest wait at a collective of a "
@@ -459,6 +462,8 @@ def live_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Li
     """add_live_arguments' flags checked together (parser.error, exit 2, naming the flags) as a LiveConfig."""
     if not args.command:
         parser.error("give the training script, e.g. pretrain_gpt.py ARGS")
+    if args.spares < 0:
+        parser.error(f"--spares must be >= 0, got {args.spares}")
     if not 0 < args.replacement_timeout < args.join_timeout:
         parser.error(f"--replacement-timeout ({args.replacement_timeout} s) must be > 0 and shorter than "
                      f"--join-timeout ({args.join_timeout} s): the survivors give up waiting at the join timeout")
@@ -485,32 +490,36 @@ def default_worker_threads(nproc_per_node: int, who: str = "supervisor"):
               "OMP_NUM_THREADS=1, as under torchrun (set it yourself to tune the threads per worker)", flush=True)
 
 
+def run_until_signal(run, handler, say, whom: str, stop, how: str = "") -> int:
+    """run() with FORWARDED_SIGNALS sent to `handler` (which raises SignalReceived); on one, say so and exit 1.
+    `stop(signum)` ends the processes this launcher started, in every case: with the signal received, else with
+    SIGTERM (SIGKILL after STOP_TIMEOUT_S). The previous handlers are put back. Returns run()'s exit code."""
+    handled = {getattr(signal, name): signal.signal(getattr(signal, name), handler)
+               for name in FORWARDED_SIGNALS if hasattr(signal, name)}
+    stop_with = signal.SIGTERM
+    try:
+        return run()
+    except SignalReceived as e:
+        say(f"{e}: forwarding it to the {whom} (SIGKILL after {STOP_TIMEOUT_S:.0f} s), then exiting 1{how}")
+        stop_with = e.signum
+        return 1
+    finally:
+        stop(stop_with)
+        for signum, previous in handled.items():
+            signal.signal(signum, previous)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks (one node)")
-    parser.add_argument("--spares", type=int, default=1,
-                        help="warm spare processes (torch imported, waiting for a rank): a replacement then skips "
-                             "the start-up of a Python process; 0: start the replacement afresh")
     add_live_arguments(parser)
     args = parser.parse_args(argv)
     config = live_config(parser, args)
     default_worker_threads(args.nproc_per_node)
     supervisor = Supervisor(args.command, args.nproc_per_node, config, args.max_replacements, args.max_restarts,
                             args.trouble_grace, args.spares, args.replacement_timeout)
-    handled = {getattr(signal, name): signal.signal(getattr(signal, name), _raise_signal)
-               for name in FORWARDED_SIGNALS if hasattr(signal, name)}
-    stop_with = signal.SIGTERM
-    try:
-        return supervisor.run()
-    except SignalReceived as e:
-        supervisor.say(f"{e}: forwarding it to the workers (SIGKILL after {STOP_TIMEOUT_S:.0f} s), then exiting 1 "
-                       "as torchrun does")
-        stop_with = e.signum
-        return 1
-    finally:
-        supervisor.stop_all(stop_with)
-        for signum, previous in handled.items():
-            signal.signal(signum, previous)
+    return run_until_signal(supervisor.run, _raise_signal, supervisor.say, "workers", supervisor.stop_all,
+                            " as torchrun does")
 
 
 if __name__ == "__main__":

@@ -383,6 +383,19 @@ def test_settled_progress_matches_the_optimizer_state(case):
     assert settled.last_saved == 4
 
 
+def test_negative_spares_are_refused_by_the_supervisor_and_the_agent(capsys):
+    """--spares -1 is a usage error (exit 2 naming the flag) for both launchers, which share the flag; the
+    supervisor took it before and started no spare, silently."""
+    from megatron_lite.fault_tolerance import agent
+
+    for main, argv in ((launch.main, ["--nproc-per-node", "2"]),
+                       (agent.main, ["--etcd-endpoints", "127.0.0.1:1", "--job-id", "j", "--nnodes", "1",
+                                     "--nproc-per-node", "2"])):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--spares", "-1", "pretrain_gpt.py"])
+        assert e.value.code == 2 and "--spares must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_async_save_is_refused_under_the_supervisor():
     """Would catch --async-save silently ignored by the live loop (it saves synchronously: the flag would
     promise a background save that never happens)."""
