@@ -25,8 +25,8 @@ back as the spare (a rank hung or an etcd member killed comes meanwhile):
     partition            the node's link cut; mended once the job recovered: fenced and back as above, and no
                          process of it writes a checkpoint or last words after the cut
     rank hung            SIGSTOP to one rank: its agent finds its heartbeat file stale and replaces it
-    etcd member killed   one etcd member SIGKILLed alone, restarted a few iterations later: nothing changes (no
-                         new generation, no process restarted)
+    etcd member killed   one etcd member SIGKILLed alone (every other time the raft leader: an election), restarted
+                         a few iterations later: nothing changes (no new generation, no process restarted)
 
 Per fault: detection (the fault -> the first agent line opening a new generation: the leader's decision), the
 fault -> the interrupted iteration completed again on every rank (the ranks' recovery records; for the etcd
@@ -398,8 +398,9 @@ def records_tolerant(path: str) -> list:
 
 # ------------------------------------------------------------------------------------ faults
 def inject(job: ClusterJob, kind: str, target: str, rng: random.Random) -> dict:
-    """Cause one fault; `target` a node name, "rank0" (the node holding rank 0) or None (at random). Returns the
-    fault's record (what was hit and when)."""
+    """Cause one fault; `target` a node name, "rank0" (the node holding rank 0), "leader" (an etcd member
+    killed: the raft leader's, a new election) or None (at random). Returns the fault's record (what was hit
+    and when)."""
     trained = len(job.metrics()) + SETTLE_ITERATIONS  # the job trains between faults (and before the first)
     wait_for(lambda: len(job.metrics()) >= trained, job, job.watched(), f"{SETTLE_ITERATIONS} iterations")
     # A node fault needs the spare back (the previous node fault's node); an etcd member's, every member up.
@@ -415,8 +416,9 @@ def inject(job: ClusterJob, kind: str, target: str, rng: random.Random) -> dict:
         fault.update(node=ranks[slot][1], hit=[slot], what=f"rank {slot}")
         os.kill(ranks[slot][0], signal.SIGSTOP)
     elif kind == "etcd member killed":
-        node = target or rng.choice(job.etcd_nodes)
-        fault.update(node=node, hit=[], what=f"etcd member on {node}")
+        leader = job.etcd.leader() if target == "leader" else None
+        node = job.etcd_nodes[leader] if leader is not None else target or rng.choice(job.etcd_nodes)
+        fault.update(node=node, hit=[], what=f"etcd {'leader' if leader is not None else 'member'} on {node}")
         job.etcd.kill(job.etcd_nodes.index(node))
     else:
         node = ranks[0][1] if target == "rank0" else target or rng.choice(training)
@@ -625,9 +627,12 @@ def table(faults: list, restart: dict = None) -> str:
 
 
 def schedule(kills: int, loopback: bool = False) -> list:
-    """--kills faults cycling over KINDS (without the partition on loopback nodes), at random nodes."""
+    """--kills faults cycling over KINDS (without the partition on loopback nodes), at random nodes; every other
+    etcd member killed is the raft leader (the first one included)."""
     kinds = [kind for kind in KINDS if not (loopback and kind == "partition")]
-    return [(kinds[k % len(kinds)], None) for k in range(kills)]
+    faults = [(kinds[k % len(kinds)], None) for k in range(kills)]
+    etcd = [k for k, (kind, _) in enumerate(faults) if kind == "etcd member killed"]
+    return [("etcd member killed", "leader") if k in etcd[::2] else fault for k, fault in enumerate(faults)]
 
 
 def main(args, rng: random.Random) -> bool:

@@ -7,7 +7,7 @@ in turn:
     node killed          the node of rank 0 (its agent, probably the leader; an etcd member): SIGKILL to all
                          of it, then it reboots (etcd member restarted from its data, a fresh agent: the spare)
     rank hung            SIGSTOP to one rank: its agent sees the stale heartbeat file and replaces it
-    etcd member killed   alone: no new generation, no process restarted
+    etcd member killed   the raft leader, alone: a new election, no new generation, no process restarted
     partition            a training node's link cut, mended after the recovery: its agent fences it, it comes
                          back as the spare, and none of its processes commits a checkpoint or last words
 
@@ -33,7 +33,7 @@ if EXAMPLES not in sys.path:
 
 import cluster_soak  # noqa: E402
 
-FAULTS = [("node killed", "rank0"), ("rank hung", None), ("etcd member killed", None), ("partition", None)]
+FAULTS = [("node killed", "rank0"), ("rank hung", None), ("etcd member killed", "leader"), ("partition", None)]
 """The node fault first, then two that need no spare while the node comes back (the test's time)."""
 
 
