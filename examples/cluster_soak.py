@@ -269,7 +269,8 @@ class ClusterJob:
 
     def __init__(self, directory: str, nodes: int, iters: int, save_interval: int, agent_flags=AGENT_FLAGS,
                  loopback: bool = False):
-        from megatron_lite.fault_tolerance.etcd import EtcdClient, LocalEtcd
+        from megatron_lite.fault_tolerance.etcd import EtcdClient
+        from megatron_lite.fault_tolerance.local_etcd import LocalEtcd
         from megatron_lite.fault_tolerance.netns import SimulatedCluster
 
         self.directory, self.num_nodes, self.iters = directory, nodes, iters
@@ -637,7 +638,7 @@ def schedule(kills: int, loopback: bool = False) -> list:
 
 def main(args, rng: random.Random) -> bool:
     """`fault_tolerance_soak.py --live --nodes N`: the soak above, then its report; True when it passed."""
-    from megatron_lite.fault_tolerance.etcd import etcd_available
+    from megatron_lite.fault_tolerance.local_etcd import etcd_available
     from megatron_lite.fault_tolerance.netns import netns_available
 
     ok, reason = etcd_available()

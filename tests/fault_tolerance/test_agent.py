@@ -618,7 +618,7 @@ sys.exit(1)
 
 @pytest.fixture(scope="module")
 def etcd():
-    from megatron_lite.fault_tolerance.etcd import LocalEtcd, etcd_available
+    from megatron_lite.fault_tolerance.local_etcd import LocalEtcd, etcd_available
 
     available, why = etcd_available()
     if not available:

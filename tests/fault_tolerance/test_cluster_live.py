@@ -49,7 +49,7 @@ def _loopback_reason():
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
-    from megatron_lite.fault_tolerance.etcd import etcd_available
+    from megatron_lite.fault_tolerance.local_etcd import etcd_available
 
     ok, reason = etcd_available()
     if not ok:

@@ -25,13 +25,11 @@ from megatron_lite.fault_tolerance.etcd import (
     EtcdIndeterminate,
     EtcdStore,
     EtcdUnavailable,
-    LocalEtcd,
     compare_value,
-    etcd_available,
-    etcd_command,
     put_op,
     range_op,
 )
+from megatron_lite.fault_tolerance.local_etcd import LocalEtcd, etcd_available, etcd_command
 from megatron_lite.fault_tolerance.netns import SimulatedCluster, netns_available
 
 AVAILABLE, WHY = etcd_available()
