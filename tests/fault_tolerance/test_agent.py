@@ -601,8 +601,10 @@ rank, parent = os.environ["RANK"], os.getppid()
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
          "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MEGATRON_LITE_LIVE_STORE",
          "MEGATRON_LITE_LIVE_GENERATION", "MEGATRON_LITE_LIVE_NODE", "MEGATRON_LITE_LIVE_HEARTBEAT_FILE")
-with open(os.path.join(out, "start_%s_%d.json" % (rank, os.getpid())), "w") as f:
+start = os.path.join(out, "start_%s_%d.json" % (rank, os.getpid()))
+with open(start + ".tmp", "w") as f:  # whole or absent: the test reads these files while workers start
     json.dump({n: os.environ.get(n) for n in names}, f)
+os.replace(start + ".tmp", start)
 if mode == "usage":
     sys.exit(2)
 heartbeat = os.environ["MEGATRON_LITE_LIVE_HEARTBEAT_FILE"]
