@@ -417,8 +417,11 @@ def inject(job: ClusterJob, kind: str, target: str, rng: random.Random) -> dict:
         fault.update(node=ranks[slot][1], hit=[slot], what=f"rank {slot}")
         os.kill(ranks[slot][0], signal.SIGSTOP)
     elif kind == "etcd member killed":
-        leader = job.etcd.leader() if target == "leader" else None
-        node = job.etcd_nodes[leader] if leader is not None else target or rng.choice(job.etcd_nodes)
+        leader = job.etcd.leader() if target == "leader" else None  # None: no member names one now
+        if leader is not None:
+            node = job.etcd_nodes[leader]
+        else:
+            node = target if target in job.etcd_nodes else rng.choice(job.etcd_nodes)
         fault.update(node=node, hit=[], what=f"etcd {'leader' if leader is not None else 'member'} on {node}")
         job.etcd.kill(job.etcd_nodes.index(node))
     else:

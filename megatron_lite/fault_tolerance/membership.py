@@ -230,7 +230,6 @@ class Membership:
         # orders it with the heartbeat thread's interrupt: never a generation being formed or torn down.
         self._formed: Optional[int] = None
         self._formed_lock = threading.Lock()
-        self._owns_groups = False  # the default group is this membership's (join formed it, leave not yet dropped)
         self.interrupted: Optional[int] = None  # the last generation the heartbeat thread interrupted
         # The last generation the heartbeat thread began to interrupt (set before it acts, never undone): a
         # reduction of that generation may have ended with partial sums (NCCL: check_reductions).
@@ -321,7 +320,6 @@ class Membership:
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store), rank=members.index(self.rank),
                                 world_size=len(members), device_id=device_id if backend == "nccl" else None,
                                 timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
-        self._owns_groups = True
         self._leave_at = None
         with self._formed_lock:
             self._formed = self.generation
@@ -332,10 +330,9 @@ class Membership:
         peers blocked on this process then fail at once), NCCL's communicators aborted first (a communicator
         with a failed or pending operation can hang its destruction)."""
         with self._formed_lock:
-            self._formed = None
-        if not self._owns_groups or not dist.is_initialized():
+            formed, self._formed = self._formed, None
+        if formed is None or not dist.is_initialized():
             return  # a group this membership did not form (nothing joined yet) is its owner's to destroy
-        self._owns_groups = False
         if dist.get_backend() == "nccl":
             try:
                 dist.distributed_c10d._abort_process_group()  # every group, in one NCCL group call; forgotten
